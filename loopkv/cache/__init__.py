@@ -1,0 +1,1 @@
+"""LoopKVCache: the paged bit-plane cache, its storage and the attention/mask functions."""
