@@ -62,7 +62,7 @@ def _codes(x: Tensor, scale: Tensor, zero: Tensor, bits: int) -> Tensor:
 def quantize_k(k: Tensor, bits: int) -> tuple[Tensor, Tensor, Tensor]:
     """Per-channel quantization of K over the token axis.
 
-    k: float [..., PAGE, D]  ->  codes uint8 [..., PAGE, D] (unpacked), scale fp16 [..., D], zero fp16 [..., D]
+    k: float [..., PAGE, D] -> codes uint8 [..., PAGE, D] (unpacked), scale and zero fp16 [..., D]
     """
     _check_bits(bits)
     x = k.float()

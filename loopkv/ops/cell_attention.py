@@ -1,0 +1,128 @@
+"""Decode attention of one cell over its sink, history pages and window (DESIGN.md §7, paper §3.3-3.4).
+
+For query row ``q`` and head ``h``, with ``s_j = scale * q . k_j`` in fp32 over the sink (exact K), the
+history pages (dequantized K: own pages, or the final loop's pages for a ``share`` cell) and the window
+(exact K): ``out = sum_j softmax(s)_j * v_j``. History V is dequantized; with INT4 pages and finite
+``tau``, token ``j`` of page ``p`` is *cold* for KV head ``h`` when ``s_j < m_ref - tau * ln 2`` for every
+query head that reads ``h``, with ``m_ref = max(sink max, page p max)`` (a lower bound on the row maximum,
+so Proposition 1 holds); a cold value decodes from its high plane only, as ``4 * hi + 1.5``.
+
+Order (STYLE.md habit 1): ``cell_attention_reference`` (plain PyTorch, the CPU kernel) -> the registered
+op ``torch.ops.loopkv.cell_attention``. The Triton kernel (``loopkv/ops/triton_attention.py``) registers
+itself as the op's CUDA kernel.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from loopkv.ops import codec
+from loopkv.ops.codec import PAGE, SINK
+from loopkv.ops.layout import RING, n_pages
+
+LN2 = math.log(2.0)
+
+
+def _decode_pages(k_pages, k_scale, k_zero, v_hi, v_lo, v_scale, v_zero, phys, bits, cold_fn):
+    """Gathered pages -> (K fp, V fp); phys: int64 [B, P]; returns [B, P, H, PAGE, D] each.
+
+    ``cold_fn(k_hist)`` returns the cold mask [B, P, H, PAGE] (or None) once K is known, mirroring the
+    kernel, which reads a page's keys before its values.
+    """
+    if bits == 16:
+        k = k_pages[phys].float()
+        return k, v_hi[phys].float()
+    pages = codec.PageCodes(
+        k_pages[phys], k_scale[phys], k_zero[phys], v_hi[phys],
+        v_lo[phys] if bits == 4 else v_lo, v_scale[phys], v_zero[phys],
+    )
+    k = codec.decode_k(pages, bits)
+    cold = cold_fn(k) if bits == 4 else None
+    return k, codec.decode_v(pages, bits, cold)
+
+
+def cell_attention_reference(
+    q: Tensor, sink_k: Tensor, sink_v: Tensor, win_k: Tensor, win_v: Tensor, lengths: Tensor,
+    page_table: Tensor, k_pages: Tensor, k_scale: Tensor, k_zero: Tensor, v_hi: Tensor, v_lo: Tensor,
+    v_scale: Tensor, v_zero: Tensor, bits: int, tau: float, scale: float,
+) -> Tensor:
+    """Reference decode attention; shapes in docs/storage-layout.md. q [B, Hq, D] -> [B, Hq, D].
+
+    Computes in fp32, or in fp64 when ``q`` is fp64 (for float64 re-computations in tests).
+    """
+    B, Hq, D = q.shape
+    H = sink_k.shape[1]
+    g = Hq // H
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    dev = q.device
+    qf = q.to(acc).view(B, H, g, D)  # query head h*g + i reads KV head h
+    length = lengths.long()  # [B]
+    npg = n_pages(length)  # [B]
+
+    def scores(k):  # k [B, H, T, D] -> [B, H, g, T]
+        return torch.einsum("bhgd,bhtd->bhgt", qf, k.to(acc)) * scale
+
+    # sink: positions 0 .. min(length, SINK) - 1
+    s_sink = scores(sink_k)
+    sink_ok = torch.arange(SINK, device=dev) < length.clamp(max=SINK)[:, None]  # [B, SINK]
+    s_sink = s_sink.masked_fill(~sink_ok[:, None, None, :], -math.inf)
+    # window ring: slot r holds a live position iff (r - (ws - SINK)) mod RING < count
+    ws = SINK + PAGE * npg  # first window position
+    count = (length - ws).clamp_min(0)
+    r = torch.arange(RING, device=dev)
+    win_ok = torch.remainder(r[None, :] - (ws - SINK)[:, None], RING) < count[:, None]  # [B, RING]
+    s_win = scores(win_k).masked_fill(~win_ok[:, None, None, :], -math.inf)
+
+    maxp = page_table.shape[1]
+    parts_s, parts_v = [s_sink, s_win], [sink_v.to(acc), win_v.to(acc)]
+    if maxp > 0 and bits != 0:
+        phys = page_table.long()  # [B, P]
+        page_ok = torch.arange(maxp, device=dev)[None, :] < npg[:, None]  # [B, P]
+        sink_max = s_sink.amax(dim=-1)  # [B, H, g]; -inf only for empty rows
+
+        def cold_fn(k_hist):  # [B, P, H, PAGE, D] -> [B, P, H, PAGE]
+            if math.isinf(tau):
+                return None
+            s = torch.einsum("bhgd,bphtd->bphgt", qf, k_hist.to(acc)) * scale
+            m_ref = torch.maximum(sink_max[:, None, :, :], s.amax(dim=-1))  # [B, P, H, g]
+            cold_q = s < (m_ref - tau * LN2)[..., None]
+            return cold_q.all(dim=3)  # cold only if cold for every query head of the group
+
+        k_hist, v_hist = _decode_pages(
+            k_pages, k_scale, k_zero, v_hi, v_lo, v_scale, v_zero, phys, bits, cold_fn
+        )
+        k_hist = k_hist.permute(0, 2, 1, 3, 4).reshape(B, H, maxp * PAGE, D)
+        v_hist = v_hist.permute(0, 2, 1, 3, 4).reshape(B, H, maxp * PAGE, D)
+        tok_ok = page_ok.repeat_interleave(PAGE, dim=1)  # [B, P*PAGE]
+        parts_s.append(scores(k_hist).masked_fill(~tok_ok[:, None, None, :], -math.inf))
+        parts_v.append(v_hist.to(acc))
+
+    s = torch.cat(parts_s, dim=-1)  # [B, H, g, T]
+    v = torch.cat(parts_v, dim=-2)  # [B, H, T, D]
+    m = s.amax(dim=-1, keepdim=True)
+    p = torch.exp(s - torch.where(torch.isinf(m), torch.zeros_like(m), m))
+    denom = p.sum(dim=-1, keepdim=True)
+    out = torch.einsum("bhgt,bhtd->bhgd", p, v) / denom.clamp_min(torch.finfo(acc).tiny)
+    out = torch.where(length[:, None, None, None] > 0, out, torch.zeros_like(out))
+    return out.reshape(B, Hq, D).to(q.dtype)
+
+
+@torch.library.custom_op("loopkv::cell_attention", mutates_args=())
+def cell_attention(
+    q: Tensor, sink_k: Tensor, sink_v: Tensor, win_k: Tensor, win_v: Tensor, lengths: Tensor,
+    page_table: Tensor, k_pages: Tensor, k_scale: Tensor, k_zero: Tensor, v_hi: Tensor, v_lo: Tensor,
+    v_scale: Tensor, v_zero: Tensor, bits: int, tau: float, scale: float,
+) -> Tensor:
+    """Decode attention of one cell (see the module docstring); the reference serves every device."""
+    return cell_attention_reference(
+        q, sink_k, sink_v, win_k, win_v, lengths, page_table, k_pages, k_scale, k_zero,
+        v_hi, v_lo, v_scale, v_zero, bits, tau, scale,
+    )
+
+
+@cell_attention.register_fake
+def _(q, *args, **kwargs):
+    return torch.empty_like(q)
