@@ -1,0 +1,54 @@
+"""Planning: the Plan, the byte model, and (lazily) the profiler, the knapsack and KL evaluation.
+
+``import loopkv.planning`` loads only :mod:`loopkv.planning.plan` and :mod:`loopkv.planning.bytes`;
+``profile``, ``Profile``, ``solve``, ``solve_layerwise`` and ``measure_kl`` load on first access.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from loopkv.planning.bytes import (
+    BytesPerToken,
+    ModelShape,
+    as_shape,
+    bytes_per_token,
+    exact_bytes_per_request,
+    lo_plane_kib,
+    option_kib,
+    unit_kib,
+)
+from loopkv.planning.plan import OPTIONS, Plan, PlanEnvironmentWarning
+
+_LAZY = {
+    "profile": ("loopkv.planning.profile", "profile"),
+    "Profile": ("loopkv.planning.profile", "Profile"),
+    "solve": ("loopkv.planning.knapsack", "solve"),
+    "solve_layerwise": ("loopkv.planning.knapsack", "solve_layerwise"),
+    "measure_kl": ("loopkv.planning.evaluate", "measure_kl"),
+}
+
+__all__ = [
+    "OPTIONS",
+    "BytesPerToken",
+    "ModelShape",
+    "Plan",
+    "PlanEnvironmentWarning",
+    "as_shape",
+    "bytes_per_token",
+    "exact_bytes_per_request",
+    "lo_plane_kib",
+    "option_kib",
+    "unit_kib",
+    *sorted(_LAZY),
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module 'loopkv.planning' has no attribute {name!r}")
+    module, attr = _LAZY[name]
+    value = getattr(importlib.import_module(module), attr)
+    globals()[name] = value
+    return value

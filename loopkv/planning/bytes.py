@@ -1,0 +1,217 @@
+"""The byte model: stored and read bytes per history token (DESIGN.md §4, paper §2.2 and Appendix C).
+
+Per history token and cell, with ``E = 2 * kv_heads * head_dim`` K and V elements:
+
+* ``bf16``: ``8 * dtype_bytes`` bits per element (the cache's own dtype; 16 bits for BF16),
+* ``int4``: 5 bits per element (4 code bits + 1 bit of metadata: one fp16 scale and one fp16 zero per
+  32 elements),
+* ``int2``: 3 bits per element,
+* ``share``: stores 0 and reads its source's bytes (the final loop's option at the same layer).
+
+V precision (finite ``tau``): an INT4 read (own codes, or a ``share`` cell reading INT4 codes) skips the
+V lo plane (2 bits per V element, ``kv_heads * head_dim * 2`` bits per token) for cold tokens, so it
+reads ``hot_fraction`` of that plane. Ouro-1.4B (T=4, L=24, 16 KV heads x 128): 8 / 2.5 / 1.5 KiB per
+token and cell, a lo plane of 0.5 KiB, 768 KiB BF16 and 240 KiB uniform INT4 per token over 96 cells.
+
+The sink and the window (``SINK + WINDOW = 288`` tokens) are exact in every cell, shared cells included:
+a constant per request (216 MiB for Ouro-1.4B), reported by :func:`exact_bytes_per_request`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from loopkv.planning.plan import Plan
+
+# Sink and window sizes, the same constants as loopkv.ops.codec (kept here so that the byte model
+# imports no torch); tests/planning/test_bytes.py checks that they agree.
+_SINK = 32
+_WINDOW = 256
+# Bits per K/V element of a cell's own codes, metadata included (1 bit: fp16 scale + fp16 zero per 32).
+CODE_BITS_PER_ELEMENT = {"int4": 5, "int2": 3}
+# Bits per V element of the INT4 lo plane, the part V precision skips for a cold token.
+LO_PLANE_BITS_PER_V_ELEMENT = 2
+KIB = 1024
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The shape of a looped model's KV cache: ``loops`` (T) x ``layers`` (L) cells of
+    ``kv_heads`` x ``head_dim``."""
+
+    loops: int
+    layers: int
+    kv_heads: int
+    head_dim: int
+
+    def __post_init__(self) -> None:
+        for name in ("loops", "layers", "kv_heads", "head_dim"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"ModelShape.{name} must be a positive int, got {value!r}")
+
+    @property
+    def elements(self) -> int:
+        """K and V elements per token and cell: ``E = 2 * kv_heads * head_dim``."""
+        return 2 * self.kv_heads * self.head_dim
+
+    @property
+    def num_cells(self) -> int:
+        return self.loops * self.layers
+
+    @classmethod
+    def from_config(cls, config: Any) -> ModelShape:
+        """Read T, L, KV heads and head_dim from an Ouro-style ``transformers`` config.
+
+        Uses ``total_ut_steps``, ``num_hidden_layers``, ``num_key_value_heads`` (falling back to
+        ``num_attention_heads``) and ``head_dim`` (falling back to ``hidden_size // num_attention_heads``).
+        """
+        missing = [n for n in ("total_ut_steps", "num_hidden_layers") if getattr(config, n, None) is None]
+        if missing:
+            raise ValueError(
+                f"config {type(config).__name__} has no {', '.join(missing)}; pass a looped-model config "
+                "(Ouro: total_ut_steps, num_hidden_layers, num_key_value_heads, head_dim) or a ModelShape"
+            )
+        heads = getattr(config, "num_attention_heads", None)
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        head_dim = getattr(config, "head_dim", None)
+        if head_dim is None and heads:
+            head_dim = config.hidden_size // heads
+        if kv_heads is None or head_dim is None:
+            raise ValueError(
+                f"config {type(config).__name__} gives neither num_key_value_heads/num_attention_heads nor "
+                "head_dim/hidden_size; pass a ModelShape instead"
+            )
+        return cls(
+            loops=int(config.total_ut_steps),
+            layers=int(config.num_hidden_layers),
+            kv_heads=int(kv_heads),
+            head_dim=int(head_dim),
+        )
+
+
+def as_shape(config: Any) -> ModelShape:
+    """A :class:`ModelShape` from a ``ModelShape`` or a ``transformers`` config."""
+    if isinstance(config, ModelShape):
+        return config
+    return ModelShape.from_config(config)
+
+
+@dataclass(frozen=True)
+class BytesPerToken:
+    """Bytes per history token, summed over cells (KiB), and per cell.
+
+    stored_kib: what the cache holds per history token.
+    read_kib: what one decode step reads per history token (the expected value under ``hot_fraction``).
+    per_cell: ``(stored_kib, read_kib)`` per cell, indexed by the flat cell index ``t * L + l``.
+    """
+
+    stored_kib: float
+    read_kib: float
+    per_cell: tuple[tuple[float, float], ...] = field(repr=False)
+
+
+def _check_dtype_bytes(dtype_bytes: int) -> None:
+    if not isinstance(dtype_bytes, int) or dtype_bytes < 1:
+        raise ValueError(
+            f"dtype_bytes must be a positive int (2 for bf16/fp16, 4 for fp32), got {dtype_bytes!r}"
+        )
+
+
+def _option_bits(option: str, shape: ModelShape, dtype_bytes: int) -> int:
+    """Bits per token that one cell stores for its own history under ``option`` (``share``: 0)."""
+    if option == "bf16":
+        return shape.elements * 8 * dtype_bytes
+    if option == "share":
+        return 0
+    if option in CODE_BITS_PER_ELEMENT:
+        return shape.elements * CODE_BITS_PER_ELEMENT[option]
+    raise ValueError(f"option must be one of 'bf16', 'int4', 'int2', 'share', got {option!r}")
+
+
+def _lo_plane_bits(shape: ModelShape) -> int:
+    return shape.kv_heads * shape.head_dim * LO_PLANE_BITS_PER_V_ELEMENT
+
+
+def option_kib(option: str, config: Any, *, dtype_bytes: int = 2) -> float:
+    """KiB per token one cell stores (and, reading its own codes, reads) under ``option``.
+
+    ``share`` stores 0; what a shared cell reads depends on its source (see :func:`bytes_per_token`).
+    Ouro-1.4B: bf16 8.0, int4 2.5, int2 1.5, share 0.0.
+    """
+    _check_dtype_bytes(dtype_bytes)
+    return _option_bits(option, as_shape(config), dtype_bytes) / 8 / KIB
+
+
+def lo_plane_kib(config: Any) -> float:
+    """KiB per token and INT4 cell of the V lo plane, what V precision skips for a cold token (0.5 for
+    Ouro-1.4B)."""
+    return _lo_plane_bits(as_shape(config)) / 8 / KIB
+
+
+def unit_kib(config: Any, *, dtype_bytes: int = 2) -> float:
+    """The model's byte unit (KiB): the gcd of every option's cost and the V lo plane, so that every
+    stored or read total of a plan (at ``hot_fraction`` 0 or 1) is an integer multiple of it. The
+    knapsack's dynamic program counts bytes in this unit. Ouro-1.4B: 0.5 KiB."""
+    _check_dtype_bytes(dtype_bytes)
+    shape = as_shape(config)
+    costs = [_option_bits(o, shape, dtype_bytes) for o in ("bf16", "int4", "int2")]
+    costs.append(_lo_plane_bits(shape))
+    return math.gcd(*costs) / 8 / KIB
+
+
+def exact_bytes_per_request(config: Any, *, dtype_bytes: int = 2) -> int:
+    """Bytes of the exact sink and window of one request, over all cells (shared cells keep their own):
+    ``(SINK + WINDOW) * T * L * E * dtype_bytes``. Ouro-1.4B in BF16: 216 MiB."""
+    _check_dtype_bytes(dtype_bytes)
+    shape = as_shape(config)
+    return (_SINK + _WINDOW) * shape.num_cells * shape.elements * dtype_bytes
+
+
+def bytes_per_token(
+    plan: Plan, config: Any = None, *, hot_fraction: float = 1.0, dtype_bytes: int = 2
+) -> BytesPerToken:
+    """Stored and read KiB per history token of ``plan`` on a model of shape ``config``.
+
+    config: a ``transformers`` config or a :class:`ModelShape`; ``None`` uses the plan's own
+        ``kv_heads``/``head_dim`` (an error if the plan does not record them).
+    hot_fraction: the fraction of history tokens an INT4 read with V precision reads in full, in
+        ``[0, 1]``; only meaningful with a finite ``plan.tau`` (1.0 otherwise).
+    dtype_bytes: bytes per element of the cache's exact dtype (2 for BF16), the cost of ``bf16`` cells.
+    """
+    _check_dtype_bytes(dtype_bytes)
+    if config is None:
+        if plan.kv_heads is None or plan.head_dim is None:
+            raise ValueError(
+                "config=None needs a plan that records kv_heads and head_dim; pass the model config "
+                "(or a ModelShape) as config"
+            )
+        shape = ModelShape(plan.loops, plan.layers, plan.kv_heads, plan.head_dim)
+    else:
+        shape = as_shape(config)
+        plan.validate_for(shape)
+    if not (isinstance(hot_fraction, (int, float)) and 0.0 <= hot_fraction <= 1.0):
+        raise ValueError(f"hot_fraction must be a number in [0, 1], got {hot_fraction!r}")
+    if math.isinf(plan.tau) and hot_fraction != 1.0:
+        raise ValueError(
+            f"hot_fraction={hot_fraction} needs V precision, but the plan has tau=inf (off); "
+            "use a plan with a finite tau or hot_fraction=1.0"
+        )
+    cold_saving = (1.0 - hot_fraction) * _lo_plane_bits(shape) if math.isfinite(plan.tau) else 0.0
+    final = plan.loops - 1
+    per_cell = []
+    for index, option in enumerate(plan.options):
+        read_option = plan.options[final * plan.layers + index % plan.layers] if option == "share" else option
+        stored = _option_bits(option, shape, dtype_bytes)
+        read = _option_bits(read_option, shape, dtype_bytes)
+        if read_option == "int4":
+            read -= cold_saving
+        per_cell.append((stored / 8 / KIB, read / 8 / KIB))
+    return BytesPerToken(
+        stored_kib=sum(s for s, _ in per_cell),
+        read_kib=sum(r for _, r in per_cell),
+        per_cell=tuple(per_cell),
+    )
