@@ -1,0 +1,147 @@
+"""loopkv.models.data: determinism, task well-posedness, train/held-out disjointness."""
+
+import re
+
+import numpy as np
+import pytest
+import torch
+
+from loopkv.models import data
+
+
+@pytest.fixture(scope="module")
+def corpus():
+    return data.load_corpus()
+
+
+def test_tokens_round_trip():
+    raw = bytes(range(256))
+    ids = data.encode_bytes(raw)
+    assert ids[0] == data.BOS
+    assert ids.dtype == np.int64
+    assert data.decode_bytes(ids) == raw
+    assert data.decode_bytes(torch.tensor([data.BOS, 104, 105, data.EOS, data.PAD])) == b"hi"
+    assert data.encode_bytes("é", bos=False).tolist() == [0xC3, 0xA9]
+    assert data.VOCAB_SIZE % 64 == 0
+    assert max(data.BOS, data.EOS, data.PAD) < data.VOCAB_SIZE
+
+
+def test_heldout_split_is_disjoint_and_by_file(corpus):
+    train, held = set(corpus.train.paths), set(corpus.heldout.paths)
+    assert train.isdisjoint(held)
+    assert len(held) > 0
+    assert len(train) > 10 * len(held)
+    assert all(data.is_heldout(p) for p in held)
+    assert not any(data.is_heldout(p) for p in train)
+    assert list(corpus.train.paths) == sorted(corpus.train.paths)
+    # every document is in the token stream once, delimited by BOS/EOS
+    for split in (corpus.train, corpus.heldout):
+        assert int((split.tokens == data.BOS).sum()) == len(split.paths)
+        assert int((split.tokens == data.EOS).sum()) == len(split.paths)
+
+
+@pytest.mark.parametrize("task", [data.retrieval_task, data.variable_tracking_task])
+def test_tasks_are_deterministic(task, corpus):
+    assert task(1024, 3, corpus=corpus) == task(1024, 3, corpus=corpus)
+    assert task(1024, 3, corpus=corpus) != task(1024, 4, corpus=corpus)
+    assert task(1024, 3, corpus=corpus)[0] != task(2048, 3, corpus=corpus)[0]
+
+
+@pytest.mark.parametrize("n_tokens", [64, 100, 1024, 2048, 4096])
+def test_retrieval_answer_present_and_unique(n_tokens, corpus):
+    for seed in range(5):
+        prompt, answer = data.retrieval_task(n_tokens, seed, corpus=corpus)
+        assert 1 + len(prompt) + len(answer) == n_tokens
+        m = re.fullmatch(rb"(?s).*\n\? (\d{5}) -> ", prompt)
+        assert m is not None
+        key = m.group(1)
+        assert re.fullmatch(rb"\d{4}", answer)
+        # the record answering the query exists exactly once, and nothing else holds key or answer
+        assert prompt.count(b"\nkey " + key + b": value " + answer + b"\n") == 1
+        assert prompt.count(key) == 2
+        assert prompt.count(answer) == 1
+        n_records = len(re.findall(rb"\nkey \d{5}: value \d{4}\n", prompt))
+        assert n_records == max(2, n_tokens // data.RECORD_SPACING)
+
+
+@pytest.mark.parametrize("hops", [1, 2, 3])
+def test_variable_tracking_chain_resolves(hops, corpus):
+    for seed in range(3):
+        prompt, answer = data.variable_tracking_task(2048, seed, hops=hops, corpus=corpus)
+        assert 1 + len(prompt) + len(answer) == 2048
+        assert prompt.count(answer) == 1
+        name = re.fullmatch(rb"(?s).*\n\? ([A-Z]{3}) -> ", prompt).group(1)
+        # follow the chain backwards through the assignments, in document order
+        pattern = rb"\nVAR ([A-Z]{3}) = (\w+)\n"
+        assigns = [(m.start(), m.group(1), m.group(2)) for m in re.finditer(pattern, prompt)]
+        where = {lhs: (pos, rhs) for pos, lhs, rhs in assigns}
+        assert len(where) == len(assigns)  # every name assigned once
+        steps = 0
+        pos, rhs = where[name]
+        while not rhs.isdigit():
+            prev_pos, prev_rhs = where[rhs]
+            assert prev_pos < pos  # a variable is defined before it is read
+            pos, rhs = prev_pos, prev_rhs
+            steps += 1
+        assert steps == hops
+        assert rhs == answer
+
+
+def test_too_short_is_refused(corpus):
+    with pytest.raises(ValueError, match="n_tokens"):
+        data.retrieval_task(32, 0, corpus=corpus)
+    rng = np.random.default_rng(0)
+    with pytest.raises(ValueError, match="n_tokens too small"):
+        data.retrieval_document(rng, corpus.train, n_bytes=100, n_queries=1, n_records=10)
+
+
+def test_batch_sampler_deterministic_and_seeded(corpus):
+    def batches(seed):
+        s = data.BatchSampler(corpus.train, seed=seed)
+        return [s(batch_size=8, seq_len=n) for n in (64, 129, 512, 2048)]
+
+    a, b, c = batches(0), batches(0), batches(1)
+    for x, y, z in zip(a, b, c, strict=True):
+        assert x.dtype == torch.int64
+        assert torch.equal(x, y)
+        assert not torch.equal(x, z)
+        assert int(x.min()) >= 0
+        assert int(x.max()) < data.VOCAB_SIZE
+    assert [x.shape for x in a] == [(8, 64), (8, 129), (8, 512), (8, 2048)]
+
+
+def test_batch_sampler_mixes_kinds(corpus):
+    s = data.BatchSampler(corpus.train, seed=0, retrieval_fraction=0.4, tracking_fraction=0.2)
+    rows = [data.decode_bytes(r) for r in s(batch_size=200, seq_len=1024)]
+    kv = sum(b"\nkey " in r and b"\n? " in r for r in rows)
+    vt = sum(b"\nVAR " in r for r in rows)
+    assert 50 < kv < 110  # ~80 expected
+    assert 20 < vt < 60  # ~40 expected
+    assert 40 < len(rows) - kv - vt < 120  # text, ~80 expected
+    # a synthetic row ends with a query's answer
+    for r in rows:
+        if b"\nVAR " in r or (b"\nkey " in r and b"\n? " in r):
+            assert re.search(rb"\n\? \w+ -> \d+$", r)
+    with pytest.raises(ValueError, match="retrieval_fraction"):
+        data.BatchSampler(corpus.train, seed=0, retrieval_fraction=0.9, tracking_fraction=0.2)
+
+
+def test_training_rows_never_use_heldout_text(corpus):
+    # windows come from the train stream: a long held-out line never shows up in a train batch
+    held_lines = {ln for ln in bytes(corpus.heldout.filler).split(b"\n") if len(ln) > 60}
+    train_lines = set(bytes(corpus.train.filler).split(b"\n"))
+    unique = [ln for ln in held_lines if ln not in train_lines][:200]
+    assert len(unique) > 50
+    s = data.BatchSampler(corpus.train, seed=0)
+    text = b"\n".join(data.decode_bytes(r) for r in s(batch_size=64, seq_len=1024))
+    assert not any(ln in text for ln in unique)
+
+
+def test_heldout_windows_fixed(corpus):
+    a = data.heldout_windows(corpus, n=4, seq_len=256)
+    assert torch.equal(a, data.heldout_windows(corpus, n=4, seq_len=256))
+    assert not torch.equal(a, data.heldout_windows(corpus, n=4, seq_len=256, seed=1))
+    held = corpus.heldout.tokens
+    for row in a.numpy():
+        starts = np.flatnonzero(held == row[0])
+        assert any(np.array_equal(held[s : s + 256], row) for s in starts)
