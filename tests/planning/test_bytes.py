@@ -1,0 +1,193 @@
+"""The byte model against the paper's figures (Table 8, Table 12, Appendix C) and the codec's storage."""
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from loopkv.ops import codec
+from loopkv.planning import (
+    ModelShape,
+    Plan,
+    bytes_per_token,
+    exact_bytes_per_request,
+    lo_plane_kib,
+    option_kib,
+    unit_kib,
+)
+from loopkv.planning import bytes as bytes_model
+
+OURO_1_4B = ModelShape(loops=4, layers=24, kv_heads=16, head_dim=128)
+T, L = 4, 24
+
+
+def ouro_config(**overrides):
+    """An Ouro-1.4B-like transformers config (only the fields the byte model reads)."""
+    fields = dict(
+        total_ut_steps=4, num_hidden_layers=24, num_attention_heads=16, num_key_value_heads=16,
+        hidden_size=2048, head_dim=128,
+    )
+    fields.update(overrides)
+    return SimpleNamespace(**fields)
+
+
+# (per-loop options, loops 1-based in the paper) -> (stored KiB, read KiB), paper Table 12 / §2.2
+PAPER_PLANS = [
+    (["int4"] * 4, 240.0, 240.0),  # KIVI-4
+    (["bf16"] * 4, 768.0, 768.0),  # BF16
+    (["int4", "int4", "share", "int4"], 180.0, 240.0),  # KIVI-4 + loop-3 sharing
+    (["int4", "int2", "share", "int4"], 156.0, 216.0),  # INT4/INT2 + sharing
+    (["int2", "int2", "share", "int4"], 132.0, 192.0),  # INT2 + sharing
+]
+
+
+@pytest.mark.parametrize(("per_loop", "stored", "read"), PAPER_PLANS)
+def test_paper_plans_reproduce_table_12(per_loop, stored, read):
+    plan = Plan.from_loops(loops=T, layers=L, per_loop=per_loop)
+    b = plan.bytes_per_token(OURO_1_4B)
+    assert (b.stored_kib, b.read_kib) == (stored, read)
+    # the same from a transformers-style config
+    b2 = bytes_per_token(plan, ouro_config())
+    assert (b2.stored_kib, b2.read_kib) == (stored, read)
+
+
+def test_share_loop_preset_is_the_paper_plan():
+    b = Plan.share_loop(loops=T, layers=L).bytes_per_token(OURO_1_4B)
+    assert (b.stored_kib, b.read_kib) == (180.0, 240.0)
+
+
+def test_per_option_costs_appendix_c():
+    assert option_kib("bf16", OURO_1_4B) == 8.0
+    assert option_kib("int4", OURO_1_4B) == 2.5
+    assert option_kib("int2", OURO_1_4B) == 1.5
+    assert option_kib("share", OURO_1_4B) == 0.0
+    assert option_kib("bf16", OURO_1_4B, dtype_bytes=4) == 16.0
+    assert lo_plane_kib(OURO_1_4B) == 0.5
+
+
+@pytest.mark.parametrize("hot", [0.0, 1 / 6, 0.5, 0.9, 1.0])
+def test_v_precision_uniform_int4(hot):
+    plan = Plan.uniform(loops=T, layers=L, option="int4", tau=14.0)
+    b = plan.bytes_per_token(OURO_1_4B, hot_fraction=hot)
+    assert b.stored_kib == 240.0
+    assert b.read_kib == pytest.approx(240.0 - 96 * 0.5 * (1 - hot), abs=1e-9)
+
+
+def test_v_precision_applies_to_int4_reads_only():
+    # loop 1 int4, loop 2 int2, loop 3 shares loop 4's int4, loop 4 int4, all cold (hot fraction 0):
+    # reads 216 - 0.5 KiB for each INT4 read (loops 1, 3, 4: 72 cells) = 180; int2 and storage unchanged.
+    plan = Plan.from_loops(loops=T, layers=L, per_loop=["int4", "int2", "share", "int4"], tau=10.0)
+    b = plan.bytes_per_token(OURO_1_4B, hot_fraction=0.0)
+    assert (b.stored_kib, b.read_kib) == (156.0, 216.0 - 72 * 0.5)
+    # a share cell reading an int2 source gets no V precision saving
+    mixed = ["int4"] * (2 * L) + ["share"] * L + ["int2"] * L
+    b = Plan(loops=T, layers=L, options=mixed, tau=10.0).bytes_per_token(OURO_1_4B, hot_fraction=0.0)
+    assert b.read_kib == 2 * L * 2.0 + L * 1.5 + L * 1.5
+    # bf16 cells are never affected
+    b = Plan.uniform(loops=T, layers=L, option="bf16", tau=10.0).bytes_per_token(OURO_1_4B, hot_fraction=0.0)
+    assert b.read_kib == 768.0
+
+
+def test_hot_fraction_errors():
+    plan = Plan.uniform(loops=T, layers=L)
+    with pytest.raises(ValueError, match="tau=inf"):
+        plan.bytes_per_token(OURO_1_4B, hot_fraction=0.5)
+    with pytest.raises(ValueError, match=r"hot_fraction must be a number in \[0, 1\]"):
+        Plan.uniform(loops=T, layers=L, tau=14).bytes_per_token(OURO_1_4B, hot_fraction=1.5)
+
+
+def test_sink_window_constant_is_216_mib():
+    assert exact_bytes_per_request(OURO_1_4B) == 216 * 2**20
+    assert exact_bytes_per_request(ouro_config()) == 216 * 2**20
+    assert exact_bytes_per_request(OURO_1_4B, dtype_bytes=4) == 432 * 2**20
+    # the byte model's sink and window are the codec's
+    assert (bytes_model._SINK, bytes_model._WINDOW) == (codec.SINK, codec.WINDOW)
+
+
+def test_unit_is_half_a_kib():
+    assert unit_kib(OURO_1_4B) == 0.5
+    assert unit_kib(ouro_config()) == 0.5
+    # Dory-like GQA shape: 4 KV heads of 256 -> E = 2048 elements -> 256 bytes = 0.25 KiB
+    assert unit_kib(ModelShape(loops=4, layers=2, kv_heads=4, head_dim=256)) == 0.25
+
+
+def test_model_shape_from_config_fallbacks():
+    cfg = ouro_config(num_key_value_heads=None, head_dim=None)
+    assert ModelShape.from_config(cfg) == ModelShape(4, 24, 16, 2048 // 16)
+    with pytest.raises(ValueError, match="total_ut_steps"):
+        ModelShape.from_config(SimpleNamespace(num_hidden_layers=2))
+    with pytest.raises(ValueError, match="ModelShape.kv_heads must be a positive int"):
+        ModelShape(4, 24, 0, 128)
+
+
+def test_config_none_uses_the_plans_shape():
+    plan = Plan.uniform(loops=T, layers=L, kv_heads=16, head_dim=128)
+    assert plan.bytes_per_token().stored_kib == 240.0
+    with pytest.raises(ValueError, match="records kv_heads and head_dim"):
+        Plan.uniform(loops=T, layers=L).bytes_per_token()
+
+
+def test_bytes_refuse_a_plan_for_another_model():
+    with pytest.raises(ValueError, match="layers=24 but the model has num_hidden_layers=12"):
+        Plan.uniform(loops=T, layers=L).bytes_per_token(ModelShape(4, 12, 16, 128))
+
+
+@pytest.mark.parametrize("bits", [4, 2])
+def test_codec_storage_agrees_with_the_model(bits):
+    """What the codec actually stores per token (codes + scales + zeros) equals the byte model."""
+    heads, dim = 2, 64
+    k = torch.randn(heads, codec.PAGE, dim)
+    v = torch.randn(heads, codec.PAGE, dim)
+    pages = codec.encode_pages(k, v, bits)
+    nbytes = sum(t.numel() * t.element_size() for t in pages)
+    shape = ModelShape(loops=1, layers=1, kv_heads=heads, head_dim=dim)
+    assert nbytes / codec.PAGE == option_kib(f"int{bits}", shape) * 1024
+    if bits == 4:  # the lo plane V precision skips
+        assert pages.v_lo.numel() / codec.PAGE == lo_plane_kib(shape) * 1024
+
+
+@st.composite
+def plans(draw):
+    loops = draw(st.integers(1, 4))
+    layers = draw(st.integers(1, 5))
+    cells = []
+    for t in range(loops):
+        allowed = ["bf16", "int4", "int2"] + (["share"] if t < loops - 1 else [])
+        cells += draw(st.lists(st.sampled_from(allowed), min_size=layers, max_size=layers))
+    tau = draw(st.sampled_from([math.inf, 0.0, 14.0]))
+    return Plan(loops=loops, layers=layers, options=cells, tau=tau)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    plan=plans(),
+    kv_heads=st.sampled_from([1, 2, 16]),
+    head_dim=st.sampled_from([32, 96, 128]),
+    hot=st.floats(0.0, 1.0),
+)
+def test_property_stored_le_read_and_share_stores_nothing(plan, kv_heads, head_dim, hot):
+    shape = ModelShape(plan.loops, plan.layers, kv_heads, head_dim)
+    hot = hot if math.isfinite(plan.tau) else 1.0
+    b = plan.bytes_per_token(shape, hot_fraction=hot)
+    assert len(b.per_cell) == plan.loops * plan.layers
+    unit = unit_kib(shape)
+    lo = lo_plane_kib(shape)
+    for i, (stored, read) in enumerate(b.per_cell):
+        option = plan.options[i]
+        final_cell = (plan.loops - 1) * plan.layers + i % plan.layers
+        source = plan.options[final_cell] if option == "share" else option
+        assert stored == (0.0 if option == "share" else option_kib(option, shape))
+        cold = (1 - hot) * lo if (math.isfinite(plan.tau) and source == "int4") else 0.0
+        assert read == pytest.approx(option_kib(source, shape) - cold)
+        if hot == 1.0:
+            assert stored <= read
+        assert stored / unit == int(stored / unit)  # a whole number of byte units
+    assert b.stored_kib == pytest.approx(sum(s for s, _ in b.per_cell))
+    assert b.read_kib == pytest.approx(sum(r for _, r in b.per_cell))
+    if hot == 1.0 or hot == 0.0:
+        assert b.read_kib / unit == int(b.read_kib / unit)
+    if hot == 1.0:
+        assert b.stored_kib <= b.read_kib
