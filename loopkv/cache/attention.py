@@ -1,0 +1,113 @@
+"""The ``"loopkv"`` attention and mask functions for transformers, and :func:`register`.
+
+``loopkv_attention(module, query, key, value, attention_mask, *, scaling, **kwargs)`` receives the
+handles that ``LoopKVCache.update`` returned as ``key``/``value``:
+
+* decode (one query per row): ``torch.ops.loopkv.cell_attention`` over the cell (sink, pages, window);
+* prefill on an empty cell: writes the prompt into the cell (each row only its own tokens, padding
+  read from the mask) and attends exactly over the prompt, like KIVI and the paper's engine;
+* several tokens on a non-empty cell: append and attend token by token (the served semantics).
+
+Anything that is not a handle goes to transformers' SDPA attention, so a model can mix caches.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+_REGISTERED = False
+
+
+def _pad_lengths(attention_mask, batch: int, q_len: int, device) -> Tensor:
+    """Left-padding tokens per row, from a 4D bool/additive mask, a 2D mask, or None (no padding)."""
+    if attention_mask is None:
+        return torch.zeros(batch, dtype=torch.long, device=device)
+    m = attention_mask
+    if m.dim() == 4:
+        last = m[:, 0, -1, -q_len:]  # the last query sees every real token of its row
+        valid = last if last.dtype == torch.bool else last > torch.finfo(last.dtype).min / 2
+    elif m.dim() == 2:
+        valid = m[:, -q_len:].bool()
+    else:
+        raise ValueError(f"unsupported attention_mask of shape {tuple(m.shape)}")
+    valid = valid.expand(batch, q_len) if valid.shape[0] == 1 else valid
+    n_valid = valid.sum(dim=-1)
+    # left padding: the valid tokens must be a suffix of the row
+    suffix = torch.arange(q_len, device=valid.device)[None, :] >= (q_len - n_valid)[:, None]
+    if not torch.equal(valid, suffix):
+        raise ValueError("LoopKVCache needs left padding (each row's tokens at the end): set "
+                         "tokenizer.padding_side = 'left'")
+    return (q_len - n_valid).to(device)
+
+
+def _prompt_attention(query: Tensor, k: Tensor, v: Tensor, pad: Tensor, scaling: float) -> Tensor:
+    """Exact causal attention over the prompt, pads masked. query [B, Hq, S, D] -> [B, S, Hq, D]."""
+    B, Hq, S, D = query.shape
+    g = Hq // k.shape[1]
+    if g > 1:
+        k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
+    i = torch.arange(S, device=query.device)
+    allowed = (i[None, :, None] >= i[None, None, :]) & (i[None, None, :] >= pad[:, None, None])
+    allowed = allowed | (i[:, None] == i[None, :])[None]  # pad queries see themselves: finite garbage
+    out = F.scaled_dot_product_attention(query, k, v, attn_mask=allowed[:, None], scale=scaling)
+    return out.transpose(1, 2)
+
+
+def loopkv_attention(module, query: Tensor, key, value, attention_mask, *, scaling: float | None = None,
+                     dropout: float = 0.0, **kwargs):
+    """transformers attention function for LoopKVCache handles; returns ``(out [B, S, Hq, D], None)``."""
+    if not getattr(key, "is_loopkv_handle", False):
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                      scaling=scaling, **kwargs)
+    cache, cell = key.cache, key.cell_index
+    B, Hq, S, D = query.shape
+    scale = scaling if scaling is not None else D**-0.5
+    if key.k_new is None:  # decode: update() already appended the token
+        out = cache.read_cell(cell, query[:, :, 0], scale=scale)  # [B, Hq, D]
+        return out[:, None], None
+    k_new, v_new = key.k_new, key.v_new
+    if cache.is_empty(cell):
+        pad = _pad_lengths(attention_mask, B, S, query.device)
+        cache.prefill_cell(cell, k_new, v_new, pad)
+        return _prompt_attention(query, k_new, v_new, pad, scale), None
+    outs = []
+    for i in range(S):  # continuation of a non-empty cell: exactly as if decoded token by token
+        cache.append_cell(cell, k_new[:, :, i : i + 1], v_new[:, :, i : i + 1])
+        outs.append(cache.read_cell(cell, query[:, :, i], scale=scale))
+    return torch.stack(outs, dim=1), None
+
+
+def loopkv_mask(*args, **kwargs):
+    """Mask function for ``attn_implementation="loopkv"``: none in decode (the kernel masks from device
+    lengths, so no growing mask enters the graph); transformers' SDPA mask for prefill."""
+    q_length = kwargs.get("q_length")
+    if q_length is None and kwargs.get("cache_position") is not None:
+        q_length = kwargs["cache_position"].shape[0]
+    if q_length == 1:
+        return None
+    from transformers.masking_utils import sdpa_mask
+
+    return sdpa_mask(*args, **kwargs)
+
+
+def register() -> None:
+    """Register ``"loopkv"`` with transformers' attention and mask interfaces (idempotent).
+
+    Called by :class:`loopkv.LoopKVCache` on construction; ``import loopkv`` never does it.
+    """
+    global _REGISTERED
+    if _REGISTERED:
+        return
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register("loopkv", loopkv_attention)
+    AttentionMaskInterface.register("loopkv", loopkv_mask)
+    _REGISTERED = True
+
+
+__all__ = ["loopkv_attention", "loopkv_mask", "register"]

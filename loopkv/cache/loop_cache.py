@@ -1,0 +1,320 @@
+"""LoopKVCache: a transformers ``Cache`` with one paged, quantized layer per (loop, layer) cell.
+
+``model.generate(ids, past_key_values=LoopKVCache(plan, config=model.config, max_batch_size=B,
+max_cache_len=N))``. DESIGN.md §6. ``update()`` writes the new token(s) and returns lightweight handles;
+the attention function registered as ``"loopkv"`` (``loopkv/cache/attention.py``) reads the cell
+through ``torch.ops.loopkv.cell_attention``.
+
+* Decode (one token per row): ``update()`` appends through ``torch.ops.loopkv.append_``, which also
+  quantizes the page leaving the window, decided per row on the device (no host sync, one graph).
+* Prefill (several tokens): the attention function knows the padding (from the mask), so it writes
+  the cell (:meth:`LoopKVCache.prefill_cell`): sink and window exact, the pages in between quantized
+  in bulk; each row stores only its own tokens. Attention over the prompt itself is exact.
+* Continuing a non-empty cache with several tokens appends and attends token by token: the exact
+  served semantics, as if those tokens had been decoded.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import Tensor
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from loopkv.cache.storage import CellStorage, allocate_cell, nbytes
+from loopkv.cells import Cell, CellLayout
+from loopkv.ops import cache_ops, cell_attention, codec  # noqa: F401  (registers torch.ops.loopkv.*)
+from loopkv.ops.codec import PAGE, SINK
+from loopkv.ops.layout import RING, capacity, n_pages
+
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+class LoopKVHandle:
+    """What ``LoopKVCache.update`` returns in place of dense K/V: the cache, the cell and new tokens.
+
+    k_new, v_new: [B, H, S, D] for prefill/continuation (the attention function writes them); None in
+    decode (``update`` already appended them).
+    """
+
+    is_loopkv_handle = True
+
+    def __init__(self, cache: LoopKVCache, cell_index: int, k_new: Tensor | None, v_new: Tensor | None):
+        self.cache = cache
+        self.cell_index = cell_index
+        self.k_new = k_new
+        self.v_new = v_new
+
+
+class LoopKVCell(CacheLayerMixin):
+    """One cell's transformers cache layer; its tensors are the named fields of :class:`CellStorage`."""
+
+    is_compileable = True
+    is_sliding = False
+    is_croppable = False
+
+    def __init__(self, storage: CellStorage, *, max_cache_len: int):
+        super().__init__()
+        self.storage = storage
+        self.max_cache_len = max_cache_len
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
+        """Storage is preallocated at construction: nothing to do."""
+
+    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs):
+        raise RuntimeError("LoopKVCell is updated through LoopKVCache.update(k, v, layer_idx)")
+
+    def get_mask_sizes(self, query_length) -> tuple[int, int]:
+        q = query_length if isinstance(query_length, int) else int(query_length.shape[0])
+        # decode: a constant size (no recompiles); the loopkv kernel masks from device lengths
+        return (self.max_cache_len, 0) if q == 1 else (q, 0)
+
+    def get_seq_length(self) -> int:
+        return int(self.storage.lengths.max())
+
+    def get_max_length(self) -> int:
+        return self.max_cache_len
+
+    def reset(self) -> None:
+        self.storage.lengths.zero_()
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        raise RuntimeError("reorder through LoopKVCache.reorder_cache")
+
+
+def _model_shape(config) -> tuple[int, int, int, int]:
+    """(loops, layers, kv_heads, head_dim) of an Ouro-style config."""
+    needed = ("total_ut_steps", "num_hidden_layers", "num_attention_heads")
+    missing = [a for a in needed if not hasattr(config, a)]
+    if missing:
+        raise ValueError(f"config lacks {missing}: LoopKVCache needs a looped model's config "
+                         "(e.g. OuroConfig)")
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return config.total_ut_steps, config.num_hidden_layers, kv_heads, head_dim
+
+
+class LoopKVCache(Cache):
+    """The paged bit-plane cache of a looped transformer; one :class:`LoopKVCell` per cell.
+
+    Args:
+        plan: a :class:`loopkv.Plan` (one option per cell, V precision ``tau``).
+        config: the model config (Ouro: ``total_ut_steps``, ``num_hidden_layers``, heads, ``head_dim``).
+        max_batch_size: rows preallocated; a batch may be smaller.
+        max_cache_len: tokens per row (prompt + generated), preallocated.
+        dtype: the model's activation dtype (exact sink/window/bf16 pages); default ``config.dtype`` or fp32.
+        device: where the storage lives; default CUDA if available, else CPU.
+    """
+
+    def __init__(self, plan, *, config, max_batch_size: int, max_cache_len: int,
+                 dtype: torch.dtype | None = None, device: torch.device | str | None = None):
+        from loopkv.cache.attention import register
+
+        register()
+        if not isinstance(max_batch_size, int) or max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be a positive int, got {max_batch_size!r}")
+        if not isinstance(max_cache_len, int) or max_cache_len < 1:
+            raise ValueError(f"max_cache_len must be a positive int, got {max_cache_len!r}")
+        plan.validate_for(config)
+        loops, layers, kv_heads, head_dim = _model_shape(config)
+        if any(o != "bf16" for o in plan.options):
+            codec.check_head_dim(head_dim)
+        if dtype is None:
+            dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
+            if isinstance(dtype, str):
+                dtype = getattr(torch, dtype)
+        if dtype not in SUPPORTED_DTYPES:
+            raise ValueError(f"dtype {dtype} is not supported; use one of {SUPPORTED_DTYPES}")
+        if device is None:
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        device = torch.device(device)
+
+        self.plan = plan
+        self.layout = CellLayout(loops, layers)
+        self.max_batch_size = max_batch_size
+        self.max_cache_len = max_cache_len
+        self.dtype = dtype
+        self.device = device
+        self.kv_heads, self.head_dim = kv_heads, head_dim
+        self.tau = float(plan.tau)
+
+        dims = dict(batch=max_batch_size, heads=kv_heads, head_dim=head_dim, max_cache_len=max_cache_len,
+                    dtype=dtype, device=device)
+        storages: dict[Cell, CellStorage] = {}
+        final = [c for c in self.layout if c.loop == self.layout.final_loop]
+        for cell in final + [c for c in self.layout if c.loop != self.layout.final_loop]:
+            option = plan.option(cell)
+            source = storages.get(self.layout.source(cell)) if option == "share" else None
+            storages[cell] = allocate_cell(option, source=source, **dims)
+        cells = [LoopKVCell(storages[c], max_cache_len=max_cache_len) for c in self.layout]
+        super().__init__(layers=cells)
+        for layer in cells:
+            for t in layer.storage.own_tensors().values():
+                torch._dynamo.mark_static_address(t)
+        if device.type == "cuda":
+            from loopkv.ops.triton_register import register_triton_kernels
+
+            register_triton_kernels()
+
+    # ---- the transformers Cache API -------------------------------------------------------------
+    def update(self, key_states: Tensor, value_states: Tensor, layer_idx: int, *args: Any, **kwargs: Any):
+        """Write the new K/V of cell ``layer_idx`` (``t * L + l``) and return ``(handle, handle)``.
+
+        key_states, value_states: [B, H, S, D] (post-RoPE). S == 1 appends on the device now; S > 1
+        is written by the ``"loopkv"`` attention function, which knows the padding.
+        """
+        B, H, S, D = key_states.shape
+        if B > self.max_batch_size:
+            raise ValueError(f"batch of {B} rows exceeds max_batch_size={self.max_batch_size} of this "
+                             "LoopKVCache; build it with a larger max_batch_size")
+        if (H, D) != (self.kv_heads, self.head_dim):
+            raise ValueError(f"K/V of shape {tuple(key_states.shape)} do not match the cache's "
+                             f"{self.kv_heads} KV heads x head_dim {self.head_dim}")
+        if key_states.dtype != self.dtype or key_states.device.type != self.device.type:
+            raise ValueError(
+                f"K/V are {key_states.dtype} on {key_states.device}, the cache was built for {self.dtype} on "
+                f"{self.device}: pass dtype=/device= to LoopKVCache matching the model"
+            )
+        if S > 1:
+            return (LoopKVHandle(self, layer_idx, key_states, value_states),) * 2
+        st = self._rows(layer_idx, B)
+        if not torch.compiler.is_compiling() and int(st.lengths.max()) >= self.max_cache_len:
+            raise ValueError(f"a row already holds max_cache_len={self.max_cache_len} tokens; build the "
+                             "LoopKVCache with a larger max_cache_len")
+        torch.ops.loopkv.append_(key_states, value_states, st.sink_k, st.sink_v, st.win_k, st.win_v,
+                                 st.lengths, st.page_table, *st.pool(), st.own_bits)
+        return (LoopKVHandle(self, layer_idx, None, None),) * 2
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """Tokens held by the longest row (padded prompt length + generated), as transformers counts."""
+        return self.layers[layer_idx].get_seq_length()
+
+    def get_max_length(self, layer_idx: int | None = None) -> int:
+        return self.max_cache_len
+
+    def get_max_cache_shape(self, layer_idx: int = 0) -> int:
+        return self.max_cache_len
+
+    def reset(self) -> None:
+        """Forget every sequence, keeping the same tensors (and compiled graphs): lengths gate every read."""
+        for layer in self.layers:
+            layer.reset()
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Beam search: gather rows exactly (codes, scales and exact parts; nothing is re-quantized)."""
+        idx = beam_idx.to(self.device).long()
+        B = idx.shape[0]
+        for layer in self.layers:
+            st = layer.storage
+            for name, t in st.own_tensors().items():
+                if name == "page_table":
+                    continue
+                if name in ("k_pages", "k_scale", "k_zero", "v_hi", "v_lo", "v_scale", "v_zero"):
+                    if t.numel() == 0:
+                        continue
+                    per_row = st.page_table.shape[1]
+                    rows = t.view(self.max_batch_size, per_row, *t.shape[1:])
+                    rows[:B].copy_(rows.index_select(0, idx))
+                else:
+                    t[:B].copy_(t.index_select(0, idx))
+
+    def crop(self, max_length: int) -> None:
+        raise NotImplementedError(
+            "LoopKVCache cannot crop: pages that left the window are quantized and cannot be restored. "
+            "Assisted/speculative decoding is not supported; use cache.reset() and generate again."
+        )
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        raise NotImplementedError("LoopKVCache has a fixed max_batch_size; expand the inputs before prefill")
+
+    def batch_select_indices(self, indices: Tensor) -> None:
+        raise NotImplementedError("LoopKVCache cannot shrink its batch; use reorder_cache or a new cache")
+
+    # ---- loopkv-specific -------------------------------------------------------------------------
+    def storage(self, cell: Cell | int) -> CellStorage:
+        idx = cell if isinstance(cell, int) else self.layout.flat_index(cell)
+        return self.layers[idx].storage
+
+    def _rows(self, layer_idx: int, batch: int) -> CellStorage:
+        """The cell's storage restricted to the first ``batch`` rows (the whole tensors when full)."""
+        st = self.layers[layer_idx].storage
+        if batch == self.max_batch_size:
+            return st
+        pages = st.page_table.shape[1] * batch
+        pool = {n: (t[:pages] if t.numel() else t) for n, t in zip(
+            ("k_pages", "k_scale", "k_zero", "v_hi", "v_lo", "v_scale", "v_zero"), st.pool(), strict=True)}
+        return CellStorage(option=st.option, own_bits=st.own_bits, read_bits=st.read_bits,
+                           sink_k=st.sink_k[:batch], sink_v=st.sink_v[:batch], win_k=st.win_k[:batch],
+                           win_v=st.win_v[:batch], lengths=st.lengths[:batch],
+                           page_table=st.page_table[:batch], **pool)
+
+    def read_cell(self, layer_idx: int, query: Tensor, *, scale: float) -> Tensor:
+        """Decode attention of cell ``layer_idx``: query [B, Hq, D] -> [B, Hq, D]."""
+        st = self._rows(layer_idx, query.shape[0])
+        return torch.ops.loopkv.cell_attention(
+            query, st.sink_k, st.sink_v, st.win_k, st.win_v, st.lengths, st.page_table, *st.pool(),
+            st.read_bits, self.tau if st.read_bits == 4 else math.inf, scale,
+        )
+
+    def prefill_cell(self, layer_idx: int, k: Tensor, v: Tensor, pad: Tensor) -> None:
+        """Write a left-padded prompt into an empty cell. k, v: [B, H, S, D]; pad: int [B] pads per row."""
+        B, H, S, D = k.shape
+        st = self._rows(layer_idx, B)
+        pads = [int(p) for p in pad.tolist()]
+        longest = S - min(pads)
+        if longest > self.max_cache_len:
+            raise ValueError(f"prompt of {longest} tokens exceeds max_cache_len={self.max_cache_len}")
+        maxp = st.page_table.shape[1]
+        page_k, page_v, page_ids = [], [], []
+        for b, p in enumerate(pads):
+            n = S - p
+            kb, vb = k[b, :, p:], v[b, :, p:]  # [H, n, D]
+            ns = min(n, SINK)
+            st.sink_k[b, :, :ns] = kb[:, :ns]
+            st.sink_v[b, :, :ns] = vb[:, :ns]
+            npg = n_pages(n)
+            assert npg <= maxp
+            assert n <= capacity(maxp)
+            if npg and st.own_bits:
+                hist = slice(SINK, SINK + PAGE * npg)
+                page_k.append(kb[:, hist].unflatten(1, (npg, PAGE)).transpose(0, 1))  # [npg, H, PAGE, D]
+                page_v.append(vb[:, hist].unflatten(1, (npg, PAGE)).transpose(0, 1))
+                page_ids.append(st.page_table[b, :npg].long())
+            start = SINK + PAGE * npg
+            if n > start:
+                slots = (torch.arange(start, n, device=k.device) - SINK) % RING
+                st.win_k[b, :, slots] = kb[:, start:]
+                st.win_v[b, :, slots] = vb[:, start:]
+            st.lengths[b] = n
+        if page_ids:
+            torch.ops.loopkv.write_pages_(torch.cat(page_k).contiguous(), torch.cat(page_v).contiguous(),
+                                          torch.cat(page_ids), *st.pool(), st.own_bits)
+
+    def append_cell(self, layer_idx: int, k: Tensor, v: Tensor) -> None:
+        """Append one token per row to cell ``layer_idx`` (k, v: [B, H, 1, D])."""
+        st = self._rows(layer_idx, k.shape[0])
+        torch.ops.loopkv.append_(k, v, st.sink_k, st.sink_v, st.win_k, st.win_v, st.lengths,
+                                 st.page_table, *st.pool(), st.own_bits)
+
+    def is_empty(self, layer_idx: int) -> bool:
+        return int(self.layers[layer_idx].storage.lengths.max()) == 0
+
+    def memory_report(self):
+        """Bytes actually allocated, per component and per cell, and KiB per history token."""
+        from loopkv.cache.report import memory_report
+
+        return memory_report(self)
+
+    def __repr__(self) -> str:
+        counts = {o: self.plan.options.count(o) for o in sorted(set(self.plan.options))}
+        return (f"LoopKVCache(T={self.layout.loops}, L={self.layout.layers}, cells={counts}, "
+                f"max_batch_size={self.max_batch_size}, max_cache_len={self.max_cache_len}, "
+                f"dtype={self.dtype}, device={self.device})")
+
+
+def tensor_bytes(tensors) -> int:
+    return sum(nbytes(t) for t in tensors)

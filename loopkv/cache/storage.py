@@ -1,0 +1,116 @@
+"""Per-cell storage: preallocated, fixed-address tensors named as in docs/storage-layout.md.
+
+Plan once, run many (STYLE.md habit 8): every tensor a cell reads or writes is allocated here, at
+construction, for ``max_batch_size`` rows and ``max_cache_len`` tokens. Nothing is allocated per step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+from torch import Tensor
+
+from loopkv.ops.codec import GROUP, PAGE, SINK
+from loopkv.ops.layout import RING, max_pages
+
+BITS = {"bf16": 16, "int4": 4, "int2": 2}  # stored bits per K/V code; "share" stores no pages
+POOL_FIELDS = ("k_pages", "k_scale", "k_zero", "v_hi", "v_lo", "v_scale", "v_zero")
+
+
+@dataclass(eq=False)
+class CellStorage:
+    """Every tensor of one cell. B = max_batch_size, H = KV heads, D = head_dim, P = pages per row.
+
+    Own state (every cell, ``share`` cells included; model dtype unless said):
+      sink_k, sink_v: [B, H, SINK, D]        exact sink
+      win_k, win_v:   [B, H, RING, D]        exact window ring, slot = (position - SINK) % RING
+      lengths:        int32 [B]              tokens stored per row
+    History pool (own, or the source cell's for a ``share`` cell), N = B * P physical pages:
+      page_table:     int32 [B, P]           physical page of (row, logical page)
+      k_pages:        bits 16: [N, H, PAGE, D]; 4: uint8 [N, H, PAGE, D//2]; 2: uint8 [N, H, PAGE, D//4]
+      k_scale, k_zero: fp16 [N, H, D]        (empty for bits 16)
+      v_hi:           bits 16: [N, H, PAGE, D]; 4: uint8 hi plane; 2: uint8 codes  [N, H, PAGE, D//4]
+      v_lo:           bits 4: uint8 lo plane [N, H, PAGE, D//4]; otherwise empty
+      v_scale, v_zero: fp16 [N, H, PAGE, D//GROUP]  (empty for bits 16)
+    ``own_bits`` is what this cell writes into a pool (0 for ``share``); ``read_bits`` what it reads.
+    """
+
+    option: str
+    own_bits: int
+    read_bits: int
+    sink_k: Tensor
+    sink_v: Tensor
+    win_k: Tensor
+    win_v: Tensor
+    lengths: Tensor
+    page_table: Tensor
+    k_pages: Tensor
+    k_scale: Tensor
+    k_zero: Tensor
+    v_hi: Tensor
+    v_lo: Tensor
+    v_scale: Tensor
+    v_zero: Tensor
+
+    def own_tensors(self) -> dict[str, Tensor]:
+        """The tensors this cell allocated itself (a ``share`` cell's pool belongs to its source)."""
+        names = [f.name for f in fields(self) if isinstance(getattr(self, f.name), Tensor)]
+        if self.own_bits == 0:
+            names = [n for n in names if n not in POOL_FIELDS and n != "page_table"]
+        return {n: getattr(self, n) for n in names}
+
+    def pool(self) -> tuple[Tensor, ...]:
+        return tuple(getattr(self, n) for n in POOL_FIELDS)
+
+
+def _pool(bits: int, n: int, heads: int, head_dim: int, dtype: torch.dtype, device) -> dict[str, Tensor]:
+    empty = torch.empty(0, dtype=torch.float16, device=device)
+    empty_u8 = torch.empty(0, dtype=torch.uint8, device=device)
+    if bits == 16:
+        return dict(
+            k_pages=torch.zeros(n, heads, PAGE, head_dim, dtype=dtype, device=device),
+            k_scale=empty, k_zero=empty.clone(),
+            v_hi=torch.zeros(n, heads, PAGE, head_dim, dtype=dtype, device=device),
+            v_lo=empty_u8, v_scale=empty.clone(), v_zero=empty.clone(),
+        )
+    u8 = dict(dtype=torch.uint8, device=device)
+    f16 = dict(dtype=torch.float16, device=device)
+    return dict(
+        k_pages=torch.zeros(n, heads, PAGE, head_dim * bits // 8, **u8),
+        k_scale=torch.zeros(n, heads, head_dim, **f16),
+        k_zero=torch.zeros(n, heads, head_dim, **f16),
+        v_hi=torch.zeros(n, heads, PAGE, head_dim // 4, **u8),
+        v_lo=torch.zeros(n, heads, PAGE, head_dim // 4, **u8) if bits == 4 else empty_u8,
+        v_scale=torch.zeros(n, heads, PAGE, head_dim // GROUP, **f16),
+        v_zero=torch.zeros(n, heads, PAGE, head_dim // GROUP, **f16),
+    )
+
+
+def allocate_cell(
+    option: str, *, batch: int, heads: int, head_dim: int, max_cache_len: int, dtype: torch.dtype,
+    device, source: CellStorage | None = None,
+) -> CellStorage:
+    """Allocate one cell; a ``share`` cell takes ``source``'s page table and pool (its own sink/window)."""
+    exact = dict(dtype=dtype, device=device)
+    own = dict(
+        sink_k=torch.zeros(batch, heads, SINK, head_dim, **exact),
+        sink_v=torch.zeros(batch, heads, SINK, head_dim, **exact),
+        win_k=torch.zeros(batch, heads, RING, head_dim, **exact),
+        win_v=torch.zeros(batch, heads, RING, head_dim, **exact),
+        lengths=torch.zeros(batch, dtype=torch.int32, device=device),
+    )
+    if option == "share":
+        if source is None or source.own_bits == 0:
+            raise ValueError("a 'share' cell needs a source cell with its own pages (the final loop)")
+        shared = {n: getattr(source, n) for n in POOL_FIELDS + ("page_table",)}
+        return CellStorage(option=option, own_bits=0, read_bits=source.own_bits, **own, **shared)
+    bits = BITS[option]
+    pages = max_pages(max_cache_len)
+    table = torch.arange(batch * pages, dtype=torch.int32, device=device).view(batch, pages)
+    pool = _pool(bits, batch * pages, heads, head_dim, dtype, device)
+    return CellStorage(option=option, own_bits=bits, read_bits=bits, page_table=table, **own, **pool)
+
+
+def nbytes(t: Tensor) -> int:
+    return t.numel() * t.element_size()
