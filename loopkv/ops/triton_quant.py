@@ -1,0 +1,257 @@
+"""Triton kernels for the cache-writing ops: ``write_pages_`` (bulk) and ``append_`` (decode + window exit).
+
+Both produce exactly the codes of the reference codec (``loopkv/ops/codec.py``), bit for bit:
+
+* fp16 ``zero = min`` and ``scale = max(max - min, EPS) / (2**b - 1)`` from fp32 minima and maxima;
+* ``code = clamp(rne((x - zero) / scale), 0, 2**b - 1)`` from the *stored* fp16 values, with IEEE
+  division (``div_rn``) and round-half-to-even done by the fp32 magic constant ``1.5 * 2**23``
+  (``(y + C) - C`` rounds ``|y| < 2**22`` to the nearest integer, ties to even, in the FPU's default mode);
+* packing as in :func:`loopkv.ops.codec.pack`: channel ``per * j + i`` of a byte at bit ``bits * i``.
+
+Every program handles one page of one KV head. Channels are processed in their packed order: the
+tile ``x_i [PAGE, DP // per]`` holds channels ``per * j + i``, so packing is a shift-or of ``per``
+tiles, and K's per-channel statistics are plain reductions over the token axis. ``head_dim`` that is
+not a power of two (96) is padded to ``DP`` with masked loads and stores.
+
+``append_`` runs on a ``(B, H)`` grid with no host sync: each program writes its head's new token into
+the sink or the window ring, quantizes the page leaving the window when this append makes one leave
+(decided on the device), and the last program of a row (an atomic counter that the kernel resets to
+zero, so CUDA-graph replays stay correct) stores ``lengths[b] + 1``. Launchers are plain functions
+that also run on CPU tensors under ``TRITON_INTERPRET=1``.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from loopkv.ops.codec import EPS, FP16_MAX, GROUP, PAGE, SINK, WINDOW
+from loopkv.ops.layout import RING, capacity
+from loopkv.ops.triton_register import counters
+
+# The kernels spell these constants out (Triton wants literals); fail loudly if the contract moves.
+assert (SINK, WINDOW, PAGE, GROUP, RING) == (32, 256, 32, 32, 288)
+assert EPS == 2.0**-10
+assert FP16_MAX == 65504.0
+
+
+@triton.jit
+def _rne_codes(x, zero, scale, LEVELS: tl.constexpr):
+    """Codes ``clamp(rne((x - zero) / scale), 0, LEVELS)`` as int32; zero and scale are the stored fp16."""
+    y = tl.math.div_rn(x - zero.to(tl.float32), scale.to(tl.float32))
+    y = tl.minimum(tl.maximum(y, -1.0), LEVELS + 1.0)  # keeps |y| small for the magic rounding
+    r = (y + 12582912.0) - 12582912.0  # 1.5 * 2**23: round half to even for |y| < 2**22
+    r = tl.minimum(tl.maximum(r, 0.0), LEVELS * 1.0)
+    return r.to(tl.int32)
+
+
+@triton.jit
+def _qparams(xmin, xmax, LEVELS: tl.constexpr):
+    """fp16 (scale, zero) as in codec._qparams."""
+    zero = tl.minimum(tl.maximum(xmin, -65504.0), 65504.0).to(tl.float16)
+    rng = tl.maximum(xmax - xmin, 0.0009765625)  # EPS = 2**-10
+    scale = tl.minimum(tl.math.div_rn(rng, LEVELS * 1.0), 65504.0).to(tl.float16)
+    return scale, zero
+
+
+@triton.jit
+def _encode_page(
+    k_src, v_src, sk_t, sk_d, sv_t, sv_d, phys, h, H,
+    k_pages, k_scale, k_zero, v_hi, v_lo, v_scale, v_zero,
+    BITS: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
+):
+    """Encode one page of one head (token t, channel c at ``src + t * s_t + c * s_d``) into ``phys``.
+
+    BITS 16: exact copy into k_pages/v_hi [N, H, PAGE, D]. BITS 4/2: codes as in codec.encode_pages.
+    """
+    t = tl.arange(0, 32)  # PAGE
+    page = phys.to(tl.int64) * H + h  # (page, head) index into the pool's first two dims
+    if BITS == 16:
+        c = tl.arange(0, DP)
+        m = (t[:, None] < 32) & (c[None, :] < D)
+        dst = page * (32 * D) + t[:, None] * D + c[None, :]
+        kx = tl.load(k_src + t[:, None] * sk_t + c[None, :] * sk_d, mask=m)
+        vx = tl.load(v_src + t[:, None] * sv_t + c[None, :] * sv_d, mask=m)
+        tl.store(k_pages + dst, kx.to(k_pages.dtype.element_ty), mask=m)
+        tl.store(v_hi + dst, vx.to(v_hi.dtype.element_ty), mask=m)
+    else:
+        LEVELS: tl.constexpr = (1 << BITS) - 1
+        # ---- K: per channel over the page's tokens; channel KPER * j + i at bits BITS * i of byte j
+        KPER: tl.constexpr = 8 // BITS
+        KB: tl.constexpr = DP // KPER  # packed bytes per token (padded)
+        KBD: tl.constexpr = D // KPER
+        j = tl.arange(0, KB)
+        jm = (t[:, None] < 32) & (j[None, :] < KBD)
+        packed = tl.zeros([32, KB], dtype=tl.int32)
+        for i in tl.static_range(KPER):
+            ch = j * KPER + i  # [KB]
+            x = tl.load(k_src + t[:, None] * sk_t + ch[None, :] * sk_d, mask=jm, other=0.0)
+            x = x.to(tl.float32)
+            scale, zero = _qparams(tl.min(x, axis=0), tl.max(x, axis=0), LEVELS)  # [KB]
+            q = _rne_codes(x, zero[None, :], scale[None, :], LEVELS)
+            packed = packed | (q << (BITS * i))
+            tl.store(k_scale + page * D + ch, scale, mask=j < KBD)
+            tl.store(k_zero + page * D + ch, zero, mask=j < KBD)
+        tl.store(k_pages + page * (32 * KBD) + t[:, None] * KBD + j[None, :], packed.to(tl.uint8), mask=jm)
+        # ---- V: per token in groups of 32 channels; tiles by crumb position, channel 4 * j + i
+        VB: tl.constexpr = DP // 4
+        VBD: tl.constexpr = D // 4
+        NGP: tl.constexpr = DP // 32
+        NG: tl.constexpr = D // 32
+        jv = tl.arange(0, VB)
+        vm = (t[:, None] < 32) & (jv[None, :] < VBD)
+        vptr = v_src + t[:, None] * sv_t + (jv[None, :] * 4) * sv_d
+        x0 = tl.load(vptr, mask=vm, other=0.0).to(tl.float32)
+        x1 = tl.load(vptr + sv_d, mask=vm, other=0.0).to(tl.float32)
+        x2 = tl.load(vptr + 2 * sv_d, mask=vm, other=0.0).to(tl.float32)
+        x3 = tl.load(vptr + 3 * sv_d, mask=vm, other=0.0).to(tl.float32)
+        mn = tl.minimum(tl.minimum(x0, x1), tl.minimum(x2, x3))  # [32, VB]; a group = 8 bytes of j
+        mx = tl.maximum(tl.maximum(x0, x1), tl.maximum(x2, x3))
+        gmin = tl.min(tl.reshape(mn, [32, NGP, 8]), axis=2)  # [32, NGP]
+        gmax = tl.max(tl.reshape(mx, [32, NGP, 8]), axis=2)
+        scale, zero = _qparams(gmin, gmax, LEVELS)  # [32, NGP] fp16
+        g = tl.arange(0, NGP)
+        gm = (t[:, None] < 32) & (g[None, :] < NG)
+        goff = page * (32 * NG) + t[:, None] * NG + g[None, :]
+        tl.store(v_scale + goff, scale, mask=gm)
+        tl.store(v_zero + goff, zero, mask=gm)
+        s_b = tl.reshape(tl.broadcast_to(scale[:, :, None], [32, NGP, 8]), [32, VB])
+        z_b = tl.reshape(tl.broadcast_to(zero[:, :, None], [32, NGP, 8]), [32, VB])
+        c0 = _rne_codes(x0, z_b, s_b, LEVELS)
+        c1 = _rne_codes(x1, z_b, s_b, LEVELS)
+        c2 = _rne_codes(x2, z_b, s_b, LEVELS)
+        c3 = _rne_codes(x3, z_b, s_b, LEVELS)
+        voff = page * (32 * VBD) + t[:, None] * VBD + jv[None, :]
+        if BITS == 4:
+            hi = (c0 >> 2) | ((c1 >> 2) << 2) | ((c2 >> 2) << 4) | ((c3 >> 2) << 6)
+            lo = (c0 & 3) | ((c1 & 3) << 2) | ((c2 & 3) << 4) | ((c3 & 3) << 6)
+            tl.store(v_hi + voff, hi.to(tl.uint8), mask=vm)
+            tl.store(v_lo + voff, lo.to(tl.uint8), mask=vm)
+        else:
+            codes = c0 | (c1 << 2) | (c2 << 4) | (c3 << 6)
+            tl.store(v_hi + voff, codes.to(tl.uint8), mask=vm)
+
+
+@triton.jit
+def _write_pages_kernel(
+    k, v, pages, sk_n, sk_h, sk_t, sk_d, sv_n, sv_h, sv_t, sv_d, H,
+    k_pages, k_scale, k_zero, v_hi, v_lo, v_scale, v_zero,
+    BITS: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
+):
+    """Program (n, h): encode ``k[n, h], v[n, h]`` ([PAGE, D]) into physical page ``pages[n]``."""
+    n = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    phys = tl.load(pages + n)
+    _encode_page(
+        k + n * sk_n + h * sk_h, v + n * sv_n + h * sv_h, sk_t, sk_d, sv_t, sv_d, phys, h, H,
+        k_pages, k_scale, k_zero, v_hi, v_lo, v_scale, v_zero, BITS, D, DP,
+    )
+
+
+@triton.jit
+def _append_kernel(
+    k_new, v_new, sk_b, sk_h, sk_d, sv_b, sv_h, sv_d,
+    sink_k, sink_v, win_k, win_v, lengths, page_table, cnt, H, MAXP, CAP,
+    k_pages, k_scale, k_zero, v_hi, v_lo, v_scale, v_zero,
+    BITS: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
+):
+    """Program (b, h): token ``lengths[b]`` of head h into sink/ring; quantize the exiting page of head h.
+
+    The exit happens iff the append makes ``n = lengths[b] + 1 >= 320`` with ``(n - 288) % 32 == 0``; it
+    encodes page ``p = (n - 288) // 32 - 1`` from ring slots ``(32 p) % 288 + [0, 32)``. The last
+    program of row b (counter ``cnt[b]``, reset to 0 by that program) stores ``lengths[b] = n``.
+    """
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    pos = tl.load(lengths + b).to(tl.int32)
+    ok = pos < CAP  # rows at capacity are left unchanged
+    c = tl.arange(0, DP)
+    cm = c < D
+    kn = tl.load(k_new + b.to(tl.int64) * sk_b + h * sk_h + c * sk_d, mask=cm)
+    vn = tl.load(v_new + b.to(tl.int64) * sv_b + h * sv_h + c * sv_d, mask=cm)
+    bh = b.to(tl.int64) * H + h
+    pos_c = tl.zeros([DP], dtype=tl.int32) + pos  # per-lane copy: masks stay tensors
+    in_sink = cm & (pos_c < CAP) & (pos_c < 32)  # SINK
+    s_off = (bh * 32 + tl.minimum(pos, 31)) * D + c
+    tl.store(sink_k + s_off, kn.to(sink_k.dtype.element_ty), mask=in_sink)
+    tl.store(sink_v + s_off, vn.to(sink_v.dtype.element_ty), mask=in_sink)
+    in_win = cm & (pos_c < CAP) & (pos_c >= 32)
+    w_off = (bh * 288 + tl.maximum(pos - 32, 0) % 288) * D + c  # RING = 288
+    tl.store(win_k + w_off, kn.to(win_k.dtype.element_ty), mask=in_win)
+    tl.store(win_v + w_off, vn.to(win_v.dtype.element_ty), mask=in_win)
+    new_len = pos + ok.to(tl.int32)
+    if BITS != 0:
+        exits = ok & (new_len >= 320) & ((new_len - 288) % 32 == 0)  # SINK + WINDOW (+ PAGE)
+        if exits:
+            p = (new_len - 288) // 32 - 1
+            phys = tl.load(page_table + b.to(tl.int64) * MAXP + p)
+            row0 = (bh * 288 + (32 * p) % 288) * D
+            _encode_page(
+                win_k + row0, win_v + row0, D, 1, D, 1, phys, h, H,
+                k_pages, k_scale, k_zero, v_hi, v_lo, v_scale, v_zero, BITS, D, DP,
+            )
+    tl.debug_barrier()  # every thread has read lengths[b] before this program counts itself done
+    done = tl.atomic_add(cnt + b, 1, sem="acq_rel")
+    if done == H - 1:
+        tl.store(lengths + b, new_len.to(lengths.dtype.element_ty))
+        tl.atomic_xchg(cnt + b, 0)
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _check_bits(bits: int, allowed: tuple[int, ...]) -> None:
+    if bits not in allowed:
+        raise ValueError(f"bits must be one of {allowed}, got {bits}")
+
+
+def write_pages(
+    k: Tensor, v: Tensor, pages: Tensor, k_pages: Tensor, k_scale: Tensor, k_zero: Tensor,
+    v_hi: Tensor, v_lo: Tensor, v_scale: Tensor, v_zero: Tensor, bits: int,
+) -> None:
+    """Triton ``write_pages_``: encode ``k, v`` [n, H, PAGE, D] into physical ``pages`` (int [n]).
+
+    Pool tensors must be contiguous (they are the cache's preallocated storage).
+    """
+    _check_bits(bits, (16, 4, 2))
+    n, H, P, D = k.shape
+    if P != PAGE or v.shape != k.shape:
+        raise ValueError(f"k and v must be [n, H, {PAGE}, D] alike, got {tuple(k.shape)}, {tuple(v.shape)}")
+    if n == 0:
+        return
+    _write_pages_kernel[(n, H)](
+        k, v, pages, *k.stride(), *v.stride(), H,
+        k_pages, k_scale, k_zero, v_hi, v_lo, v_scale, v_zero,
+        BITS=bits, D=D, DP=_next_pow2(D), num_warps=4,
+    )
+
+
+def append(
+    k_new: Tensor, v_new: Tensor, sink_k: Tensor, sink_v: Tensor, win_k: Tensor, win_v: Tensor,
+    lengths: Tensor, page_table: Tensor, k_pages: Tensor, k_scale: Tensor, k_zero: Tensor,
+    v_hi: Tensor, v_lo: Tensor, v_scale: Tensor, v_zero: Tensor, bits: int,
+) -> None:
+    """Triton ``append_``: k_new, v_new [B, H, 1, D]; one launch, predicated per row on the device.
+
+    Storage tensors (sink, ring, lengths, page table, pool) must be contiguous.
+    """
+    _check_bits(bits, (16, 4, 2, 0))
+    B, H, one, D = k_new.shape
+    if one != 1:
+        raise ValueError(f"append_ takes one token per row: k_new [B, H, 1, D], got {tuple(k_new.shape)}")
+    if B == 0:
+        return
+    maxp = page_table.shape[1]
+    if maxp == 0:
+        bits = 0  # no page can leave the window: capacity(0) < the first exit length
+    cnt = counters(lengths.device, B, purpose="append")
+    _append_kernel[(B, H)](
+        k_new, v_new, k_new.stride(0), k_new.stride(1), k_new.stride(3),
+        v_new.stride(0), v_new.stride(1), v_new.stride(3),
+        sink_k, sink_v, win_k, win_v, lengths, page_table, cnt, H, maxp, capacity(maxp),
+        k_pages, k_scale, k_zero, v_hi, v_lo, v_scale, v_zero,
+        BITS=bits, D=D, DP=_next_pow2(D), num_warps=4,
+    )
+
