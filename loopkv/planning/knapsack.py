@@ -149,7 +149,7 @@ def _mckp(
     reachable = np.isfinite(best)
     if not reachable.any():
         raise _Infeasible(None)
-    feasible = best + base_damage <= max_damage * (1.0 + DAMAGE_RTOL)
+    feasible = reachable & (best + base_damage <= max_damage * (1.0 + DAMAGE_RTOL))
     if not feasible.any():
         raise _Infeasible(float(best[reachable].min()) + base_damage)
     S, X = np.nonzero(feasible)
