@@ -45,15 +45,40 @@ class PlanEnvironmentWarning(UserWarning):
     """A plan file was written by a different environment (e.g. another loopkv version)."""
 
 
+class FrozenMapping(Mapping):
+    """A read-only mapping (unlike ``MappingProxyType``, it pickles and deep-copies, so a plan can be
+    saved with ``torch.save`` or copied with the cache that holds it)."""
+
+    __slots__ = ("_data",)
+
+    def __init__(self, data: Mapping[str, Any] = MappingProxyType({})) -> None:
+        self._data = dict(data)
+
+    def __getitem__(self, key: str) -> Any:
+        return self._data[key]
+
+    def __iter__(self):
+        return iter(self._data)
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+    def __repr__(self) -> str:
+        return repr(self._data)
+
+    def __reduce__(self):
+        return (FrozenMapping, (self._data,))
+
+
 def _freeze(value: Any, where: str) -> Any:
-    """A deep read-only copy of a JSON-like value: dicts -> MappingProxyType, lists -> tuples."""
+    """A deep read-only copy of a JSON-like value: dicts -> FrozenMapping, lists -> tuples."""
     if isinstance(value, Mapping):
         out = {}
         for key, item in value.items():
             if not isinstance(key, str):
                 raise ValueError(f"{where} keys must be str (JSON objects), got {key!r}")
             out[key] = _freeze(item, f"{where}[{key!r}]")
-        return MappingProxyType(out)
+        return FrozenMapping(out)
     if isinstance(value, (list, tuple)):
         return tuple(_freeze(item, f"{where}[{i}]") for i, item in enumerate(value))
     if isinstance(value, float) and not math.isfinite(value):

@@ -1,7 +1,10 @@
 """Plan: validation, presets, versioned JSON (round trip and hand edits), model checks."""
 
+import copy
+import dataclasses
 import json
 import math
+import pickle
 import warnings
 from types import SimpleNamespace
 
@@ -66,6 +69,10 @@ def test_plan_is_frozen_and_hashable():
     assert hash(plan) == hash(Plan.uniform(loops=2, layers=3))
     assert plan != Plan.uniform(loops=2, layers=3)  # provenance takes part in equality
     assert {plan: 1}[plan] == 1
+    # plans pickle and deep-copy (torch.save, copying a cache), equal to the original
+    assert pickle.loads(pickle.dumps(plan)) == plan
+    assert copy.deepcopy(plan) == plan
+    assert dataclasses.replace(plan, tau=3.0).provenance == plan.provenance
     # a list of options is accepted and stored as a tuple
     assert Plan(loops=1, layers=2, options=["int4", "int2"]).options == ("int4", "int2")
 
