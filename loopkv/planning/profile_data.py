@@ -120,9 +120,7 @@ class Profile:
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.loops < 2:
-            raise ValueError(
-                f"loops must be >= 2 (a final loop plus at least one planned loop), got {self.loops}"
-            )
+            raise ValueError(f"loops must be >= 2 (a final loop plus at least one planned loop), got {self.loops}")
         options, final_options = tuple(self.options), tuple(self.final_options)
         for name, opts, allowed in (
             ("options", options, PROFILE_OPTIONS),
@@ -138,9 +136,7 @@ class Profile:
         for key, value in dict(self.damage).items():
             key = (int(key[0]), str(key[1]))
             if key not in expected:
-                raise ValueError(
-                    f"damage key {key} is not a profiled (cell index, option) pair of this profile"
-                )
+                raise ValueError(f"damage key {key} is not a profiled (cell index, option) pair of this profile")
             damage[key] = _check_value(f"damage[{key}]", value)
         per_doc = {}
         for key, values in dict(self.per_document).items():
@@ -203,9 +199,7 @@ class Profile:
         for option, grid in damage.items():
             rows = [list(map(float, row)) for row in grid]
             if len(rows) != loops - 1 or any(len(r) != layers for r in rows):
-                raise ValueError(
-                    f"damage[{option!r}] must have shape [loops-1, layers] = [{loops - 1}, {layers}]"
-                )
+                raise ValueError(f"damage[{option!r}] must have shape [loops-1, layers] = [{loops - 1}, {layers}]")
             for t, row in enumerate(rows):
                 for layer, v in enumerate(row):
                     table[(t * layers + layer, option)] = v
@@ -311,9 +305,7 @@ class Profile:
                 diffs.append(f"{name}: {getattr(self, name)} vs {getattr(other, name)}")
         for key in SETUP_KEYS:
             if self.provenance.get(key) != other.provenance.get(key):
-                diffs.append(
-                    f"provenance[{key!r}]: {self.provenance.get(key)!r} vs {other.provenance.get(key)!r}"
-                )
+                diffs.append(f"provenance[{key!r}]: {self.provenance.get(key)!r} vs {other.provenance.get(key)!r}")
         return diffs
 
     def content_hash(self) -> str:
@@ -358,7 +350,19 @@ class Profile:
                 f"profile _version {obj.get('_version')!r} is not supported (this loopkv reads version "
                 f"{PROFILE_VERSION}); re-profile, or upgrade loopkv"
             )
-        d = obj["_data"]
+        d = obj.get("_data")
+        if not isinstance(d, Mapping):
+            raise ValueError("profile file has no '_data' object")
+        try:
+            return cls._from_data(d)
+        except (KeyError, TypeError) as err:
+            raise ValueError(
+                f"profile file _data is malformed ({type(err).__name__}: {err}); see the "
+                "format in loopkv.planning.profile_data"
+            ) from err
+
+    @classmethod
+    def _from_data(cls, d: Mapping[str, Any]) -> Profile:
         loops, layers = int(d["loops"]), int(d["layers"])
         options, final_options = tuple(d["options"]), tuple(d.get("final_options", ()))
         damage: dict[DamageKey, float] = {}
@@ -421,9 +425,7 @@ class Profile:
     def _expected_keys(self) -> set[DamageKey]:
         return set(self._ordered_keys())
 
-    def _grid(
-        self, table: Mapping[DamageKey, Any], option: str, loops: Iterable[int], *, seq: bool = False
-    ) -> list:
+    def _grid(self, table: Mapping[DamageKey, Any], option: str, loops: Iterable[int], *, seq: bool = False) -> list:
         conv = (lambda v: list(v)) if seq else (lambda v: v)
         return [
             [
