@@ -44,6 +44,7 @@ from typing import Any
 import numpy as np
 
 from loopkv.cells import Cell
+from loopkv.planning import bytes as _bytes
 from loopkv.planning.profile_data import Profile
 
 # Bits per K/V element, metadata included (DESIGN.md §3). 1 unit = 1 bit per element = E/8 bytes.
@@ -63,14 +64,19 @@ PRESETS: Mapping[str, Mapping[str, Any]] = {
 }
 
 
-def unit_kib(kv_heads: int, head_dim: int) -> float:
-    """KiB per byte unit (one bit per K/V element of one token and cell): ``2*kv_heads*head_dim/8/1024``."""
-    return 2 * kv_heads * head_dim / 8 / 1024
+def unit_kib_of(profile_or_plan: Any) -> float:
+    """KiB per byte unit for the KV shape of a Profile or a Plan (which must record kv_heads and
+    head_dim): one bit per K/V element of one token and cell, ``2 * kv_heads * head_dim / 8 / 1024``,
+    the same unit as :func:`loopkv.planning.bytes.unit_kib` (0.5 KiB for Ouro-1.4B)."""
+    x = profile_or_plan
+    if getattr(x, "kv_heads", None) is None or getattr(x, "head_dim", None) is None:
+        raise ValueError("unit_kib_of needs an object that records kv_heads and head_dim (a Profile or a Plan)")
+    return _bytes.unit_kib(_bytes.ModelShape(x.loops, x.layers, x.kv_heads, x.head_dim))
 
 
 def plan_units(plan: Any) -> tuple[int, int]:
     """``(stored, read)`` per history token of ``plan`` in byte units (see the module docstring), at
-    ``tau = inf``; multiply by :func:`unit_kib` for KiB."""
+    ``tau = inf``; multiply by :func:`unit_kib_of` for KiB."""
     stored = read = 0
     layers, final = plan.layers, plan.loops - 1
     for index, option in enumerate(plan.options):
@@ -93,9 +99,7 @@ def predicted_damage(profile: Profile, plan: Any) -> float:
     layout, final = profile.layout, profile.loops - 1
     cells = [layout.cell(i) for i in range(layout.num_cells)]
     nonfinal = sum(profile.damage_of(c, plan.options[i]) for i, c in enumerate(cells) if c.loop != final)
-    return nonfinal + sum(
-        profile.damage_of(c, plan.options[i]) for i, c in enumerate(cells) if c.loop == final
-    )
+    return nonfinal + sum(profile.damage_of(c, plan.options[i]) for i, c in enumerate(cells) if c.loop == final)
 
 
 # ---------------------------------------------------------------------------------------------- core DP
@@ -238,9 +242,7 @@ def solve_layerwise(
         ],
         dtype=np.float64,
     )
-    stored = np.array(
-        [[0 if o == "share" else nl * OPTION_UNITS[o] for o in opts]] * profile.layers, np.int64
-    )
+    stored = np.array([[0 if o == "share" else nl * OPTION_UNITS[o] for o in opts]] * profile.layers, np.int64)
     extra = np.array([[nl * fu if o == "share" else 0 for o in opts]] * profile.layers, dtype=np.int64)
     choice = _run(profile, damage, stored, extra, budget, final_option, opts)
     options_out = [opts[choice[layer]] for _ in range(nl) for layer in range(profile.layers)]
@@ -260,9 +262,7 @@ def solve_preset(profile: Profile, preset: str, **overrides: Any) -> Any:
     """
     key = preset.lower() if isinstance(preset, str) else preset
     if key not in PRESETS:
-        raise ValueError(
-            f"preset must be one of {sorted(PRESETS)} (read- or memory-optimized), got {preset!r}"
-        )
+        raise ValueError(f"preset must be one of {sorted(PRESETS)} (read- or memory-optimized), got {preset!r}")
     kwargs = dict(PRESETS[key])
     if "max_stored_kib" in overrides:
         kwargs.pop("storage_fraction", None)
@@ -282,9 +282,7 @@ def _check_args(profile: Profile, final_option: str, options: Iterable[str], tau
             f"final_option must be one of {FINAL_OPTIONS} (the final loop cannot share), got {final_option!r}"
         )
     if final_option == "int2" and profile.final_int2 is None:
-        raise ValueError(
-            "final_option='int2' needs the profile's final_int2 damages; profile the final loop at int2"
-        )
+        raise ValueError("final_option='int2' needs the profile's final_int2 damages; profile the final loop at int2")
     opts = tuple(options) if not isinstance(options, str) else (options,)
     if not opts or len(set(opts)) != len(opts) or any(o not in SOLVER_OPTIONS for o in opts):
         raise ValueError(f"options must be distinct values from {SOLVER_OPTIONS}, got {options!r}")
@@ -297,21 +295,17 @@ def _check_args(profile: Profile, final_option: str, options: Iterable[str], tau
     return opts
 
 
-def _budgets(
-    profile: Profile, max_damage: float, unit: str, max_kib: float | None, frac: float | None
-) -> dict:
+def _budgets(profile: Profile, max_damage: float, unit: str, max_kib: float | None, frac: float | None) -> dict:
     if unit not in DAMAGE_UNITS:
         raise ValueError(f"damage_unit must be one of {DAMAGE_UNITS}, got {unit!r}")
     if not isinstance(max_damage, (int, float)) or math.isnan(max_damage) or max_damage < 0:
         raise ValueError(f"max_damage must be a number >= 0 (math.inf: no damage budget), got {max_damage!r}")
     if unit == "kl_share" and profile.kl_share is None:
-        raise ValueError(
-            "damage_unit='kl_share' needs the profile's kl_share; measure it or pass damage_unit='abs'"
-        )
+        raise ValueError("damage_unit='kl_share' needs the profile's kl_share; measure it or pass damage_unit='abs'")
     eps = float(max_damage) * (profile.kl_share if unit == "kl_share" else 1.0)
     if max_kib is not None and frac is not None:
         raise ValueError("pass max_stored_kib or storage_fraction, not both")
-    ukib = unit_kib(profile.kv_heads, profile.head_dim)
+    ukib = unit_kib_of(profile)
     uniform_int4 = profile.loops * profile.layers * OPTION_UNITS["int4"]
     m_units = None
     if max_kib is not None:
@@ -320,9 +314,7 @@ def _budgets(
         m_units = None if math.isinf(max_kib) else math.floor(max_kib / ukib * (1 + _KIB_RTOL))
     if frac is not None:
         if not isinstance(frac, (int, float)) or math.isnan(frac) or frac < 0:
-            raise ValueError(
-                f"storage_fraction must be a number >= 0 (of uniform INT4 storage), got {frac!r}"
-            )
+            raise ValueError(f"storage_fraction must be a number >= 0 (of uniform INT4 storage), got {frac!r}")
         m_units = None if math.isinf(frac) else math.floor(frac * uniform_int4 * (1 + _KIB_RTOL))
     return {
         "eps": eps,
@@ -330,9 +322,7 @@ def _budgets(
         "unit_kib": ukib,
         "record": {
             "max_damage": None if math.isinf(eps) else eps,
-            "max_damage_kl_share": None
-            if math.isinf(eps) or not profile.kl_share
-            else eps / profile.kl_share,
+            "max_damage_kl_share": None if math.isinf(eps) or not profile.kl_share else eps / profile.kl_share,
             "damage_unit": unit,
             "max_stored_kib": None if m_units is None else m_units * ukib,
             "storage_fraction": None if frac is None or math.isinf(frac) else float(frac),
@@ -408,10 +398,7 @@ def _make_plan(profile, options_out, budget, final_option, opts, tau, hot, granu
             for i, o in enumerate(options_out)
             if (
                 o == "int4"
-                or (
-                    o == "share"
-                    and options_out[(profile.loops - 1) * profile.layers + i % profile.layers] == "int4"
-                )
+                or (o == "share" and options_out[(profile.loops - 1) * profile.layers + i % profile.layers] == "int4")
             )
         )
         predicted["read_kib_v_precision"] = (r_units - (1.0 - hot) * int4_reads) * ukib
@@ -419,8 +406,7 @@ def _make_plan(profile, options_out, budget, final_option, opts, tau, hot, granu
     exact_vp = "bf16" not in opts and final_option != "bf16"
     provenance = {
         "solver": f"loopkv.planning.knapsack.{'solve' if granularity == 'cell' else 'solve_layerwise'}",
-        "method": "exact two-constraint multiple-choice knapsack (DP over byte units), one option per "
-        + granularity,
+        "method": "exact two-constraint multiple-choice knapsack (DP over byte units), one option per " + granularity,
         "objective": "min read bytes at tau=inf" + (" (also optimal with V precision)" if exact_vp else ""),
         "budgets": budget["record"],
         "final_option": final_option,

@@ -14,7 +14,8 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from loopkv.planning.knapsack import OPTION_UNITS, plan_units, predicted_damage, unit_kib
+from loopkv.planning.bytes import ModelShape, unit_kib
+from loopkv.planning.knapsack import OPTION_UNITS, plan_units, predicted_damage
 from loopkv.planning.profile_data import PROFILE_TYPE, Profile, config_shape
 
 CODES = {"bf16": "B", "int4": "4", "int2": "2", "share": "S"}
@@ -57,18 +58,15 @@ def format_plan(plan: Any, *, config_or_shape: Any = None, profile: Profile | No
     used = [o for o in CODES if o in plan.options]
     lines.append("legend: " + ", ".join(f"{CODES[o]} = {o} ({LEGEND[o]})" for o in used))
     if shape is not None:
-        ukib = unit_kib(*shape)
+        ukib = unit_kib(ModelShape(T, L, *shape))
         stored, read = plan_units(plan)
         uniform = T * L * OPTION_UNITS["int4"] * ukib
         text = f"stored / read: {stored * ukib:g} / {read * ukib:g} KiB per history token"
-        lines.append(
-            text + f" (uniform INT4: {uniform:g} / {uniform:g}; {stored / (T * L * 5):.3f} of its storage)"
-        )
+        lines.append(text + f" (uniform INT4: {uniform:g} / {uniform:g}; {stored / (T * L * 5):.3f} of its storage)")
         vp = plan.predicted.get("read_kib_v_precision")
         if vp is not None:
             lines.append(
-                f"read with V precision: {vp:g} KiB at hot fraction "
-                f"{plan.predicted.get('hot_fraction', 1.0):.3g}"
+                f"read with V precision: {vp:g} KiB at hot fraction {plan.predicted.get('hot_fraction', 1.0):.3g}"
             )
     else:
         lines.append("stored / read: unknown KV shape (pass config_or_shape= or a profile)")
@@ -225,8 +223,7 @@ def _matplotlib() -> dict[str, Any]:
         from matplotlib.patches import Patch
     except ImportError as err:
         raise ImportError(
-            "plotting needs matplotlib, which is not installed: pip install 'loopkv[plot]' "
-            "(or pip install matplotlib)"
+            "plotting needs matplotlib, which is not installed: pip install 'loopkv[plot]' (or pip install matplotlib)"
         ) from err
     return {"Figure": Figure, "ListedColormap": ListedColormap, "LogNorm": LogNorm, "Patch": Patch, "np": np}
 
@@ -254,9 +251,7 @@ def _per_loop_damage(profile: Profile | None, plan: Any) -> list[str] | None:
     kl, L = profile.kl_share, plan.layers
     out = []
     for t in range(plan.loops):
-        total = math.fsum(
-            profile.damage_of(profile.layout.cell(t * L + i), plan.options[t * L + i]) for i in range(L)
-        )
+        total = math.fsum(profile.damage_of(profile.layout.cell(t * L + i), plan.options[t * L + i]) for i in range(L))
         out.append(f"{total / kl:.3g} KL_share" if kl else f"{total:.3g}")
     return out
 
