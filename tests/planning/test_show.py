@@ -1,6 +1,7 @@
 """show: the text grid has every cell's code and the right totals; PNGs are written."""
 
 import math
+import sys
 
 import numpy as np
 import pytest
@@ -121,3 +122,12 @@ def test_plots_write_png(tmp_path):
     partial = Profile.partial(loops=3, layers=2, kv_heads=1, head_dim=32).with_damage(Cell(0, 0), "int4", 0.0)
     plot_profile(partial, tmp_path / "partial.png")  # unmeasured cells and all-zero values draw too
     assert (tmp_path / "partial.png").stat().st_size > 0
+
+
+def test_plot_without_matplotlib_names_the_fix(monkeypatch, tmp_path):
+    for name in ("matplotlib", "matplotlib.colors", "matplotlib.figure", "matplotlib.patches"):
+        monkeypatch.setitem(sys.modules, name, None)  # import -> ImportError, as if not installed
+    plan = Plan.uniform(loops=2, layers=2)
+    with pytest.raises(ImportError, match=r"pip install 'loopkv\[plot\]'"):
+        plot_plan(plan, tmp_path / "x.png")
+    assert not (tmp_path / "x.png").exists()
