@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from loopkv.ops.cache_ops import append_reference, write_pages_reference
 from loopkv.ops.codec import EPS, FP16_MAX, GROUP, PAGE, SINK, WINDOW
 from loopkv.ops.layout import RING, capacity
 from loopkv.ops.triton_register import counters
@@ -207,19 +208,26 @@ def _check_bits(bits: int, allowed: tuple[int, ...]) -> None:
         raise ValueError(f"bits must be one of {allowed}, got {bits}")
 
 
+def _all_contiguous(*tensors: Tensor) -> bool:
+    return all(t.is_contiguous() for t in tensors)
+
+
 def write_pages(
     k: Tensor, v: Tensor, pages: Tensor, k_pages: Tensor, k_scale: Tensor, k_zero: Tensor,
     v_hi: Tensor, v_lo: Tensor, v_scale: Tensor, v_zero: Tensor, bits: int,
 ) -> None:
     """Triton ``write_pages_``: encode ``k, v`` [n, H, PAGE, D] into physical ``pages`` (int [n]).
 
-    Pool tensors must be contiguous (they are the cache's preallocated storage).
+    Pool tensors are the cache's contiguous storage; non-contiguous ones fall back to the reference.
     """
     _check_bits(bits, (16, 4, 2))
     n, H, P, D = k.shape
     if P != PAGE or v.shape != k.shape:
         raise ValueError(f"k and v must be [n, H, {PAGE}, D] alike, got {tuple(k.shape)}, {tuple(v.shape)}")
     if n == 0:
+        return
+    if not _all_contiguous(k_pages, k_scale, k_zero, v_hi, v_lo, v_scale, v_zero):
+        write_pages_reference(k, v, pages, k_pages, k_scale, k_zero, v_hi, v_lo, v_scale, v_zero, bits)
         return
     _write_pages_kernel[(n, H)](
         k, v, pages, *k.stride(), *v.stride(), H,
@@ -235,13 +243,19 @@ def append(
 ) -> None:
     """Triton ``append_``: k_new, v_new [B, H, 1, D]; one launch, predicated per row on the device.
 
-    Storage tensors (sink, ring, lengths, page table, pool) must be contiguous.
+    Storage tensors (sink, ring, lengths, page table, pool) are contiguous in the cache; otherwise this
+    falls back to the reference.
     """
     _check_bits(bits, (16, 4, 2, 0))
     B, H, one, D = k_new.shape
     if one != 1:
         raise ValueError(f"append_ takes one token per row: k_new [B, H, 1, D], got {tuple(k_new.shape)}")
     if B == 0:
+        return
+    if not _all_contiguous(sink_k, sink_v, win_k, win_v, lengths, page_table, k_pages, k_scale, k_zero,
+                           v_hi, v_lo, v_scale, v_zero):
+        append_reference(k_new, v_new, sink_k, sink_v, win_k, win_v, lengths, page_table, k_pages, k_scale,
+                         k_zero, v_hi, v_lo, v_scale, v_zero, bits)
         return
     maxp = page_table.shape[1]
     if maxp == 0:
