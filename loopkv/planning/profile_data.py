@@ -88,7 +88,7 @@ def _check_value(name: str, value: float) -> float:
     return value
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Profile:
     """Single-cell damages of one model (see the module docstring for the layout and JSON).
 
