@@ -1,0 +1,247 @@
+"""Triton fused cell attention against a float64 re-computation of the same stored state.
+
+Interpreted tests run on CPU under ``TRITON_INTERPRET=1`` (set below before ``loopkv.ops.triton_attention``
+is imported, on machines without CUDA; Triton reads it when the kernels are decorated). GPU tests
+(``@pytest.mark.gpu``) run the compiled kernel at real shapes, and inside a CUDA graph with the append.
+
+Tolerances: fp32 inputs run every product in fp32 (``ATTN_FP32_*``); bf16 inputs run the tensor-core
+path with fp16 operands (``q * k_scale`` and ``p * v_scale`` rounded to fp16, relative 2**-11, far
+below the one bf16 rounding of the output that ``ATTN_BF16_*`` allows).
+"""
+
+import math
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+triton = pytest.importorskip("triton")
+
+from loopkv.ops import codec, layout  # noqa: E402
+from loopkv.ops import triton_attention as ta  # noqa: E402
+from loopkv.ops.cell_attention import cell_attention_reference  # noqa: E402
+from tests.tolerances import ATTN_BF16_ATOL, ATTN_BF16_RTOL, ATTN_FP32_ATOL, ATTN_FP32_RTOL  # noqa: E402
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+interpret = pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1 (set on machines without CUDA)")
+INF = math.inf
+
+
+def make_cell(batch, heads, head_dim, maxp, bits, lengths, *, dtype=torch.float32, device="cpu",
+              pool_pages=None, page_table=None, seed=0):
+    """Storage of one cell in the op's argument order (after q): sink_k, sink_v, win_k, win_v, lengths,
+    page_table, k_pages, k_scale, k_zero, v_hi, v_lo, v_scale, v_zero. Pages are real codes of random
+    K (per-channel offsets and spreads, like real keys) and V."""
+    g = torch.Generator().manual_seed(seed)
+    n = batch * maxp if pool_pages is None else pool_pages
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=g)
+
+    exact = [rnd(batch, heads, 32, head_dim), rnd(batch, heads, 32, head_dim),
+             rnd(batch, heads, layout.RING, head_dim), rnd(batch, heads, layout.RING, head_dim)]
+    exact[0] += rnd(1, heads, 1, head_dim)  # a shared per-channel offset in the sink keys
+    if page_table is None:
+        page_table = torch.arange(batch * maxp).view(batch, maxp).flip(1).contiguous()
+    k = rnd(n, heads, 32, head_dim) * (0.5 + 2 * torch.rand(n, heads, 1, head_dim, generator=g))
+    k += rnd(n, heads, 1, head_dim)
+    v = rnd(n, heads, 32, head_dim)
+    if bits == 16:
+        pool = [k.to(dtype), torch.empty(0, dtype=torch.float16), torch.empty(0, dtype=torch.float16), v.to(dtype),
+                torch.empty(0, dtype=torch.uint8), torch.empty(0, dtype=torch.float16),
+                torch.empty(0, dtype=torch.float16)]
+    else:
+        pool = list(codec.encode_pages(k.to(dtype), v.to(dtype), bits))
+    st = [t.to(dtype) for t in exact] + [torch.tensor(lengths, dtype=torch.int32), page_table.int()] + pool
+    return [t.to(device) for t in st]
+
+
+def reference64(q, st, bits, tau, scale):
+    """The reference on the same stored state, in float64 (exact parts and q upcast; codes as stored)."""
+    up = [t.double() if t.is_floating_point() and t.dtype != torch.float16 else t for t in st]
+    return cell_attention_reference(q.double(), *up, bits, tau, scale)
+
+
+def assert_close_to_reference(out, q, st, bits, tau, scale):
+    want = reference64(q.cpu(), [t.cpu() for t in st], bits, tau, scale)
+    if q.dtype == torch.float32:
+        atol, rtol = ATTN_FP32_ATOL, ATTN_FP32_RTOL
+    else:
+        atol, rtol = ATTN_BF16_ATOL, ATTN_BF16_RTOL
+    assert out.dtype == q.dtype
+    assert out.shape == q.shape
+    torch.testing.assert_close(out.cpu().double(), want, atol=atol, rtol=rtol)
+
+
+# lengths: empty, inside the sink, window only, exactly one page, pages + a partial page
+LENGTHS = [0, 17, 320, 288 + 32 * 3 + 5]
+CASES = [  # bits, tau, query heads per KV head, head_dim, dtype
+    (4, INF, 1, 128, torch.float32),
+    (4, 14.0, 2, 64, torch.float32),
+    (4, 0.0, 2, 64, torch.float32),
+    (4, 14.0, 3, 96, torch.float32),
+    (2, INF, 1, 64, torch.float32),
+    (16, INF, 2, 64, torch.float32),
+    (4, 14.0, 1, 128, torch.bfloat16),
+    (2, INF, 2, 64, torch.bfloat16),
+    (16, INF, 1, 64, torch.bfloat16),
+]
+
+
+@interpret
+@pytest.mark.interpret
+@pytest.mark.parametrize(("bits", "tau", "group", "head_dim", "dtype"), CASES)
+def test_matches_reference(bits, tau, group, head_dim, dtype):
+    heads, maxp = 2, 4
+    st = make_cell(len(LENGTHS), heads, head_dim, maxp, bits, LENGTHS, dtype=dtype, seed=bits + head_dim)
+    q = torch.randn(len(LENGTHS), heads * group, head_dim).to(dtype)
+    scale = head_dim**-0.5
+    out = ta.cell_attention(q, *st, bits, tau, scale, splits=2)
+    assert_close_to_reference(out, q, st, bits, tau, scale)
+    assert torch.equal(out[0], torch.zeros_like(out[0]))  # length 0 -> zeros
+
+
+@interpret
+@pytest.mark.interpret
+def test_splits_and_window_only_rows():
+    """1 split, more splits than pages; a row with a window but no history page (300 tokens)."""
+    lengths = [300, 288 + 32 * 3, 1]
+    st = make_cell(3, 2, 64, 3, 4, lengths, seed=3)
+    q = torch.randn(3, 2, 64)
+    outs = [ta.cell_attention(q, *st, 4, 14.0, 0.125, splits=s) for s in (1, 5)]
+    for out in outs:
+        assert_close_to_reference(out, q, st, 4, 14.0, 0.125)
+
+
+@interpret
+@pytest.mark.interpret
+def test_v_precision_reads_cold_tokens_and_huge_tau_is_plain_int4():
+    """tau = 0 marks tokens cold (the output moves, and still matches the reference); a finite tau no
+    token can reach runs the V-precision code path yet gives the plain INT4 reader's bits (tau = inf)."""
+    lengths = [288 + 32 * 2 + 3, 288 + 32 * 3]
+    st = make_cell(2, 2, 64, 3, 4, lengths, seed=4)
+    q = 3 * torch.randn(2, 4, 64)
+    plain = ta.cell_attention(q, *st, 4, INF, 0.125, splits=2)
+    huge = ta.cell_attention(q, *st, 4, 1e30, 0.125, splits=2)
+    assert torch.equal(plain, huge)
+    cold = ta.cell_attention(q, *st, 4, 0.0, 0.125, splits=2)
+    assert (cold - plain).abs().max() > 1e-3
+    assert_close_to_reference(cold, q, st, 4, 0.0, 0.125)
+
+
+@interpret
+@pytest.mark.interpret
+@pytest.mark.parametrize("bits", [4, 2])
+def test_shared_cell_reads_another_pool(bits):
+    """A shared cell's page table points into the final loop's pool: pages out of order, two rows on
+    the same physical pages, a pool larger than batch * maxp."""
+    page_table = torch.tensor([[6, 2, 9], [6, 2, 0], [1, 1, 1]])
+    lengths = [288 + 32 * 3 + 7, 288 + 32 * 2 + 1, 288 + 32]
+    st = make_cell(3, 2, 64, 3, bits, lengths, pool_pages=10, page_table=page_table, seed=5)
+    q = torch.randn(3, 2, 64)
+    out = ta.cell_attention(q, *st, bits, 14.0, 0.125, splits=2)
+    assert_close_to_reference(out, q, st, bits, 14.0, 0.125)
+
+
+@interpret
+@pytest.mark.interpret
+def test_repeated_calls_reset_the_merge_counters():
+    st = make_cell(2, 2, 64, 2, 4, [288 + 64, 100], seed=6)
+    q = torch.randn(2, 2, 64)
+    first = ta.cell_attention(q, *st, 4, INF, 0.125, splits=3)
+    second = ta.cell_attention(q, *st, 4, INF, 0.125, splits=3)
+    assert torch.equal(first, second)
+    assert int(ta.counters("cpu", 4, purpose="attention")[:4].abs().sum()) == 0
+
+
+@interpret
+@pytest.mark.interpret
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", range(6))
+def test_random_shapes(seed):
+    g = torch.Generator().manual_seed(seed)
+
+    def pick(xs):
+        return xs[int(torch.randint(len(xs), (1,), generator=g))]
+
+    bits, group, head_dim = pick([4, 2, 16]), pick([1, 2, 4]), pick([64, 96, 128])
+    tau = pick([INF, 14.0, 0.0]) if bits == 4 else INF
+    heads, maxp, batch = pick([1, 2]), pick([1, 3, 5]), pick([1, 3])
+    lengths = torch.randint(0, layout.capacity(maxp) + 1, (batch,), generator=g).tolist()
+    st = make_cell(batch, heads, head_dim, maxp, bits, lengths, seed=seed)
+    q = torch.randn(batch, heads * group, head_dim, generator=g)
+    out = ta.cell_attention(q, *st, bits, tau, head_dim**-0.5, splits=pick([1, 2, 4]))
+    assert_close_to_reference(out, q, st, bits, tau, head_dim**-0.5)
+
+
+# ---------------------------------------------------------------------------------------------- GPU
+
+GPU_CASES = [  # bits, tau, heads, group, head_dim, dtype
+    (4, INF, 16, 1, 128, torch.bfloat16),
+    (4, 14.0, 16, 1, 128, torch.bfloat16),
+    (2, INF, 16, 1, 128, torch.bfloat16),
+    (16, INF, 16, 1, 128, torch.bfloat16),
+    (4, 14.0, 4, 4, 256, torch.bfloat16),
+    (4, 14.0, 8, 2, 64, torch.float16),
+    (4, 14.0, 2, 3, 96, torch.bfloat16),
+    (4, 0.0, 16, 1, 128, torch.float32),
+    (2, INF, 4, 4, 256, torch.float32),
+    (16, INF, 8, 2, 64, torch.float32),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("bits", "tau", "heads", "group", "head_dim", "dtype"), GPU_CASES)
+def test_gpu_matches_reference(bits, tau, heads, group, head_dim, dtype):
+    maxp, batch = 48, 8
+    g = torch.Generator().manual_seed(bits * 7 + head_dim)
+    lengths = [0, 5, 300, 320] + torch.randint(320, layout.capacity(maxp) + 1, (batch - 4,), generator=g).tolist()
+    st = make_cell(batch, heads, head_dim, maxp, bits, lengths, dtype=dtype, device="cuda", seed=head_dim)
+    q = torch.randn(batch, heads * group, head_dim, generator=g).to(dtype).cuda()
+    scale = head_dim**-0.5
+    for splits in (None, 1, 7):
+        out = ta.cell_attention(q, *st, bits, tau, scale, splits=splits)
+        assert_close_to_reference(out, q, st, bits, tau, scale)
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_graph_replay_append_and_attention():
+    """append_ + cell_attention through the registered ops, captured once, replayed across window exits:
+    every replay matches the references run on a CPU mirror (counters reset by the kernels)."""
+    from loopkv.ops import cache_ops
+    from loopkv.ops.triton_register import register_triton_kernels
+
+    assert register_triton_kernels()
+    batch, heads, head_dim, maxp, bits, tau = 4, 16, 128, 12, 4, 14.0
+    lengths = [0, 300, 319, 288 + 32 * 8 + 30]
+    mirror = make_cell(batch, heads, head_dim, maxp, bits, lengths, dtype=torch.bfloat16, seed=11)
+    dev = [t.cuda() for t in mirror]
+    k_new = torch.zeros(batch, heads, 1, head_dim, dtype=torch.bfloat16, device="cuda")
+    v_new, q = torch.zeros_like(k_new), torch.zeros(batch, heads, head_dim, dtype=torch.bfloat16, device="cuda")
+
+    def step():
+        torch.ops.loopkv.append_(k_new, v_new, *dev[:6], *dev[6:], bits)
+        return torch.ops.loopkv.cell_attention(q, *dev, bits, tau, head_dim**-0.5)
+
+    warm = [t.clone() for t in dev]  # compile and allocate counters on a copy, outside the capture
+    torch.ops.loopkv.append_(k_new, v_new, *warm[:6], *warm[6:], bits)
+    torch.ops.loopkv.cell_attention(q, *warm, bits, tau, head_dim**-0.5)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    for _ in range(40):
+        kn, vn = torch.randn(batch, heads, 1, head_dim), torch.randn(batch, heads, 1, head_dim)
+        qn = torch.randn(batch, heads, head_dim)
+        k_new.copy_(kn)
+        v_new.copy_(vn)
+        q.copy_(qn)
+        graph.replay()
+        cache_ops.append_reference(kn.bfloat16(), vn.bfloat16(), *mirror[:6], *mirror[6:], bits)
+        want = reference64(qn.bfloat16(), mirror, bits, tau, head_dim**-0.5)
+        for a, b in zip(dev, mirror, strict=True):
+            assert torch.equal(a.cpu(), b)
+        torch.testing.assert_close(out.cpu().double(), want, atol=ATTN_BF16_ATOL, rtol=ATTN_BF16_RTOL)
