@@ -59,6 +59,8 @@ class OuroConfig(PreTrainedConfig):
     """Configuration of an Ouro model; field names are those of the released ``config.json``.
 
     Defaults are Ouro-1.4B's (L=24 layers, T=4 loops, 16 MHA heads x 128, vocab 49152, θ=1e6).
+    ``early_exit_threshold`` is kept for the file format only: inference always runs all T loops and reads
+    the final loop (the released value, 1.0, means exactly that), or loop ``exit_at_step`` when asked.
     Legacy ``rope_theta`` / ``rope_scaling`` keys (as in the released files) are folded into
     ``rope_parameters`` by transformers; only the default (unscaled) RoPE is supported.
     ``head_dim`` defaults to ``hidden_size // num_attention_heads``.
@@ -106,10 +108,11 @@ class OuroConfig(PreTrainedConfig):
                 else "full_attention"
                 for i in range(self.num_hidden_layers)
             ]
+        self._check_loops_and_heads()
         super().__post_init__(**kwargs)
 
-    def validate_loops(self):
-        """Part of ``@strict`` validation: loop count and head layout."""
+    def _check_loops_and_heads(self) -> None:
+        # a plain ValueError here: `validate_*` methods would raise huggingface_hub's own error type
         if self.total_ut_steps < 1:
             raise ValueError(f"total_ut_steps must be >= 1, got {self.total_ut_steps}")
         if self.num_attention_heads % self.num_key_value_heads != 0:
@@ -570,6 +573,9 @@ class OuroForCausalLM(OuroPreTrainedModel, GenerationMixin):
     def generate(self, inputs: torch.Tensor | None = None, generation_config=None, **kwargs: Any):
         """``GenerationMixin.generate``, refusing up front a request longer than the cache's capacity
         (``prompt length + max_new_tokens > cache.max_cache_len``)."""
+        if _OUTPUT_CACHE_FIELD == "cache" and "past_key_values" in kwargs:
+            # transformers >= ~5.2x renamed generate's cache argument; accept the old name without a warning
+            kwargs["cache"] = _pick_cache(kwargs.pop("past_key_values"), kwargs.get("cache"))
         cache = _pick_cache(kwargs.get("past_key_values"), kwargs.get("cache"))
         limit = _declared_max_cache_len(cache) if cache is not None else None
         if limit is not None:
