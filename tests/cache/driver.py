@@ -58,38 +58,63 @@ def effective_kv(cache, cell_index, row):
     n = int(st.lengths[row])
     npg = n_pages(n)
     H, D = cache.kv_heads, cache.head_dim
-    K = torch.zeros(H, n, D, dtype=torch.float64)
-    V = torch.zeros_like(K)
-    Vc = torch.zeros_like(K)
-    Vs = torch.zeros(H, n, D // codec.GROUP, dtype=torch.float64)
-    hist = torch.zeros(n, dtype=torch.bool)
     bits = st.read_bits
-    for pos in range(n):
-        if pos < SINK:
-            K[:, pos], V[:, pos] = st.sink_k[row, :, pos].double(), st.sink_v[row, :, pos].double()
-        elif pos >= SINK + PAGE * npg:
-            slot = (pos - SINK) % RING
-            K[:, pos], V[:, pos] = st.win_k[row, :, slot].double(), st.win_v[row, :, slot].double()
+    ns = min(n, SINK)
+    ws = SINK + PAGE * npg
+    slots = (torch.arange(ws, n) - SINK) % RING if n > ws else torch.arange(0)
+    Ks, Vs_ = [st.sink_k[row, :, :ns].double()], [st.sink_v[row, :, :ns].double()]
+    Kw, Vw = st.win_k[row, :, slots].double(), st.win_v[row, :, slots].double()
+    vscale = torch.zeros(H, n, D // codec.GROUP, dtype=torch.float64)
+    Vc = None
+    if npg:
+        phys = st.page_table[row, :npg].long()
+        if bits == 16:
+            Kh, Vh = st.k_pages[phys].double(), st.v_hi[phys].double()  # [npg, H, PAGE, D]
+            Vch = None
         else:
-            hist[pos] = True
-            p, t = divmod(pos - SINK, PAGE)
-            phys = int(st.page_table[row, p])
-            if bits == 16:
-                K[:, pos], V[:, pos] = st.k_pages[phys, :, t].double(), st.v_hi[phys, :, t].double()
-                continue
-            kc = codec.unpack(st.k_pages[phys, :, t], bits).double()  # [H, D]
-            K[:, pos] = kc * st.k_scale[phys].double() + st.k_zero[phys].double()
-            vs = st.v_scale[phys, :, t].double().repeat_interleave(codec.GROUP, -1)  # [H, D]
-            vz = st.v_zero[phys, :, t].double().repeat_interleave(codec.GROUP, -1)
-            Vs[:, pos] = st.v_scale[phys, :, t].double()
-            hi = codec.unpack(st.v_hi[phys, :, t], 2).double()
+            kc = codec.unpack(st.k_pages[phys], bits).double()
+            Kh = kc * st.k_scale[phys].double()[:, :, None] + st.k_zero[phys].double()[:, :, None]
+            vsc = st.v_scale[phys].double()  # [npg, H, PAGE, D/G]
+            vs = vsc.repeat_interleave(codec.GROUP, -1)
+            vz = st.v_zero[phys].double().repeat_interleave(codec.GROUP, -1)
+            hi = codec.unpack(st.v_hi[phys], 2).double()
             if bits == 4:
-                lo = codec.unpack(st.v_lo[phys, :, t], 2).double()
-                V[:, pos] = (4 * hi + lo) * vs + vz
-                Vc[:, pos] = (4 * hi + 1.5) * vs + vz
+                lo = codec.unpack(st.v_lo[phys], 2).double()
+                Vh, Vch = (4 * hi + lo) * vs + vz, (4 * hi + 1.5) * vs + vz
             else:
-                V[:, pos] = hi * vs + vz
-    return K, V, (Vc if bits == 4 else None), Vs, hist
+                Vh, Vch = hi * vs + vz, None
+            vscale[:, SINK:ws] = vsc.permute(1, 0, 2, 3).reshape(H, npg * PAGE, -1)
+
+        def flat(t):
+            return t.permute(1, 0, 2, 3).reshape(H, npg * PAGE, D)
+
+        Ks.append(flat(Kh))
+        Vs_.append(flat(Vh))
+        if Vch is not None:
+            Vc = torch.cat([Vs_[0], flat(Vch), Vw], dim=1)
+    K = torch.cat(Ks + [Kw], dim=1)
+    V = torch.cat(Vs_ + [Vw], dim=1)
+    if bits == 4 and Vc is None:
+        Vc = V.clone()
+    hist = torch.zeros(n, dtype=torch.bool)
+    hist[SINK:ws] = True
+    return K, V, (Vc if bits == 4 else None), vscale, hist
+
+
+def cold_tokens(s, hist, tau):
+    """DESIGN.md §7 cold rule in float64. s [H, g, n] scores; -> bool [H, n] (cold for every query head)."""
+    H, _, n = s.shape
+    cold = torch.zeros(H, n, dtype=torch.bool)
+    if not math.isfinite(tau) or not hist.any():
+        return cold
+    sink_max = s[..., : min(n, SINK)].amax(-1)  # [H, g]
+    ws = int(torch.nonzero(hist).max()) + 1
+    npg = (ws - SINK) // PAGE
+    pages = s[..., SINK:ws].unflatten(-1, (npg, PAGE))  # [H, g, npg, PAGE]
+    m_ref = torch.maximum(sink_max[..., None], pages.amax(-1))  # [H, g, npg]
+    cold_q = pages < (m_ref - tau * math.log(2))[..., None]
+    cold[:, SINK:ws] = cold_q.all(dim=1).flatten(1)
+    return cold
 
 
 def attention64(cache, cell_index, q, scale, tau):
@@ -102,15 +127,8 @@ def attention64(cache, cell_index, q, scale, tau):
         K, V, Vc, _, hist = effective_kv(cache, cell_index, b)
         qq = q[b].double().view(H, g, D)
         s = torch.einsum("hgd,hnd->hgn", qq, K) * scale  # [H, g, n]
-        if Vc is not None and math.isfinite(tau):
-            sink_max = s[..., : min(K.shape[1], SINK)].amax(-1)  # [H, g]
-            cold = torch.zeros(H, K.shape[1], dtype=torch.bool)
-            for pos in torch.nonzero(hist).flatten().tolist():
-                p = (pos - SINK) // PAGE
-                lo, hi_ = SINK + PAGE * p, SINK + PAGE * (p + 1)
-                m_ref = torch.maximum(sink_max, s[..., lo:hi_].amax(-1))  # [H, g]
-                cold[:, pos] = (s[..., pos] < m_ref - tau * math.log(2)).all(dim=-1)
-            V = torch.where(cold[..., None], Vc, V)
+        if Vc is not None:
+            V = torch.where(cold_tokens(s, hist, tau)[..., None], Vc, V)
         a = torch.softmax(s, dim=-1)
         outs.append(torch.einsum("hgn,hnd->hgd", a, V).reshape(Hq, D))
         weights.append(a)
