@@ -26,10 +26,11 @@ _LAZY = {
 __all__ = sorted(_LAZY) + ["__version__"]
 
 if TYPE_CHECKING:
-    from loopkv.cache.attention import register
-    from loopkv.cache.loop_cache import LoopKVCache
-    from loopkv.cells import Cell, CellLayout
-    from loopkv.planning.plan import Plan
+    from loopkv.cache.attention import register as register
+    from loopkv.cache.loop_cache import LoopKVCache as LoopKVCache
+    from loopkv.cells import Cell as Cell
+    from loopkv.cells import CellLayout as CellLayout
+    from loopkv.planning.plan import Plan as Plan
 
 
 def __getattr__(name: str) -> Any:

@@ -6,8 +6,9 @@ module boundary as cell identities: use :class:`Cell` and :class:`CellLayout`.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator, NamedTuple
+from typing import NamedTuple
 
 
 class Cell(NamedTuple):

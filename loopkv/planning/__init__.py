@@ -23,8 +23,9 @@ from loopkv.planning.plan import OPTIONS, Plan, PlanEnvironmentWarning
 
 _LAZY = {
     "profile": ("loopkv.planning.profile", "profile"),
-    "Profile": ("loopkv.planning.profile", "Profile"),
+    "Profile": ("loopkv.planning.profile_data", "Profile"),
     "solve": ("loopkv.planning.knapsack", "solve"),
+    "solve_preset": ("loopkv.planning.knapsack", "solve_preset"),
     "solve_layerwise": ("loopkv.planning.knapsack", "solve_layerwise"),
     "measure_kl": ("loopkv.planning.evaluate", "measure_kl"),
 }
