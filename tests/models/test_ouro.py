@@ -283,9 +283,16 @@ def greedy_recompute(model, ids, mask, steps):
     return ids
 
 
-@pytest.mark.parametrize("heads", [(2, 2), (4, 2)], ids=["mha", "gqa"])
-def test_generate_matches_recompute(heads):
-    cfg = generation_config_dict(num_attention_heads=heads[0], num_key_value_heads=heads[1])
+GENERATION_SHAPES = {
+    "mha": {},
+    "gqa": {"num_attention_heads": 4, "num_key_value_heads": 2},
+    "sliding": {"use_sliding_window": True, "sliding_window": 3, "max_window_layers": 1, "layer_types": None},
+}
+
+
+@pytest.mark.parametrize("shape", list(GENERATION_SHAPES))
+def test_generate_matches_recompute(shape):
+    cfg = generation_config_dict(**GENERATION_SHAPES[shape])
     model = build_model(cfg)
     new = 12
     ids, mask, rows = left_padded_batch([11, 4, 8])
