@@ -73,7 +73,9 @@ class LoopKVCell(CacheLayerMixin):
         return (self.max_cache_len, 0) if q == 1 else (q, 0)
 
     def get_seq_length(self) -> int:
-        return int(self.storage.lengths.max())
+        """Tokens of the longest row; a 0-d tensor while compiling (no host sync, no graph break)."""
+        longest = self.storage.lengths.max()
+        return longest if torch.compiler.is_compiling() else int(longest)
 
     def get_max_length(self) -> int:
         return self.max_cache_len
@@ -135,8 +137,8 @@ class LoopKVCache(Cache):
 
         self.plan = plan
         self.layout = CellLayout(loops, layers)
-        self.max_batch_size = max_batch_size
-        self.max_cache_len = max_cache_len
+        self._max_batch_size = max_batch_size
+        self._max_cache_len = max_cache_len
         self.dtype = dtype
         self.device = device
         self.kv_heads, self.head_dim = kv_heads, head_dim
@@ -159,6 +161,15 @@ class LoopKVCache(Cache):
             from loopkv.ops.triton_register import register_triton_kernels
 
             register_triton_kernels()
+
+    # transformers 5.17's Cache declares these as read-only properties; 5.23 removed them
+    @property
+    def max_batch_size(self) -> int:
+        return self._max_batch_size
+
+    @property
+    def max_cache_len(self) -> int:
+        return self._max_cache_len
 
     # ---- the transformers Cache API -------------------------------------------------------------
     def update(self, key_states: Tensor, value_states: Tensor, layer_idx: int, *args: Any, **kwargs: Any):

@@ -1,0 +1,177 @@
+"""LoopKVCache inside model.generate() on loopkv's Ouro (tiny random model, fp32, CPU)."""
+
+import math
+
+import pytest
+import torch
+
+import loopkv
+from loopkv.models.ouro import OuroConfig, OuroForCausalLM
+from tests.cache.driver import tiny_config
+from tests.tolerances import LOGITS_FP32_ATOL, LOGITS_FP32_RTOL
+
+LOOPS, LAYERS = 2, 2
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    cfg = OuroConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=LAYERS,
+                     num_attention_heads=4, num_key_value_heads=2, head_dim=32, total_ut_steps=LOOPS,
+                     max_position_embeddings=4096, rope_theta=10000.0)
+    return OuroForCausalLM(cfg).eval()
+
+
+def _generate(model, ids, new, cache=None, mask=None):
+    out = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=new, do_sample=False,
+                         output_logits=True, return_dict_in_generate=True, eos_token_id=None, pad_token_id=0)
+    return out.sequences[:, ids.shape[1]:], torch.stack(out.logits, 1)
+
+
+def _cache(model, plan, batch, length):
+    return loopkv.LoopKVCache(plan, config=model.config, max_batch_size=batch, max_cache_len=length,
+                              dtype=torch.float32, device="cpu")
+
+
+@pytest.mark.parametrize("prompt", [1, 31, 32, 33, 300, 1000])
+def test_bf16_plan_equals_dense_cache(model, prompt):
+    """Every cell exact: tokens identical and logits equal to the dense reference over 100 steps
+    that cross window exits (a page leaves the window every 32 tokens once 320 are held)."""
+    ids = torch.randint(3, 97, (1, prompt), generator=torch.Generator().manual_seed(prompt))
+    ref_tokens, ref_logits = _generate(model, ids, 100)
+    cache = _cache(model, loopkv.Plan.uniform(loops=LOOPS, layers=LAYERS, option="bf16"), 1, prompt + 100)
+    tokens, logits = _generate(model, ids, 100, cache)
+    assert torch.equal(tokens, ref_tokens)
+    torch.testing.assert_close(logits, ref_logits, atol=LOGITS_FP32_ATOL, rtol=LOGITS_FP32_RTOL)
+    assert cache.get_seq_length() == prompt + 99  # the last generated token is never fed back
+
+
+@pytest.mark.parametrize(
+    "plan",
+    [
+        loopkv.Plan.uniform(loops=LOOPS, layers=LAYERS, option="int4", tau=14.0),
+        loopkv.Plan.from_loops(loops=LOOPS, layers=LAYERS, per_loop=["share", "int2"]),
+    ],
+    ids=["int4-tau14", "share+int2"],
+)
+def test_left_padded_rows_equal_batch_one(model, plan):
+    lens = [3, 40, 300, 700]
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 97, (n,), generator=g) for n in lens]
+    S = max(lens)
+    ids = torch.zeros(len(lens), S, dtype=torch.long)
+    mask = torch.zeros(len(lens), S, dtype=torch.long)
+    for b, p in enumerate(prompts):
+        ids[b, S - len(p):] = p
+        mask[b, S - len(p):] = 1
+    new = 40
+    tokens, logits = _generate(model, ids, new, _cache(model, plan, len(lens), S + new), mask)
+    for b, p in enumerate(prompts):
+        t1, l1 = _generate(model, p[None], new, _cache(model, plan, 1, len(p) + new))
+        assert torch.equal(tokens[b], t1[0])
+        torch.testing.assert_close(logits[b], l1[0], atol=LOGITS_FP32_ATOL, rtol=LOGITS_FP32_RTOL)
+
+
+def test_quantized_history_changes_logits_only_after_pages_exist(model):
+    """Before any page leaves the window everything is exact; afterwards INT2 history moves the logits."""
+    ids = torch.randint(3, 97, (1, 280), generator=torch.Generator().manual_seed(3))
+    _, ref = _generate(model, ids, 60)
+    plan = loopkv.Plan.uniform(loops=LOOPS, layers=LAYERS, option="int2")
+    _, got = _generate(model, ids, 60, _cache(model, plan, 1, 340))
+    # positions 280..319 hold < 320 tokens: no page has left the window yet
+    torch.testing.assert_close(got[:, :39], ref[:, :39], atol=LOGITS_FP32_ATOL, rtol=LOGITS_FP32_RTOL)
+    assert (got[:, 41:] - ref[:, 41:]).abs().max() > 1e-3
+
+
+def test_reuse_after_reset_equals_fresh_cache(model):
+    plan = loopkv.Plan.uniform(loops=LOOPS, layers=LAYERS, option="int4", tau=14.0)
+    cache = _cache(model, plan, 1, 400)
+    first = torch.randint(3, 97, (1, 330), generator=torch.Generator().manual_seed(4))
+    second = torch.randint(3, 97, (1, 300), generator=torch.Generator().manual_seed(5))
+    _generate(model, first, 30, cache)
+    cache.reset()
+    tokens, logits = _generate(model, second, 30, cache)
+    t_fresh, l_fresh = _generate(model, second, 30, _cache(model, plan, 1, 400))
+    assert torch.equal(tokens, t_fresh)
+    assert torch.equal(logits, l_fresh)
+
+
+def test_generate_without_reset_is_a_clear_error_or_continuation(model):
+    """A second prompt on a used cache continues it token by token (the served semantics)."""
+    plan = loopkv.Plan.uniform(loops=LOOPS, layers=LAYERS, option="bf16")
+    cache = _cache(model, plan, 1, 200)
+    ids = torch.randint(3, 97, (1, 50), generator=torch.Generator().manual_seed(6))
+    model(input_ids=ids[:, :30], past_key_values=cache)
+    logits = model(input_ids=ids[:, 30:], past_key_values=cache).logits
+    ref = model(input_ids=ids).logits[:, 30:]
+    torch.testing.assert_close(logits, ref, atol=LOGITS_FP32_ATOL, rtol=LOGITS_FP32_RTOL)
+
+
+def test_memory_matches_byte_model_for_1000_tokens(model):
+    plan = loopkv.Plan.uniform(loops=LOOPS, layers=LAYERS, option="int4")
+    cache = _cache(model, plan, 2, 1000)
+    report = cache.memory_report()
+    shape_kib = plan.bytes_per_token(model.config, dtype_bytes=4).stored_kib
+    assert report.history_stored_kib == pytest.approx(shape_kib, rel=1e-12)
+    # 22 pages per row hold the tokens between the 32-token sink and the >= 256-token window
+    pages = cache.storage(0).page_table.shape[1]
+    assert pages == (1000 - 288) // 32 == 22
+    pool_bytes = sum(t.numel() * t.element_size() for t in cache.storage(0).pool())
+    assert pool_bytes == 2 * pages * 32 * shape_kib * 1024 / (LOOPS * LAYERS)
+    assert report.total_bytes == sum(report.by_cell)
+
+
+def test_errors_name_the_problem(model):
+    cfg = model.config
+    with pytest.raises(ValueError, match="loops=3"):
+        loopkv.LoopKVCache(loopkv.Plan.uniform(loops=3, layers=LAYERS), config=cfg, max_batch_size=1,
+                           max_cache_len=10, device="cpu")
+    with pytest.raises(ValueError, match="max_batch_size"):
+        loopkv.LoopKVCache(loopkv.Plan.uniform(loops=LOOPS, layers=LAYERS), config=cfg, max_batch_size=0,
+                           max_cache_len=10, device="cpu")
+    with pytest.raises(ValueError, match="head_dim=48"):
+        loopkv.LoopKVCache(loopkv.Plan.uniform(loops=2, layers=2), config=tiny_config(head_dim=48),
+                           max_batch_size=1, max_cache_len=10, device="cpu")
+    with pytest.raises(ValueError, match="dtype"):
+        loopkv.LoopKVCache(loopkv.Plan.uniform(loops=LOOPS, layers=LAYERS), config=cfg, max_batch_size=1,
+                           max_cache_len=10, dtype=torch.int8, device="cpu")
+    cache = _cache(model, loopkv.Plan.uniform(loops=LOOPS, layers=LAYERS), 1, 40)
+    ids = torch.randint(3, 97, (2, 5))
+    with pytest.raises(ValueError, match="max_batch_size=1"):
+        model(input_ids=ids, past_key_values=cache)
+    with pytest.raises(ValueError, match="max_cache_len"):
+        model.generate(ids[:1], past_key_values=cache, max_new_tokens=50, do_sample=False)
+    bf16_cache = loopkv.LoopKVCache(loopkv.Plan.uniform(loops=LOOPS, layers=LAYERS), config=cfg, max_batch_size=1,
+                                    max_cache_len=40, dtype=torch.bfloat16, device="cpu")
+    with pytest.raises(ValueError, match="bfloat16"):
+        model(input_ids=ids[:1], past_key_values=bf16_cache)
+    with pytest.raises(NotImplementedError, match="crop"):
+        cache.crop(3)
+    right_padded = torch.tensor([[1, 1, 1, 0]])
+    with pytest.raises(ValueError, match="left padding"):
+        model(input_ids=ids[:1, :4], attention_mask=right_padded, past_key_values=_cache(
+            model, loopkv.Plan.uniform(loops=LOOPS, layers=LAYERS), 1, 40))
+
+
+def test_decode_past_max_cache_len_is_refused_in_eager(model):
+    cache = _cache(model, loopkv.Plan.uniform(loops=LOOPS, layers=LAYERS), 1, 12)
+    ids = torch.randint(3, 97, (1, 12))
+    model(input_ids=ids, past_key_values=cache)
+    with pytest.raises(ValueError, match="max_cache_len=12"):
+        model(input_ids=ids[:, :1], past_key_values=cache)
+
+
+def test_reorder_cache_gathers_rows_exactly(model):
+    plan = loopkv.Plan.uniform(loops=LOOPS, layers=LAYERS, option="int4", tau=14.0)
+    g = torch.Generator().manual_seed(8)
+    a, b = torch.randint(3, 97, (1, 350), generator=g), torch.randint(3, 97, (1, 350), generator=g)
+    cache = _cache(model, plan, 2, 400)
+    model(input_ids=torch.cat([a, b]), past_key_values=cache)
+    cache.reorder_cache(torch.tensor([1, 1]))
+    swapped = _cache(model, plan, 2, 400)
+    model(input_ids=torch.cat([b, b]), past_key_values=swapped)
+    nxt = torch.randint(3, 97, (2, 1), generator=g)
+    torch.testing.assert_close(model(input_ids=nxt, past_key_values=cache, position_ids=torch.full((2, 1), 350)).logits,
+                               model(input_ids=nxt, past_key_values=swapped, position_ids=torch.full((2, 1), 350)).logits,
+                               atol=0, rtol=0)
+    assert math.isfinite(float(cache.get_seq_length()))
