@@ -113,12 +113,18 @@ class Split:
         chunk = self.filler[idx] if idx is not None else self.filler[start : start + n]
         return chunk.tobytes()
 
-    def text_window(self, rng: np.random.Generator, n: int) -> np.ndarray:
-        """``n`` consecutive tokens of the document stream from a random offset: int64 ``[n]``."""
-        if n > self.tokens.size:
+    def text_window(self, rng: np.random.Generator, n: int, *, bos: bool = True) -> np.ndarray:
+        """A random window of the document stream: int64 ``[n]``; with ``bos``, ``BOS`` + ``n - 1`` tokens.
+
+        Starting every row with ``BOS`` (as every synthetic document and benchmark prompt does) gives the
+        model one consistent first token, where an attention sink can form.
+        """
+        body = n - 1 if bos else n
+        if body > self.tokens.size or body < 0:
             raise ValueError(f"seq_len={n} exceeds the split's {self.tokens.size} tokens; use a smaller one")
-        start = int(rng.integers(0, self.tokens.size - n + 1))
-        return self.tokens[start : start + n].astype(np.int64)
+        start = int(rng.integers(0, self.tokens.size - body + 1))
+        window = self.tokens[start : start + body].astype(np.int64)
+        return np.concatenate([np.array([BOS], dtype=np.int64), window]) if bos else window
 
 
 @dataclass(frozen=True)
@@ -255,9 +261,7 @@ def retrieval_task(n_tokens: int, seed: int, *, corpus: Corpus | None = None) ->
     rng = np.random.default_rng([0x4B56, n_tokens, seed])
     n_records = max(2, n_tokens // RECORD_SPACING)
     while True:
-        body, [(query, answer)] = retrieval_document(
-            rng, split, n_bytes=n_tokens - 1, n_queries=1, n_records=n_records
-        )
+        body, [(query, answer)] = retrieval_document(rng, split, n_bytes=n_tokens - 1, n_queries=1, n_records=n_records)
         prompt = body + query
         key = query[3:-4]
         if prompt.count(key) == 2 and prompt.count(answer) == 1:
@@ -290,9 +294,10 @@ def variable_tracking_task(
 class BatchSampler:
     """Seeded batches mixing stdlib text windows with synthetic retrieval and variable-tracking documents.
 
-    Each row is ``seq_len`` tokens with no padding: a text row is a window of the ``BOS doc EOS`` stream;
-    a synthetic row is ``BOS`` + one document of ``seq_len - 1`` bytes whose query answers end the row.
-    Retrieval rows draw their record density (one per 48..160 bytes) and 1..8 queries at random;
+    Each row is ``seq_len`` tokens with no padding, ``BOS`` first: a text row continues with a window of
+    the ``BOS doc EOS`` stream; a synthetic row with one document of ``seq_len - 1`` bytes whose query
+    answers end the row. Retrieval rows draw their record density (one per 48..160 bytes) and 1..16
+    queries at random;
     variable-tracking rows draw 1..3 hops. Same seed and same calls, same batches.
     """
 
@@ -321,7 +326,7 @@ class BatchSampler:
         n_bytes = seq_len - 1
         if kind == 1 or n_bytes < 2 * MIN_SYNTHETIC_LEN - 1:
             n_records = max(2, n_bytes // int(self.rng.integers(48, 161)))
-            n_queries = int(self.rng.integers(1, min(8, n_records, max(1, n_bytes // 64)) + 1))
+            n_queries = int(self.rng.integers(1, min(16, n_records, max(1, n_bytes // 64)) + 1))
             body, queries = retrieval_document(
                 self.rng, self.split, n_bytes=n_bytes, n_queries=n_queries, n_records=n_records
             )
@@ -343,6 +348,6 @@ class BatchSampler:
 
 
 def heldout_windows(corpus: Corpus, *, n: int, seq_len: int, seed: int = 0) -> torch.Tensor:
-    """``n`` fixed windows of the held-out text stream: int64 ``[n, seq_len]``, same for the same seed."""
+    """``n`` fixed held-out text rows, ``BOS`` + ``seq_len - 1`` stream tokens: int64 ``[n, seq_len]``."""
     rng = np.random.default_rng([0x484F, seed])
     return torch.from_numpy(np.stack([corpus.heldout.text_window(rng, seq_len) for _ in range(n)]))

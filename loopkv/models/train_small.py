@@ -4,8 +4,9 @@ The model is Ouro (loopkv.models.ouro) at a small shape: byte vocabulary, T=4 lo
 MHA with head_dim 128 like Ouro. Data (loopkv.models.data): stdlib text windows mixed with synthetic
 key-value retrieval and variable-tracking documents. AdamW with linear warm-up and a cosine decay, bf16
 autocast on CUDA, a curriculum over sequence lengths. The schedule follows *progress*, the larger of
-``step / --steps`` and ``elapsed / --minutes``, so a wall-clock budget ends with a decayed learning rate
-whatever the device's speed.
+``step / --steps`` and the elapsed share of ``--minutes`` (counted from the end of the first step, which
+carries compilation; the wall-clock budget itself includes it), so a time budget ends with a decayed
+learning rate whatever the device's speed.
 
 Loss: cross-entropy of the final loop's logits plus ``--aux-loop-weight`` times the mean cross-entropy of
 the earlier loops' (normed) states through the same LM head, so every loop is a predictor as in Ouro.
@@ -18,6 +19,7 @@ attention-sink mass per loop, the evaluation history).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import datetime
 import json
@@ -180,9 +182,7 @@ def heldout_loss(model: OuroForCausalLM, windows: torch.Tensor, *, device: torch
         ids = chunk.to(device)
         with autocast_for(device):
             logits = model(input_ids=ids, use_cache=False).logits[:, :-1]
-        loss = F.cross_entropy(
-            logits.float().reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), reduction="sum"
-        )
+        loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), reduction="sum")
         total += float(loss)
         count += ids[:, 1:].numel()
     return total / count
@@ -272,9 +272,7 @@ def attention_mass(
         stats[f"last_{LOCAL_WINDOW}"] = float((w * local).sum(-1).mean())
         cells[int(kwargs["cell_index"])] = stats
 
-    handles = [
-        layer.self_attn.register_forward_pre_hook(hook, with_kwargs=True) for layer in model.model.layers
-    ]
+    handles = [layer.self_attn.register_forward_pre_hook(hook, with_kwargs=True) for layer in model.model.layers]
     try:
         with autocast_for(device):
             model(input_ids=ids.to(device), use_cache=False)
@@ -318,9 +316,7 @@ def evaluate(
         tasks = [data.retrieval_task(n, seed0 + i, corpus=corpus) for i in range(n_tasks)]
         out[f"retrieval_em_{n}"] = task_accuracy(model, tasks, device=device, batch=max(1, batch_tokens // n))
     if tracking_length:
-        tasks = [
-            data.variable_tracking_task(tracking_length, seed0 + i, corpus=corpus) for i in range(n_tasks)
-        ]
+        tasks = [data.variable_tracking_task(tracking_length, seed0 + i, corpus=corpus) for i in range(n_tasks)]
         out[f"tracking_em_{tracking_length}"] = task_accuracy(
             model, tasks, device=device, batch=max(1, batch_tokens // tracking_length)
         )
@@ -351,16 +347,12 @@ def save_checkpoint(model: OuroForCausalLM, directory: pathlib.Path) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m loopkv.models.train_small", description=__doc__.split("\n")[0]
-    )
+    p = argparse.ArgumentParser(prog="python -m loopkv.models.train_small", description=__doc__.split("\n")[0])
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     p.add_argument("--minutes", type=float, default=None, help="wall-clock budget of the training loop")
     p.add_argument("--steps", type=int, default=None, help="number of optimizer steps")
     p.add_argument("--seq-len", type=int, default=4096, help="longest (final) sequence length")
-    p.add_argument(
-        "--batch-size", type=int, default=16, help="rows per step at --seq-len (tokens per step fixed)"
-    )
+    p.add_argument("--batch-size", type=int, default=16, help="rows per step at --seq-len (tokens per step fixed)")
     p.add_argument("--curriculum", default=None, help="'start:len,...' over progress (default: len/8 -> len)")
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--smoke", action="store_true", help="tiny CPU run that finishes in well under a minute")
@@ -379,20 +371,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="torch.compile each decoder layer (default: on for CUDA); falls back to eager on error",
     )
-    p.add_argument("--eval-every", type=float, default=90.0, help="seconds between evaluations (and saves)")
-    p.add_argument(
-        "--eval-tasks", type=int, default=64, help="retrieval prompts per length in periodic evals"
-    )
+    p.add_argument("--eval-every", type=float, default=None, help="seconds between evaluations and saves (90)")
+    p.add_argument("--eval-tasks", type=int, default=64, help="retrieval prompts per length in periodic evals")
     p.add_argument("--final-tasks", type=int, default=200, help="prompts per length in the final evaluation")
     p.add_argument("--log-every", type=int, default=10, help="steps between loss-curve rows")
-    p.add_argument(
-        "--init", default=None, help="start from this checkpoint directory instead of random weights"
-    )
+    p.add_argument("--init", default=None, help="start from this checkpoint directory instead of random weights")
     p.add_argument("--corpus-root", default=None, help="folder of *.py files (default: the stdlib)")
     for name, value in SMALL_SHAPE.items():
-        p.add_argument(
-            "--" + name.replace("_", "-"), type=int, default=None, help=f"model shape (default {value})"
-        )
+        p.add_argument("--" + name.replace("_", "-"), type=int, default=None, help=f"model shape (default {value})")
     p.add_argument("--rope-theta", type=float, default=ROPE_THETA)
     return p
 
@@ -403,7 +389,7 @@ def _resolve(args: argparse.Namespace) -> argparse.Namespace:
         args.steps = args.steps or 20
         args.seq_len = min(args.seq_len, 256)
         args.batch_size = 8
-        args.eval_every = 1e9
+        args.eval_every = 1e9 if args.eval_every is None else args.eval_every
         args.eval_tasks = 8
         args.final_tasks = 8
         args.warmup_steps = min(args.warmup_steps, 5)
@@ -415,6 +401,7 @@ def _resolve(args: argparse.Namespace) -> argparse.Namespace:
         if getattr(args, name) is not None:
             shape[name] = getattr(args, name)
     args.shape = shape
+    args.eval_every = 90.0 if args.eval_every is None else args.eval_every
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if args.compile is None:
         args.compile = args.device.startswith("cuda")
@@ -441,6 +428,13 @@ def _uncompile_layers(model: OuroForCausalLM) -> None:
     torch._dynamo.reset()
 
 
+def _eager_if(compiled: bool):
+    """Run compiled layers eagerly (evaluation shapes and no-grad mode would only add recompiles)."""
+    if compiled and hasattr(torch.compiler, "set_stance"):
+        return torch.compiler.set_stance("force_eager")
+    return contextlib.nullcontext()
+
+
 def _versions() -> dict[str, str]:
     import numpy
     import transformers
@@ -461,18 +455,14 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     device = torch.device(args.device)
     torch.manual_seed(args.seed)
-    if device.type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
+    torch.set_float32_matmul_precision("high")  # fp32 matmuls outside autocast may use TF32 on CUDA
 
     t_setup = time.perf_counter()
     corpus = data.load_corpus(args.corpus_root)
     if args.init:
         model = OuroForCausalLM.from_pretrained(args.init, dtype=torch.float32)
     else:
-        model = OuroForCausalLM(
-            small_config(shape=args.shape, max_positions=args.seq_len, rope_theta=args.rope_theta)
-        )
+        model = OuroForCausalLM(small_config(shape=args.shape, max_positions=args.seq_len, rope_theta=args.rope_theta))
     model.to(device).train()
     n_params = sum(p.numel() for p in model.parameters())
     opt = make_optimizer(model, lr=args.lr, weight_decay=args.weight_decay)
@@ -511,27 +501,71 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     running_n = 0
     last_losses: list[float] = []
 
+    first_step_done: float | None = None  # the first step carries compilation; the schedule starts after it
+
     def progress_now() -> float:
         p = step / args.steps if args.steps else 0.0
         if budget_s:
-            p = max(p, (time.perf_counter() - start) / budget_s)
+            now = time.perf_counter()
+            if now - start >= budget_s:
+                return 1.0
+            if first_step_done is not None:
+                p = max(p, (now - first_step_done) / (budget_s - (first_step_done - start)))
         return p
+
+    def snapshot(*, final: dict[str, Any] | None, train_s: float, saved_dtype: str | None) -> dict[str, Any]:
+        tail = last_losses[-10:]
+        return {
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+            "versions": _versions(),
+            "args": {k: v for k, v in vars(args).items() if k not in ("stages",)},
+            "curriculum": args.stages,
+            "parameters": n_params,
+            "saved_dtype": saved_dtype,
+            "compiled": compiled,
+            "complete": final is not None,
+            "steps": step,
+            "tokens_seen": tokens,
+            "train_seconds": round(train_s, 1),
+            "first_step_seconds": None if first_step_done is None else round(first_step_done - start, 1),
+            "tokens_per_second": round(tokens / max(train_s, 1e-9)),
+            "peak_gpu_memory_gib": (
+                round(torch.cuda.max_memory_allocated(device) / 2**30, 2) if device.type == "cuda" else None
+            ),
+            "final_train_loss_nats": sum(tail) / len(tail) if tail else None,
+            "final": final,
+            "history": history,
+            "corpus": {
+                "root": corpus.root,
+                "train_files": len(corpus.train.paths),
+                "heldout_files": len(corpus.heldout.paths),
+                "train_tokens": int(corpus.train.tokens.size),
+                "heldout_tokens": int(corpus.heldout.tokens.size),
+                "train_sha256": corpus.train.digest,
+                "heldout_sha256": corpus.heldout.digest,
+            },
+            "notes": notes,
+        }
 
     def run_eval(tag: str) -> None:
         nonlocal next_eval
         t0 = time.perf_counter()
-        res = evaluate(
-            model,
-            corpus,
-            device=device,
-            text=eval_text,
-            retrieval_lengths=eval_lengths,
-            n_tasks=args.eval_tasks,
-            batch_tokens=32 * 1024,
-        )
+        with _eager_if(compiled):
+            res = evaluate(
+                model,
+                corpus,
+                device=device,
+                text=eval_text,
+                retrieval_lengths=eval_lengths,
+                n_tasks=args.eval_tasks,
+                batch_tokens=32 * 1024,
+            )
         res.update(step=step, tokens=tokens, elapsed_s=round(time.perf_counter() - start, 1), tag=tag)
         history.append(res)
-        save_checkpoint(model, out / "small")
+        saved = save_checkpoint(model, out / "small")
+        partial = snapshot(final=None, train_s=time.perf_counter() - start, saved_dtype=saved)
+        (out / "metrics.json").write_text(json.dumps(partial, indent=1) + "\n")
         print("eval", json.dumps(res), f"({time.perf_counter() - t0:.1f}s)", flush=True)
         next_eval = (time.perf_counter() - start) + args.eval_every
 
@@ -555,9 +589,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         except Exception as err:  # a compile failure: fall back to eager once, redo the step
             if not compiled:
                 raise
-            notes.append(
-                f"torch.compile failed at step {step} ({type(err).__name__}: {err}); continued eager"
-            )
+            notes.append(f"torch.compile failed at step {step} ({type(err).__name__}: {err}); continued eager")
             print(notes[-1], file=sys.stderr, flush=True)
             opt.zero_grad(set_to_none=True)
             _uncompile_layers(model)
@@ -569,6 +601,8 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         running += losses.detach()
         running_n += 1
         step += 1
+        if first_step_done is None:
+            first_step_done = time.perf_counter()
         tokens += rows * seq_len
         if step % args.log_every == 0:
             mean = (running / running_n).tolist()
@@ -608,12 +642,8 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     if compiled:
         _uncompile_layers(model)  # evaluation shapes would only trigger recompiles
     t0 = time.perf_counter()
-    final_lengths = (
-        sorted({min(args.seq_len, n) for n in (1024, 2048, 4096)}) if not args.smoke else [128, 256]
-    )
-    final_text = data.heldout_windows(
-        corpus, n=16 if args.smoke else 64, seq_len=min(args.seq_len, 2048), seed=1
-    )
+    final_lengths = sorted({min(args.seq_len, n) for n in (1024, 2048, 4096)}) if not args.smoke else [128, 256]
+    final_text = data.heldout_windows(corpus, n=16 if args.smoke else 64, seq_len=min(args.seq_len, 2048), seed=1)
     final = evaluate(
         model,
         corpus,
@@ -632,36 +662,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         queries=min(128, sink_len // 2),
     )
     final["eval_s"] = round(time.perf_counter() - t0, 1)
-    tail = last_losses[-10:]
-    metrics = {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "device": torch.cuda.get_device_name(device)
-        if device.type == "cuda"
-        else platform.processor() or "cpu",
-        "versions": _versions(),
-        "args": {k: v for k, v in vars(args).items() if k not in ("stages",)},
-        "curriculum": args.stages,
-        "parameters": n_params,
-        "saved_dtype": saved_dtype,
-        "compiled": compiled,
-        "steps": step,
-        "tokens_seen": tokens,
-        "train_seconds": round(train_s, 1),
-        "tokens_per_second": round(tokens / train_s),
-        "final_train_loss_nats": sum(tail) / len(tail) if tail else None,
-        "final": final,
-        "history": history,
-        "corpus": {
-            "root": corpus.root,
-            "train_files": len(corpus.train.paths),
-            "heldout_files": len(corpus.heldout.paths),
-            "train_tokens": int(corpus.train.tokens.size),
-            "heldout_tokens": int(corpus.heldout.tokens.size),
-            "train_sha256": corpus.train.digest,
-            "heldout_sha256": corpus.heldout.digest,
-        },
-        "notes": notes,
-    }
+    metrics = snapshot(final=final, train_s=train_s, saved_dtype=saved_dtype)
     (out / "metrics.json").write_text(json.dumps(metrics, indent=1) + "\n")
     print("final", json.dumps({k: v for k, v in final.items() if k != "attention"}), flush=True)
     print("attention per loop", json.dumps(final["attention"]["per_loop"]), flush=True)

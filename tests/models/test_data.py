@@ -107,6 +107,7 @@ def test_batch_sampler_deterministic_and_seeded(corpus):
         assert not torch.equal(x, z)
         assert int(x.min()) >= 0
         assert int(x.max()) < data.VOCAB_SIZE
+        assert (x[:, 0] == data.BOS).all()
     assert [x.shape for x in a] == [(8, 64), (8, 129), (8, 512), (8, 2048)]
 
 
@@ -143,5 +144,6 @@ def test_heldout_windows_fixed(corpus):
     assert not torch.equal(a, data.heldout_windows(corpus, n=4, seq_len=256, seed=1))
     held = corpus.heldout.tokens
     for row in a.numpy():
-        starts = np.flatnonzero(held == row[0])
-        assert any(np.array_equal(held[s : s + 256], row) for s in starts)
+        assert row[0] == data.BOS
+        starts = np.flatnonzero(held == row[1])
+        assert any(np.array_equal(held[s : s + 255], row[1:]) for s in starts)
