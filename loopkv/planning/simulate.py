@@ -1,0 +1,368 @@
+"""The served cache, simulated densely over a whole sequence: what the profiler measures (DESIGN.md §5).
+
+One teacher-forced forward over a document computes every position at once. Cells of a simulated row
+that are *served* attend as the real :class:`~loopkv.LoopKVCache` decode path would, and every other
+cell attends exactly. For query position ``i`` of a served cell and key position ``j <= i``:
+
+* ``j`` is *history* iff ``i >= prefill_len`` and ``SINK <= j < SINK + PAGE * n_pages(i + 1)``: its
+  page had left the window when token ``i`` was appended (page ``p`` is quantized from length
+  ``320 + 32 p`` on, docs/storage-layout.md). Queries of the prefill (``i < prefill_len``) attend
+  exactly, as :meth:`LoopKVCache.prefill_cell` does.
+* history scores use the dequantized K of the page, history values the dequantized V (INT4 with V
+  precision ``tau``: cold tokens decode as ``4*hi + 1.5``, DESIGN.md §7 with
+  ``m_ref = max(sink max, page max)``); the sink and the window use the exact K/V.
+* a ``share`` cell takes its history pages from the final loop's cell at the same layer (quantized at
+  the source's bits) and its own exact sink and window.
+
+The simulation hooks in through public mechanisms only: a :class:`_SimCache` passed as
+``past_key_values`` (Ouro hands it ``layer_idx = t*L + l`` and gets back :class:`_SimKV` objects), and
+an attention function registered as ``"loopkv_served"`` with ``transformers.AttentionInterface``, which
+:func:`served_attention_enabled` switches the model to (``set_attn_implementation``) and back.
+
+Approximation: a ``share`` cell's source pages are given (``sources``), normally the final loop's K/V of
+an exact forward. In the served cache they come from the perturbed model itself; the source K/V at
+position ``j`` only differ from exact once the shared cell's output at positions ``<= j`` has
+changed, i.e. for ``j >= 320``, and such a page is read only by queries ``i >= j + 288``. Documents
+shorter than 608 tokens are therefore simulated exactly; beyond, the difference is second order
+(:func:`simulate_plan` can iterate the sources to the fixed point with ``share_passes``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from loopkv.ops import codec
+from loopkv.ops.codec import PAGE, SINK
+from loopkv.ops.layout import EXIT_LENGTH, n_pages
+
+ATTN_NAME = "loopkv_served"
+LN2 = math.log(2.0)
+# Query positions per block of the dense served attention: bounds the score tensors to
+# [rows, heads, QUERY_BLOCK, N] whatever the document length.
+QUERY_BLOCK = 256
+BITS = {"bf16": 16, "int4": 4, "int2": 2}
+
+
+@dataclass(frozen=True)
+class Served:
+    """How one served cell of a simulated row reads its history.
+
+    bits: 16 (exact history, e.g. own bf16 or a share of a bf16 source), 4 or 2.
+    share: the history pages come from the final loop's cell at the same layer.
+    tau: V precision threshold for INT4 history (``inf``: off).
+    """
+
+    bits: int
+    share: bool = False
+    tau: float = math.inf
+
+    def __post_init__(self) -> None:
+        if self.bits not in (2, 4, 16):
+            raise ValueError(f"Served.bits must be 2, 4 or 16, got {self.bits!r}")
+
+
+RowSpec = Mapping[int, Served]  # flat cell index t*L + l -> Served; absent cells attend exactly
+
+
+def served_for(option: str, *, source_option: str = "int4", tau: float = math.inf) -> Served:
+    """The :class:`Served` of a plan option (``share`` reads a ``source_option`` final loop)."""
+    if option == "share":
+        return Served(BITS[source_option], share=True, tau=tau if source_option == "int4" else math.inf)
+    if option not in BITS:
+        raise ValueError(f"option must be one of {tuple(BITS) + ('share',)}, got {option!r}")
+    return Served(BITS[option], tau=tau if option == "int4" else math.inf)
+
+
+def plan_spec(plan: Any) -> dict[int, Served]:
+    """A whole plan as one row: every cell served at its option (bf16 cells are exact anyway)."""
+    final = plan.layout.final_loop
+    spec = {}
+    for index, option in enumerate(plan.options):
+        if option == "bf16":
+            continue
+        source = plan.options[final * plan.layers + index % plan.layers]
+        spec[index] = served_for(option, source_option=source, tau=plan.tau)
+    return spec
+
+
+# ---------------------------------------------------------------------------------- dense attention
+def served_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    served: Served,
+    scale: float,
+    prefill_len: int = 0,
+    source_k: Tensor | None = None,
+    source_v: Tensor | None = None,
+    block: int = QUERY_BLOCK,
+) -> Tensor:
+    """Causal attention of every query position as the served cache computes it (module docstring).
+
+    q: [R, Hq, N, D]; k, v: [R, H, N, D] the cell's own exact K/V (query head ``h`` reads KV head
+    ``h // (Hq // H)``); source_k, source_v: [R or 1, H, N, D] the share source's K/V (needed iff
+    ``served.share``). Returns [R, Hq, N, D] in q's dtype; computes in fp32 (fp64 for fp64 input).
+    """
+    R, Hq, N, D = q.shape
+    H = k.shape[1]
+    g = Hq // H
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    if served.share and (source_k is None or source_v is None):
+        raise ValueError("a share cell needs source_k and source_v (the final loop's K/V at its layer)")
+    npg = n_pages(N)
+    hist_k, hist_v, cold_v = _history(k, v, source_k, source_v, served, npg, acc)  # [R|1, H, PAGE*npg, D]
+    qf = q.to(acc).view(R, H, g, N, D)
+    kf, vf = k.to(acc), v.to(acc)
+    out = torch.empty(R, H, g, N, D, dtype=acc, device=q.device)
+    pos = torch.arange(N, device=q.device)
+    for i0 in range(0, N, block):
+        i1 = min(N, i0 + block)
+        qb = qf[:, :, :, i0:i1]  # [R, H, g, b, D]
+        s = torch.einsum("rhgbd,rhkd->rhgbk", qb, kf[:, :, :i1]) * scale  # [R, H, g, b, i1]
+        s = s.masked_fill(pos[None, :i1] > pos[i0:i1, None], -math.inf)
+        # pages quantized for query i: n_pages(i + 1), none during the prefill
+        P = torch.where(pos[i0:i1] >= prefill_len, n_pages(pos[i0:i1] + 1), torch.zeros_like(pos[i0:i1]))
+        pmax = int(P.max()) if npg else 0
+        if pmax == 0:
+            out[:, :, :, i0:i1] = torch.einsum("rhgbk,rhkd->rhgbd", torch.softmax(s, dim=-1), vf[:, :, :i1])
+            continue
+        end = SINK + PAGE * pmax
+        hist = torch.arange(PAGE * pmax, device=q.device)[None, :] < (PAGE * P)[:, None]  # [b, PAGE*pmax]
+        s_h = torch.einsum("rhgbd,rhkd->rhgbk", qb, hist_k[:, :, : PAGE * pmax].expand(R, -1, -1, -1)) * scale
+        s[..., SINK:end] = torch.where(hist, s_h, s[..., SINK:end])
+        p = torch.softmax(s, dim=-1)
+        p_hist = p[..., SINK:end] * hist
+        p_exact = p.clone()
+        p_exact[..., SINK:end] = p[..., SINK:end] * ~hist
+        o = torch.einsum("rhgbk,rhkd->rhgbd", p_exact, vf[:, :, :i1])
+        vh = hist_v[:, :, : PAGE * pmax].expand(R, -1, -1, -1)
+        if cold_v is not None:
+            cold = _cold(s, s_h, pmax, served.tau)  # [R, H, 1, b, PAGE*pmax]
+            vc = cold_v[:, :, : PAGE * pmax].expand(R, -1, -1, -1)
+            o = o + torch.einsum("rhgbk,rhkd->rhgbd", p_hist * cold, vc)
+            p_hist = p_hist * ~cold
+        out[:, :, :, i0:i1] = o + torch.einsum("rhgbk,rhkd->rhgbd", p_hist, vh)
+    return out.reshape(R, Hq, N, D).to(q.dtype)
+
+
+def _history(k, v, source_k, source_v, served: Served, npg: int, acc):
+    """Dequantized history pages aligned with positions SINK .. SINK + PAGE*npg: K, V (full) and V
+    decoded cold (INT4 with finite tau, else None), each [R|1, H, PAGE*npg, D] in ``acc``."""
+    sk, sv = (source_k, source_v) if served.share else (k, v)
+    hist = slice(SINK, SINK + PAGE * npg)
+    if served.bits == 16 or npg == 0:
+        return sk[:, :, hist].to(acc), sv[:, :, hist].to(acc), None
+    Rs, H, _, D = sk.shape
+
+    def pages(x):  # [Rs, H, PAGE*npg, D] -> [Rs, H, npg, PAGE, D]
+        return x[:, :, hist].unflatten(2, (npg, PAGE))
+
+    codes = codec.encode_pages(pages(sk), pages(sv), served.bits)
+
+    def flat(x):
+        return x.reshape(Rs, H, npg * PAGE, D).to(acc)
+
+    cold = None
+    if served.bits == 4 and math.isfinite(served.tau):
+        cold = flat(codec.decode_v(codes, 4, cold=torch.ones((), dtype=torch.bool, device=sk.device)))
+    return flat(codec.decode_k(codes, served.bits)), flat(codec.decode_v(codes, served.bits)), cold
+
+
+def _cold(s: Tensor, s_h: Tensor, pmax: int, tau: float) -> Tensor:
+    """DESIGN.md §7 cold rule. s [R, H, g, b, N] (sink scores exact), s_h [R, H, g, b, PAGE*pmax]
+    history scores -> bool [R, H, 1, b, PAGE*pmax]: cold for every query head of the KV head."""
+    sink_max = s[..., :SINK].amax(dim=-1)  # [R, H, g, b]
+    pages = s_h.unflatten(-1, (pmax, PAGE))  # [R, H, g, b, pmax, PAGE]
+    m_ref = torch.maximum(sink_max[..., None], pages.amax(dim=-1))  # [R, H, g, b, pmax]
+    cold_q = pages < (m_ref - tau * LN2)[..., None]
+    return cold_q.all(dim=2, keepdim=True).flatten(-2)
+
+
+def exact_attention(q: Tensor, k: Tensor, v: Tensor, *, scale: float) -> Tensor:
+    """Plain causal attention. q [R, Hq, N, D], k, v [R, H, N, D] -> [R, Hq, N, D]."""
+    g = q.shape[1] // k.shape[1]
+    if g > 1:
+        k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+
+
+# -------------------------------------------------------------------------- hooking into the model
+class _SimKV:
+    """What :class:`_SimCache` returns from ``update``: the cell's new K/V and the simulation state."""
+
+    def __init__(self, state: SimState, cell_index: int, k: Tensor, v: Tensor) -> None:
+        self.state, self.cell_index, self.k, self.v = state, cell_index, k, v
+
+
+@dataclass
+class SimState:
+    """One simulated forward: which rows serve which cells, the share sources, what to capture.
+
+    rows: one RowSpec per batch row. sources: ``{layer: (k, v)}`` share sources, each [R or 1, H, N, D].
+    capture: cell indices whose K/V to record into ``captured`` (``{cell: (k, v)}``, [R, H, N, D]).
+    """
+
+    rows: Sequence[RowSpec]
+    prefill_len: int
+    layers: int
+    sources: Mapping[int, tuple[Tensor, Tensor]]
+    capture: frozenset[int] = frozenset()
+    block: int = QUERY_BLOCK
+
+    def __post_init__(self) -> None:
+        self.captured: dict[int, tuple[Tensor, Tensor]] = {}
+
+
+def _sim_cache(state: SimState, num_cells: int):
+    from transformers.cache_utils import Cache, DynamicLayer
+
+    class _SimCache(Cache):
+        """Hands every cell's new K/V to the ``loopkv_served`` attention function; stores nothing."""
+
+        def __init__(self) -> None:
+            super().__init__(layers=[DynamicLayer() for _ in range(num_cells)])
+
+        def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+            if layer_idx in state.capture:
+                state.captured[layer_idx] = (key_states, value_states)
+            handle = _SimKV(state, layer_idx, key_states, value_states)
+            return handle, handle
+
+    return _SimCache()
+
+
+def _served_attention_function(module, query, key, value, attention_mask, *, scaling=None, dropout=0.0, **kwargs):
+    """transformers attention function ``"loopkv_served"``: returns ``(out [R, N, Hq, D], None)``."""
+    if not isinstance(key, _SimKV):
+        raise RuntimeError(
+            "the 'loopkv_served' attention runs only inside loopkv.planning's simulation; restore the "
+            "model's attention implementation with model.set_attn_implementation('sdpa')"
+        )
+    state, cell, k, v = key.state, key.cell_index, key.k, key.v
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    served_rows = [(r, spec[cell]) for r, spec in enumerate(state.rows) if cell in spec]
+    out = exact_attention(query, k, v, scale=scale)
+    for r, served in served_rows:
+        src_k = src_v = None
+        if served.share:
+            src_k, src_v = state.sources[cell % state.layers]
+            if src_k.shape[0] > 1:
+                src_k, src_v = src_k[r : r + 1], src_v[r : r + 1]
+        out[r : r + 1] = served_attention(
+            query[r : r + 1], k[r : r + 1], v[r : r + 1], served=served, scale=scale,
+            prefill_len=state.prefill_len, source_k=src_k, source_v=src_v, block=state.block,
+        )
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _no_mask(*args, **kwargs):
+    """Mask function for ``"loopkv_served"``: none (documents are unpadded; attention is causal)."""
+    return None
+
+
+_REGISTERED = False
+
+
+def _register() -> None:
+    global _REGISTERED
+    if _REGISTERED:
+        return
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(ATTN_NAME, _served_attention_function)
+    AttentionMaskInterface.register(ATTN_NAME, _no_mask)
+    _REGISTERED = True
+
+
+@contextlib.contextmanager
+def served_attention_enabled(model) -> Iterator[None]:
+    """Switch ``model`` to the ``"loopkv_served"`` attention for the duration of the block, then back."""
+    _register()
+    before = model.config._attn_implementation
+    model.set_attn_implementation(ATTN_NAME)
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(before)
+
+
+def check_model(model) -> tuple[int, int]:
+    """(T, L) of a looped model the simulation supports; ValueError otherwise."""
+    config = getattr(model, "config", None)
+    loops, layers = getattr(config, "total_ut_steps", None), getattr(config, "num_hidden_layers", None)
+    if loops is None or layers is None:
+        raise ValueError(
+            "model must be a looped model such as loopkv.models.ouro.OuroForCausalLM (its config needs "
+            "total_ut_steps and num_hidden_layers)"
+        )
+    if "sliding_attention" in (getattr(config, "layer_types", None) or ()):
+        raise ValueError("models with sliding-window layers are not supported by the served simulation")
+    return int(loops), int(layers)
+
+
+def forward(
+    model,
+    ids: Tensor,
+    state: SimState,
+    *,
+    logits_from: int,
+) -> Tensor:
+    """One simulated forward of ``ids`` [R, N] (call inside :func:`served_attention_enabled`).
+
+    Returns the logits of positions ``logits_from .. N-1``: [R, N - logits_from, V] (model dtype).
+    """
+    loops, layers = check_model(model)
+    cache = _sim_cache(state, loops * layers)
+    keep = ids.shape[1] - logits_from
+    out = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=keep)
+    return out.logits
+
+
+def final_sources(captured: Mapping[int, tuple[Tensor, Tensor]], *, loops: int, layers: int):
+    """``{layer: (k, v)}`` from the captured final-loop cells."""
+    final = (loops - 1) * layers
+    return {layer: captured[final + layer] for layer in range(layers) if final + layer in captured}
+
+
+@torch.no_grad()
+def simulate_plan(
+    model,
+    plan: Any,
+    document: Tensor,
+    *,
+    prefill_len: int = EXIT_LENGTH,
+    logits_from: int | None = None,
+    share_passes: int = 1,
+) -> Tensor:
+    """The logits a plan's served cache would produce on ``document`` ([N] or [1, N] token ids), by
+    dense simulation: [N - logits_from, V] (default from ``max(prefill_len, 320)``).
+
+    Share sources: pass 1 takes them from an exact forward; each further pass (``share_passes``)
+    takes them from the previous pass's own final loop, converging to the served cache.
+    """
+    loops, layers = check_model(model)
+    plan.validate_for(model.config)
+    ids = document.reshape(1, -1).to(model.device)
+    start = max(prefill_len, EXIT_LENGTH) if logits_from is None else logits_from
+    final = frozenset((loops - 1) * layers + layer for layer in range(layers))
+    spec = plan_spec(plan)
+    with served_attention_enabled(model):
+        exact = SimState(rows=[{}], prefill_len=prefill_len, layers=layers, sources={}, capture=final)
+        forward(model, ids, exact, logits_from=ids.shape[1] - 1)
+        sources = final_sources(exact.captured, loops=loops, layers=layers)
+        logits = None
+        for _ in range(max(1, share_passes)):
+            state = SimState(rows=[spec], prefill_len=prefill_len, layers=layers, sources=sources, capture=final)
+            logits = forward(model, ids, state, logits_from=start)
+            sources = final_sources(state.captured, loops=loops, layers=layers)
+    return logits[0]
