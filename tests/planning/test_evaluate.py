@@ -1,0 +1,132 @@
+"""KL through the real LoopKVCache, and the additivity report (DESIGN.md §5, paper Appendix D)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from scipy import stats
+
+import loopkv
+from loopkv.cells import Cell
+from loopkv.ops.layout import EXIT_LENGTH
+from loopkv.planning.evaluate import additivity_report, measure_kl, random_plans, summarize
+from loopkv.planning.knapsack import predicted_damage
+from loopkv.planning.profile import profile
+from tests.planning.test_profile import LAYERS, LOOPS, tiny_documents, tiny_model
+from tests.tolerances import LOGITS_FP32_ATOL
+
+# Logits within LOGITS_FP32_ATOL of each other: q ∝ p·exp(-δ) with every |δ| <= atol, and by
+# Hoeffding's lemma KL(p || q) = log E_p[e^-δ] + E_p[δ] <= (max δ - min δ)^2 / 8 <= (2 atol)^2 / 8.
+KL_OF_ROUNDOFF = (2 * LOGITS_FP32_ATOL) ** 2 / 8
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model()
+
+
+@pytest.fixture(scope="module")
+def doc():
+    return tiny_documents(1, 360)
+
+
+def _single(cell: Cell, option: str) -> loopkv.Plan:
+    options = ["bf16"] * (LOOPS * LAYERS)
+    options[cell.loop * LAYERS + cell.layer] = option
+    return loopkv.Plan(loops=LOOPS, layers=LAYERS, options=tuple(options))
+
+
+def test_bf16_plan_has_zero_kl(model, doc):
+    result = measure_kl(model, loopkv.Plan.uniform(loops=LOOPS, layers=LAYERS, option="bf16"), doc, progress=False)
+    assert 0.0 <= result.kl <= KL_OF_ROUNDOFF
+    assert result.agreement == 1.0
+    assert result.positions == 360 - EXIT_LENGTH
+    assert result.first_position == EXIT_LENGTH
+    assert result.per_document == (result.kl,)
+
+
+def test_measured_kl_is_the_profiled_damage(model, doc):
+    """One cell at INT2 through the real cache = the profiler's single-cell damage of that cell (the
+    same positions, the same pooling; the logits agree to fp32 round-off, see test_profile)."""
+    prof = profile(model, doc, options=("int2",), final_options=(), progress=False)
+    for cell in (Cell(0, 1), Cell(1, 0)):
+        measured = measure_kl(model, _single(cell, "int2"), doc, progress=False)
+        assert measured.kl > 100 * KL_OF_ROUNDOFF
+        assert measured.kl == pytest.approx(prof.damage_of(cell, "int2"), rel=1e-3)
+        assert 0.0 < measured.agreement <= 1.0
+
+
+def test_max_positions_and_prefill(model, doc):
+    plan = _single(Cell(0, 0), "int4")
+    short = measure_kl(model, plan, doc, max_positions=5, progress=False)
+    assert short.positions == 5
+    late = measure_kl(model, plan, doc, prefill_len=340, progress=False)
+    assert late.first_position == 340
+    assert late.positions == 20
+    with pytest.raises(ValueError, match="prefill_len"):
+        measure_kl(model, plan, doc, prefill_len=0, progress=False)
+    with pytest.raises(ValueError, match="max_positions"):
+        measure_kl(model, plan, doc, max_positions=0, progress=False)
+    with pytest.raises(ValueError, match="fewer than"):
+        measure_kl(model, plan, doc[:, :300], progress=False)
+
+
+def test_mismatched_plan_or_profile_is_refused(model, doc):
+    with pytest.raises(ValueError, match="does not fit the model"):
+        measure_kl(model, loopkv.Plan.uniform(loops=LOOPS + 1, layers=LAYERS), doc, progress=False)
+    with pytest.raises(ValueError, match="head_dim"):
+        measure_kl(model, loopkv.Plan.uniform(loops=LOOPS, layers=LAYERS, head_dim=64), doc, progress=False)
+    other = loopkv.planning.Profile.partial(loops=LOOPS, layers=LAYERS + 1, kv_heads=2, head_dim=32)
+    with pytest.raises(ValueError, match="does not match the model"):
+        additivity_report(model, other, [], doc, progress=False)
+
+
+def test_summarize_matches_scipy():
+    rng = np.random.default_rng(0)
+    predicted = rng.exponential(1.0, 12)
+    measured = predicted * rng.uniform(0.6, 1.4, 12)
+    rep = summarize([f"p{i}" for i in range(12)], predicted, measured, kl_share=2.0)
+    assert rep.pearson == pytest.approx(stats.pearsonr(predicted, measured)[0], rel=1e-9)
+    assert rep.log_pearson == pytest.approx(stats.pearsonr(np.log(predicted), np.log(measured))[0], rel=1e-9)
+    assert rep.spearman == pytest.approx(stats.spearmanr(predicted, measured)[0], rel=1e-9)
+    assert rep.log_slope == pytest.approx(stats.linregress(np.log(predicted), np.log(measured)).slope, rel=1e-9)
+    assert rep.ratio_min == pytest.approx((measured / predicted).min())
+    assert rep.ratio_max == pytest.approx((measured / predicted).max())
+    text = rep.format()
+    assert "p11" in text
+    assert "KL_share" in text
+    one = summarize(["a"], [1.0], [2.0])
+    assert math.isnan(one.pearson)
+    assert one.ratio_min == one.ratio_max == 2.0
+    ties = summarize(list("abcd"), [1.0, 1.0, 2.0, 3.0], [1.0, 2.0, 2.0, 4.0])
+    assert ties.spearman == pytest.approx(stats.spearmanr([1, 1, 2, 3], [1, 2, 2, 4])[0])
+
+
+def test_random_plans_are_seeded_and_valid():
+    prof = loopkv.planning.Profile.partial(loops=4, layers=6, kv_heads=2, head_dim=32)
+    plans = random_plans(prof, 5, seed=3)
+    assert [p.options for p in plans] == [p.options for p in random_plans(prof, 5, seed=3)]
+    assert [p.options for p in plans] != [p.options for p in random_plans(prof, 5, seed=4)]
+    for p in plans:
+        grid = p.grid()
+        assert grid[3] == ["int4"] * 6
+        assert "share" not in grid[0]  # default: share only in the last two non-final loops
+        assert set(o for row in grid[:3] for o in row) <= {"int4", "int2", "share"}
+    assert all("share" not in p.options for p in random_plans(prof, 5, options=("int4", "int2")))
+
+
+def test_additivity_report_end_to_end(model, doc):
+    prof = profile(model, doc, progress=False)
+    plans = [_single(Cell(0, 1), "int2"), *random_plans(prof, 2, seed=0, options=("int4", "int2"))]
+    rep = additivity_report(model, prof, plans, doc, progress=False)
+    assert rep.predicted == tuple(predicted_damage(prof, p) for p in plans)
+    assert rep.names[1] == "random_plans(seed=0) #0"
+    # a single-cell plan is measured as profiled
+    assert rep.measured[0] == pytest.approx(rep.predicted[0], rel=1e-3)
+    assert all(m > 0 for m in rep.measured)
+    assert rep.to_dict()["results"][0]["positions"] == 360 - EXIT_LENGTH
+    assert len(rep.format().splitlines()) == len(plans) + 2
+    assert torch.isfinite(torch.tensor(rep.ratio_max))
