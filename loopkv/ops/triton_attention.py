@@ -79,30 +79,204 @@ def _exact_values(p, vptr, valid, cm, PREC: tl.constexpr, UPCAST: tl.constexpr):
 
 
 @triton.jit
-def _quant_scores(
-    qx, q_ptr, rvalid, page, k_pages, k_scale, k_zero, qk_scale,
-    BITS: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, RP: tl.constexpr, DT: tl.constexpr,
-    PREC: tl.constexpr,
+def _field(x, SHIFT: tl.constexpr, WIDTH: tl.constexpr, MAGIC: tl.constexpr, DT: tl.constexpr):
+    """Bit field ``[SHIFT, SHIFT + WIDTH)`` of the bytes ``x`` as DT.
+
+    MAGIC (fp16): ``1024 + 2**SHIFT * field`` exactly, from one AND-OR on the unshifted byte (``0x6400`` is
+    1024.0 in fp16): no shift, no integer-to-float conversion (a quarter-rate instruction on Hopper).
+    The caller folds ``2**-SHIFT`` into the other operand and subtracts the 1024 offset once per page.
+    """
+    if MAGIC:
+        return ((x & (((1 << WIDTH) - 1) << SHIFT)).to(tl.int16) | 0x6400).to(tl.float16, bitcast=True)
+    else:
+        return ((x >> SHIFT) & ((1 << WIDTH) - 1)).to(DT)
+
+
+@triton.jit
+def _q_tile(q_ptr, rvalid, F: tl.constexpr, BITS: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
+            DT: tl.constexpr, MAGIC: tl.constexpr):
+    """Query channels ``PER * j + F`` [rows, DP // PER] in DT (rows: q_ptr's); MAGIC pre-scales by
+    ``2**-(BITS * F)`` (exact) to match the unshifted fields of :func:`_field`."""
+    PER: tl.constexpr = 8 // BITS
+    j = tl.arange(0, DP // PER)
+    qi = tl.load(q_ptr[:, None] + (j * PER + F)[None, :], mask=rvalid[:, None] & (j < D // PER)[None, :], other=0.0)
+    if MAGIC:
+        return (qi.to(tl.float32) * (1.0 / (1 << (BITS * F)))).to(tl.float16)
+    else:
+        return qi.to(DT)
+
+
+@triton.jit
+def _score_part(s, corr, qa, qv, codes, page, k_scale, F: tl.constexpr, BITS: tl.constexpr, D: tl.constexpr,
+                DP: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr, MAGIC: tl.constexpr):
+    """Add field F's product ``(q * k_scale) . code`` to the scores s [RP, 32]; corr [GP] collects
+    ``sum(q * k_scale)`` per query head for the magic offset (same fp16 products as the tile's)."""
+    PER: tl.constexpr = 8 // BITS
+    j = tl.arange(0, DP // PER)
+    ks = tl.load(k_scale + page * D + j * PER + F, mask=j < D // PER, other=0.0)
+    if MAGIC:
+        qk = qa * ks[None, :]  # fp16 x fp16: one rounding, like the fp32 product rounded to fp16
+        corr += tl.sum((qv * ks[None, :]).to(tl.float32), 1)
+    else:
+        qk = qa * ks.to(DT)[None, :]
+    s = tl.dot(qk, tl.trans(_field(codes, BITS * F, BITS, MAGIC, DT)), s, input_precision=PREC)
+    return s, corr
+
+
+@triton.jit
+def _v_dot(acc, a, aq, hi, lo, K: tl.constexpr, BITS: tl.constexpr, MAGIC: tl.constexpr, DT: tl.constexpr,
+           PREC: tl.constexpr):
+    """acc + a @ code_K for crumb K (channels 4 j + K) of the V planes (INT4: 4 hi + lo).
+
+    MAGIC: crumbs come as ``F = 1024 + 4**K * crumb``; acc gathers ``a @ F_hi + (a / 4) @ F_lo`` (aq = a / 4),
+    so the value is ``(4 if INT4 else 1) * 4**-K * acc - 1024 * (5 if INT4 else 1) * 4**-K * sum(a)``.
+    """
+    if MAGIC:
+        acc = tl.dot(a, _field(hi, 2 * K, 2, MAGIC, DT), acc, input_precision=PREC)
+        if BITS == 4:
+            acc = tl.dot(aq, _field(lo, 2 * K, 2, MAGIC, DT), acc, input_precision=PREC)
+    else:
+        code = _field(hi, 2 * K, 2, MAGIC, DT)
+        if BITS == 4:
+            code = code * 4 + _field(lo, 2 * K, 2, MAGIC, DT)
+        acc = tl.dot(a, code, acc, input_precision=PREC)
+    return acc
+
+
+@triton.jit
+def _far_quant(
+    q, sq_b, sq_h, b, h, H, MAXP, length, p0, p1, page_table, sink_k, k_pages, k_scale, k_zero, v_hi, v_lo,
+    v_scale, v_zero, qk_scale, tau, ws_o, ws_ml, slot,
+    G: tl.constexpr, GR: tl.constexpr, GP: tl.constexpr, NGP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
+    BITS: tl.constexpr, VPREC: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
+    MAGIC: tl.constexpr,
 ):
-    """Scores [RP, PAGE] (log2 units) of one INT4/INT2 page: (q * k_scale) . codes + q . k_zero."""
+    """History pages [p0, p1) of row b, KV head h, stored as INT4/INT2 codes -> partial (m, l, o)."""
+    RP: tl.constexpr = GR * NGP
+    NG: tl.constexpr = D // 32
     PER: tl.constexpr = 8 // BITS
     KB: tl.constexpr = DP // PER
     KBD: tl.constexpr = D // PER
-    t = tl.arange(0, 32)
-    j = tl.arange(0, KB)
+    VB: tl.constexpr = DP // 4
+    VBD: tl.constexpr = D // 4
+    r = tl.arange(0, RP)
+    g_r = r // NGP
+    gr = r % NGP
+    rvalid = g_r < G
+    gvalid = gr < NG
+    gq = tl.arange(0, GP)
     c = tl.arange(0, DP)
-    kz = tl.load(k_zero + page * D + c, mask=c < D, other=0.0).to(tl.float32)
-    s = tl.zeros([RP, 32], dtype=tl.float32) + tl.sum(qx * kz[None, :], 1)[:, None]
-    codes = tl.load(k_pages + page * (32 * KBD) + t[:, None] * KBD + j[None, :], mask=(j < KBD)[None, :], other=0)
-    MASK: tl.constexpr = (1 << BITS) - 1
-    for i in tl.static_range(PER):
-        ch = j * PER + i
-        ks = tl.load(k_scale + page * D + ch, mask=j < KBD, other=0.0).to(tl.float32)
-        qi = tl.load(q_ptr[:, None] + ch[None, :], mask=rvalid[:, None] & (j < KBD)[None, :], other=0.0)
-        qk = (qi.to(tl.float32) * ks[None, :]).to(DT)
-        ci = ((codes >> (BITS * i)) & MASK).to(DT)
-        s += tl.dot(qk, tl.trans(ci), input_precision=PREC)
-    return s * qk_scale
+    t = tl.arange(0, 32)
+    jk = tl.arange(0, KB)
+    jv = tl.arange(0, VB)
+    jm = (jv < VBD)[None, :]
+    b64 = b.to(tl.int64)
+    q_rows = q + b64 * sq_b + (h * G + g_r) * sq_h  # [RP]: the query head of every tile row
+    q_heads = q + b64 * sq_b + (h * G + gq) * sq_h  # [GP]
+    qg = tl.load(q_heads[:, None] + c[None, :], mask=(gq < G)[:, None] & (c < D)[None, :], other=0.0)
+    qg = qg.to(tl.float32)
+    expand = g_r[:, None] == gq[None, :]  # [RP, GP]: row r belongs to query head g
+    # query tiles per field, hoisted out of the page loop (rows: A operand of the score product)
+    qa0 = _q_tile(q_rows, rvalid, 0, BITS, D, DP, DT, MAGIC)
+    qa1 = _q_tile(q_rows, rvalid, 1, BITS, D, DP, DT, MAGIC)
+    qv0 = _q_tile(q_heads, gq < G, 0, BITS, D, DP, DT, MAGIC)
+    qv1 = _q_tile(q_heads, gq < G, 1, BITS, D, DP, DT, MAGIC)
+    if BITS == 2:
+        qa2 = _q_tile(q_rows, rvalid, 2, BITS, D, DP, DT, MAGIC)
+        qa3 = _q_tile(q_rows, rvalid, 3, BITS, D, DP, DT, MAGIC)
+        qv2 = _q_tile(q_heads, gq < G, 2, BITS, D, DP, DT, MAGIC)
+        qv3 = _q_tile(q_heads, gq < G, 3, BITS, D, DP, DT, MAGIC)
+    m_i = tl.full([RP], float("-inf"), tl.float32)
+    l_i = tl.zeros([RP], tl.float32)
+    sink_max = tl.full([RP], float("-inf"), tl.float32)
+    if VPREC:
+        if p1 > p0:
+            qx = tl.load(q_rows[:, None] + c[None, :], mask=rvalid[:, None] & (c < D)[None, :], other=0.0)
+            ts = tl.arange(0, 32)
+            s_sink = _exact_scores(
+                qx, sink_k + ((b64 * H + h) * 32 + ts)[:, None] * D + c[None, :], ts < tl.minimum(length, 32),
+                c < D, qk_scale, PREC, UPCAST,
+            )
+            sink_max = tl.max(s_sink, 1)
+    acc0 = tl.zeros([RP, VB], tl.float32)
+    acc1 = tl.zeros([RP, VB], tl.float32)
+    acc2 = tl.zeros([RP, VB], tl.float32)
+    acc3 = tl.zeros([RP, VB], tl.float32)
+    zacc = tl.zeros([RP], tl.float32)
+    asum = tl.zeros([RP], tl.float32)
+    for pg in range(p0, p1):
+        page = tl.load(page_table + b64 * MAXP + pg).to(tl.int64) * H + h
+        # ---- scores: (q * k_scale) . codes + q . k_zero, per field of the packed bytes
+        codes = tl.load(k_pages + page * (32 * KBD) + t[:, None] * KBD + jk[None, :], mask=(jk < KBD)[None, :],
+                        other=0)
+        s = tl.zeros([RP, 32], dtype=tl.float32)
+        corr = tl.zeros([GP], dtype=tl.float32)
+        s, corr = _score_part(s, corr, qa0, qv0, codes, page, k_scale, 0, BITS, D, DP, DT, PREC, MAGIC)
+        s, corr = _score_part(s, corr, qa1, qv1, codes, page, k_scale, 1, BITS, D, DP, DT, PREC, MAGIC)
+        if BITS == 2:
+            s, corr = _score_part(s, corr, qa2, qv2, codes, page, k_scale, 2, BITS, D, DP, DT, PREC, MAGIC)
+            s, corr = _score_part(s, corr, qa3, qv3, codes, page, k_scale, 3, BITS, D, DP, DT, PREC, MAGIC)
+        kz = tl.load(k_zero + page * D + c, mask=c < D, other=0.0).to(tl.float32)
+        bias = tl.sum(qg * kz[None, :], 1) - 1024.0 * corr  # [GP]; corr is 0 without MAGIC
+        s = (s + tl.sum(tl.where(expand, bias[None, :], 0.0), 1)[:, None]) * qk_scale
+        m_page = tl.max(s, 1)
+        if tl.max(m_page - m_i, 0) > 0:  # rescale only when a running maximum grows (rarely, after warm-up)
+            m_new = tl.maximum(m_i, m_page)
+            alpha = tl.exp2(m_i - m_new)
+            l_i *= alpha
+            zacc *= alpha
+            asum *= alpha
+            acc0 *= alpha[:, None]
+            acc1 *= alpha[:, None]
+            acc2 *= alpha[:, None]
+            acc3 *= alpha[:, None]
+            m_i = m_new
+        p = tl.exp2(s - m_i[:, None])
+        l_i += tl.sum(p, 1)
+        # ---- values: weights a = p * v_scale per (query head, channel group) row
+        goff = page * (32 * NG) + t[None, :] * NG + gr[:, None]  # [RP, 32]
+        vs = tl.load(v_scale + goff, mask=gvalid[:, None], other=0.0).to(tl.float32)
+        vz = tl.load(v_zero + goff, mask=gvalid[:, None], other=0.0).to(tl.float32)
+        voff = page * (32 * VBD) + t[:, None] * VBD + jv[None, :]
+        hi = tl.load(v_hi + voff, mask=jm, other=0)
+        if BITS == 4:
+            if VPREC:
+                m_ref = tl.maximum(sink_max, m_page)
+                cold_r = (s < (m_ref - tau)[:, None]) | (~rvalid[:, None])
+                cold = tl.min(cold_r.to(tl.int32), 0) > 0  # [32]: cold for every query head
+                vz += tl.where(cold[None, :], 1.5 * vs, 0.0)
+                lo = tl.load(v_lo + voff, mask=(~cold)[:, None] & jm, other=0)
+            else:
+                lo = tl.load(v_lo + voff, mask=jm, other=0)
+        else:
+            lo = hi  # INT2 has no lo plane (unused)
+        zacc += tl.sum(p * vz, 1)
+        a = (p * vs).to(DT)
+        aq = a
+        if MAGIC:
+            asum += tl.sum(a.to(tl.float32), 1)
+            aq = a * 0.25
+        acc0 = _v_dot(acc0, a, aq, hi, lo, 0, BITS, MAGIC, DT, PREC)
+        acc1 = _v_dot(acc1, a, aq, hi, lo, 1, BITS, MAGIC, DT, PREC)
+        acc2 = _v_dot(acc2, a, aq, hi, lo, 2, BITS, MAGIC, DT, PREC)
+        acc3 = _v_dot(acc3, a, aq, hi, lo, 3, BITS, MAGIC, DT, PREC)
+    if MAGIC:  # undo the fields' 4**K scale and 1024 offset (INT4: hi and lo/4 planes, times 4)
+        w: tl.constexpr = 4.0 if BITS == 4 else 1.0
+        off = (asum * (1024.0 * (5.0 if BITS == 4 else 1.0)))[:, None]
+        acc0 = acc0 * w - off
+        acc1 = (acc1 * w - off) * 0.25
+        acc2 = (acc2 * w - off) * 0.0625
+        acc3 = (acc3 * w - off) * 0.015625
+    # partial: channel 4 j + K of query head g comes from row (g, group (4 j + K) // 32 = j // 8)
+    first = gr == 0
+    tl.store(ws_ml + (slot * GR + g_r) * 2, m_i, mask=first)
+    tl.store(ws_ml + (slot * GR + g_r) * 2 + 1, l_i, mask=first)
+    mine = (gr[:, None] == (jv // 8)[None, :]) & jm
+    obase = ws_o + (slot * GR + g_r)[:, None] * DP + 4 * jv[None, :]
+    tl.store(obase, acc0 + zacc[:, None], mask=mine)
+    tl.store(obase + 1, acc1 + zacc[:, None], mask=mine)
+    tl.store(obase + 2, acc2 + zacc[:, None], mask=mine)
+    tl.store(obase + 3, acc3 + zacc[:, None], mask=mine)
 
 
 @triton.jit
@@ -120,13 +294,12 @@ def _cell_attn_kernel(
     k_pages, k_scale, k_zero, v_hi, v_lo, v_scale, v_zero,
     ws_o, ws_ml, cnt, out, so_b, so_h,
     H, MAXP, NNEAR, NSPLIT, qk_scale, tau,
-    G: tl.constexpr, GR: tl.constexpr, NGP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
+    G: tl.constexpr, GR: tl.constexpr, GP: tl.constexpr, NGP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
     BITS: tl.constexpr, VPREC: tl.constexpr, BN: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr,
-    UPCAST: tl.constexpr,
+    UPCAST: tl.constexpr, MAGIC: tl.constexpr,
 ):
     """Program (i, b*H + h): near slots (i < NNEAR) or history split i - NNEAR of row b, KV head h."""
     RP: tl.constexpr = GR * NGP
-    NG: tl.constexpr = D // 32
     pid = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // H
@@ -178,69 +351,11 @@ def _cell_attn_kernel(
                 acc = acc * alpha[:, None] + _exact_values(p, v_hi + off, valid, cm, PREC, UPCAST)
             _store_partial(ws_o, ws_ml, slot, g_r, gr, m_i, l_i, acc, c, GR, DP)
         elif BITS != 0:
-            VB: tl.constexpr = DP // 4
-            VBD: tl.constexpr = D // 4
-            jv = tl.arange(0, VB)
-            jm = (jv < VBD)[None, :]
-            gvalid = gr < NG
-            sink_max = tl.full([RP], float("-inf"), tl.float32)
-            if VPREC:
-                if p1 > p0:
-                    ts = tl.arange(0, 32)
-                    s_sink = _exact_scores(
-                        qx, sink_k + (bh64 * 32 + ts)[:, None] * D + c[None, :], ts < tl.minimum(length, 32),
-                        cm, qk_scale, PREC, UPCAST,
-                    )
-                    sink_max = tl.max(s_sink, 1)
-            acc0 = tl.zeros([RP, VB], tl.float32)
-            acc1 = tl.zeros([RP, VB], tl.float32)
-            acc2 = tl.zeros([RP, VB], tl.float32)
-            acc3 = tl.zeros([RP, VB], tl.float32)
-            zacc = tl.zeros([RP], tl.float32)
-            for pg in range(p0, p1):
-                page = tl.load(page_table + b.to(tl.int64) * MAXP + pg).to(tl.int64) * H + h
-                s = _quant_scores(qx, q_ptr, rvalid, page, k_pages, k_scale, k_zero, qk_scale,
-                                  BITS, D, DP, RP, DT, PREC)
-                m_i, alpha, p, l_i = _online(s, m_i, l_i)
-                goff = page * (32 * NG) + t[None, :] * NG + gr[:, None]  # [RP, 32]: (row's group, token)
-                vs = tl.load(v_scale + goff, mask=gvalid[:, None], other=0.0).to(tl.float32)
-                vz = tl.load(v_zero + goff, mask=gvalid[:, None], other=0.0).to(tl.float32)
-                voff = page * (32 * VBD) + t[:, None] * VBD + jv[None, :]
-                hi = tl.load(v_hi + voff, mask=jm, other=0)
-                if BITS == 4:
-                    if VPREC:
-                        m_ref = tl.maximum(sink_max, tl.max(s, 1))
-                        cold_r = (s < (m_ref - tau)[:, None]) | (~rvalid[:, None])
-                        cold = tl.min(cold_r.to(tl.int32), 0) > 0  # [32]: cold for every query head
-                        vz += tl.where(cold[None, :], 1.5 * vs, 0.0)
-                        lo = tl.load(v_lo + voff, mask=(~cold)[:, None] & jm, other=0)
-                    else:
-                        lo = tl.load(v_lo + voff, mask=jm, other=0)
-                zacc = zacc * alpha + tl.sum(p * vz, 1)
-                a = (p * vs).to(DT)
-                if BITS == 4:
-                    acc0 = acc0 * alpha[:, None] + tl.dot(a, ((hi & 3) * 4 + (lo & 3)).to(DT), input_precision=PREC)
-                    acc1 = acc1 * alpha[:, None] + tl.dot(
-                        a, (((hi >> 2) & 3) * 4 + ((lo >> 2) & 3)).to(DT), input_precision=PREC)
-                    acc2 = acc2 * alpha[:, None] + tl.dot(
-                        a, (((hi >> 4) & 3) * 4 + ((lo >> 4) & 3)).to(DT), input_precision=PREC)
-                    acc3 = acc3 * alpha[:, None] + tl.dot(
-                        a, (((hi >> 6) & 3) * 4 + ((lo >> 6) & 3)).to(DT), input_precision=PREC)
-                else:
-                    acc0 = acc0 * alpha[:, None] + tl.dot(a, (hi & 3).to(DT), input_precision=PREC)
-                    acc1 = acc1 * alpha[:, None] + tl.dot(a, ((hi >> 2) & 3).to(DT), input_precision=PREC)
-                    acc2 = acc2 * alpha[:, None] + tl.dot(a, ((hi >> 4) & 3).to(DT), input_precision=PREC)
-                    acc3 = acc3 * alpha[:, None] + tl.dot(a, ((hi >> 6) & 3).to(DT), input_precision=PREC)
-            # partial: channel 4 j + i of query head g comes from row (g, group (4 j + i) // 32 = j // 8)
-            first = gr == 0
-            tl.store(ws_ml + (slot * GR + g_r) * 2, m_i, mask=first)
-            tl.store(ws_ml + (slot * GR + g_r) * 2 + 1, l_i, mask=first)
-            mine = (gr[:, None] == (jv // 8)[None, :]) & jm
-            obase = ws_o + (slot * GR + g_r)[:, None] * DP + 4 * jv[None, :]
-            tl.store(obase, acc0 + zacc[:, None], mask=mine)
-            tl.store(obase + 1, acc1 + zacc[:, None], mask=mine)
-            tl.store(obase + 2, acc2 + zacc[:, None], mask=mine)
-            tl.store(obase + 3, acc3 + zacc[:, None], mask=mine)
+            _far_quant(
+                q, sq_b, sq_h, b, h, H, MAXP, length, p0, p1, page_table, sink_k, k_pages, k_scale, k_zero,
+                v_hi, v_lo, v_scale, v_zero, qk_scale, tau, ws_o, ws_ml, slot,
+                G, GR, GP, NGP, D, DP, BITS, VPREC, DT, PREC, UPCAST, MAGIC,
+            )
     # ---- the last program of (b, h) merges the partials by log-sum-exp
     tl.debug_barrier()
     done = tl.atomic_add(cnt + bh, 1, sem="acq_rel")
@@ -352,9 +467,64 @@ def cell_attention(
         k_pages, k_scale, k_zero, v_hi, v_lo, v_scale, v_zero,
         ws_o, ws_ml, cnt, out, out.stride(0), out.stride(1),
         H, maxp, nnear, nsplit, scale * LOG2E, float(tau) if vprec else 0.0,
-        G=G, GR=GR, NGP=NGP, D=D, DP=DP, BITS=bits if nsplit else 0, VPREC=vprec, BN=NEAR_BLOCK,
+        G=G, GR=GR, GP=_next_pow2(G), NGP=NGP, D=D, DP=DP, BITS=bits if nsplit else 0, VPREC=vprec, BN=NEAR_BLOCK,
         DT=tl.float32 if exact else tl.float16, PREC="ieee" if exact else "tf32",
-        UPCAST=q.device.type != "cuda" and q.dtype == torch.bfloat16,
+        UPCAST=q.device.type != "cuda" and q.dtype == torch.bfloat16, MAGIC=not exact,
         num_warps=num_warps or cfg["num_warps"], num_stages=num_stages or cfg["num_stages"],
     )
     return out
+
+
+def warmup(
+    *, batch_size: int, kv_heads: int, q_heads: int, head_dim: int, max_pages: int, dtype: torch.dtype,
+    read_bits: tuple[int, ...] = (4,), own_bits: tuple[int, ...] = (4,), tau: float = math.inf,
+    device: torch.device | str = "cuda",
+) -> None:
+    """JIT-compile the kernels a cache of this shape launches and allocate their counters, so that
+    nothing compiles or allocates during CUDA-graph capture.
+
+    Runs each kernel once on small dummy tensors with the cache's specializations (heads, head_dim,
+    pages per row, strides, split count): ``cell_attention`` for every ``read_bits`` (and V precision
+    when ``tau`` is finite), ``append_`` and ``write_pages_`` for every ``own_bits``.
+    """
+    from loopkv.ops import triton_quant
+
+    device = torch.device(device)
+    H, D = kv_heads, head_dim
+    exact = dict(dtype=dtype, device=device)
+    sink = [torch.zeros(1, H, SINK, D, **exact) for _ in range(2)]
+    ring = [torch.zeros(1, H, RING, D, **exact) for _ in range(2)]
+    lengths = torch.zeros(1, dtype=torch.int32, device=device)
+    table = torch.zeros(1, max_pages, dtype=torch.int32, device=device)
+    splits = choose_splits(batch_size * H, max_pages, device)
+    counters(device, batch_size * H, purpose="attention")
+    counters(device, batch_size, purpose="append")
+    for bits in sorted(set(read_bits) | set(own_bits)):
+        pool = _dummy_pool(bits, H, D, dtype, device)
+        if bits in read_bits:
+            q = torch.zeros(1, q_heads, D, **exact)
+            for t in {math.inf, tau} if bits == 4 else {math.inf}:
+                cell_attention(q, *sink, *ring, lengths, table, *pool, bits, t, D**-0.5, splits=splits)
+        if bits in own_bits or bits == 0:
+            kv = torch.zeros(1, H, 1, D, **exact)
+            triton_quant.append(kv, kv, *sink, *ring, lengths, table, *pool, bits)
+            lengths.zero_()
+            if bits:
+                page = torch.zeros(1, H, PAGE, D, **exact)
+                triton_quant.write_pages(page, page, torch.zeros(1, dtype=torch.int64, device=device), *pool, bits)
+
+
+def _dummy_pool(bits: int, heads: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> list[Tensor]:
+    f16 = dict(dtype=torch.float16, device=device)
+    u8 = dict(dtype=torch.uint8, device=device)
+    if bits == 0:
+        return [torch.empty(0, **u8)] * 7
+    if bits == 16:
+        full = torch.zeros(1, heads, PAGE, head_dim, dtype=dtype, device=device)
+        return [full, torch.empty(0, **f16), torch.empty(0, **f16), full.clone(), torch.empty(0, **u8),
+                torch.empty(0, **f16), torch.empty(0, **f16)]
+    ng = head_dim // GROUP
+    return [torch.zeros(1, heads, PAGE, head_dim * bits // 8, **u8), torch.zeros(1, heads, head_dim, **f16),
+            torch.zeros(1, heads, head_dim, **f16), torch.zeros(1, heads, PAGE, head_dim // 4, **u8),
+            torch.zeros(1, heads, PAGE, head_dim // 4, **u8) if bits == 4 else torch.empty(0, **u8),
+            torch.zeros(1, heads, PAGE, ng, **f16), torch.zeros(1, heads, PAGE, ng, **f16)]

@@ -1,0 +1,360 @@
+"""Decode attention of one Ouro-1.4B cell (16 KV heads x 128, one query per KV head) on the GPU.
+
+Arms, in the same run and on the same logical context (sink 32 + history pages + window):
+  cudnn_bf16 / flash_bf16   torch SDPA on dense BF16 K/V (``torch.nn.attention.sdpa_kernel``)
+  dequant_sdpa              INT4 codes dequantized to BF16 by torch ops, then cuDNN SDPA (eager)
+  loopkv_int4               the fused kernel, INT4 pages, tau = inf
+  loopkv_int4_vp            INT4 with V precision (tau = 14) on data built so that ~1/6 of the history
+                            tokens are hot (measured fraction reported), with loopkv_int4_vpdata: the
+                            same data at tau = inf, to isolate the V-precision gain
+  loopkv_int2, loopkv_shared (INT4 pages read through another cell's page table), loopkv_bf16 (bits=16)
+  append_exit / append_plain  the decode append with / without every row's page leaving the window
+
+Times are medians of ``triton.testing.do_bench`` over CUDA-graph replays; a graph holds one call per
+input set, with enough sets that they do not fit in L2 together (do_bench also flushes L2 before each
+replay). Bytes are those the arm must read (codes, scales, exact sink/window; V precision subtracts the lo
+plane of cold tokens); effective TB/s = bytes / time.
+
+Usage: PYTHONPATH=. python benchmarks/bench_cell_attention.py [--sweep] [--quick] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+import triton
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from loopkv.ops import codec, layout
+from loopkv.ops import triton_attention as ta
+from loopkv.ops import triton_quant as tq
+from loopkv.ops.cell_attention import cell_attention_reference
+
+H, D = 16, 128
+DEVICE = "cuda"  # --smoke: "cpu" under TRITON_INTERPRET=1 with 2 heads, to check this script without a GPU
+TAU = 14.0
+HOT = 1.0 / 6.0
+
+
+def pool_bytes_per_page(bits: int) -> int:
+    """Bytes one page of one head occupies (and a reader must read), per docs/storage-layout.md."""
+    if bits == 16:
+        return 2 * 32 * D * 2
+    kv_codes = 32 * D * bits // 8 * 2
+    return kv_codes + 2 * D * 2 + 2 * 32 * (D // 32) * 2
+
+
+def make_dense(B: int, ctx: int, *, seed: int, hot: bool = False) -> dict:
+    """q [B, H, D] and dense K, V [B, H, ctx, D] (bf16). hot=True: history scores 12 +- 1 for a 1/6
+    fraction of tokens and -2 +- 1 for the rest, sink scores 12 (so m_ref ~ 12-14 and tau = 14 marks
+    the others cold); otherwise K with per-channel offsets and spreads like real keys."""
+    g = torch.Generator(device=DEVICE).manual_seed(seed)
+    q = torch.randn(B, H, D, device=DEVICE, generator=g)
+    v = torch.randn(B, H, ctx, D, device=DEVICE, generator=g, dtype=torch.bfloat16)
+    if hot:
+        u = q / q.norm(dim=-1, keepdim=True)
+        target = torch.where(torch.rand(B, H, ctx, device=DEVICE, generator=g) < HOT, 12.0, -2.0)
+        target += torch.randn(B, H, ctx, device=DEVICE, generator=g)
+        target[:, :, :32] = 12.0
+        k = torch.randn(B, H, ctx, D, device=DEVICE, generator=g)
+        k -= (k * u[:, :, None]).sum(-1, keepdim=True) * u[:, :, None]
+        # score = scale * q . k = target: k's component along u is target / (scale * |q|)
+        k += (target / (D**-0.5 * q.norm(dim=-1, keepdim=True)))[..., None] * u[:, :, None]
+        k = k.to(torch.bfloat16)
+    else:
+        k = torch.randn(B, H, ctx, D, device=DEVICE, generator=g) * (0.5 + torch.rand(1, H, 1, D, device=DEVICE))
+        k = (k + torch.randn(1, H, 1, D, device=DEVICE, generator=g)).to(torch.bfloat16)
+    return {"q": q.to(torch.bfloat16), "k": k, "v": v}
+
+
+def make_cell(dense: dict, bits: int) -> list:
+    """Cell storage (the op's argument order after q) holding the dense context."""
+    k, v = dense["k"], dense["v"]
+    B, _, ctx, _ = k.shape
+    npg = layout.n_pages(ctx)
+    maxp = max(npg, 1)
+    sink_k, sink_v = k[:, :, :32].contiguous(), v[:, :, :32].contiguous()
+    win_k = torch.zeros(B, H, layout.RING, D, device=DEVICE, dtype=k.dtype)
+    win_v = torch.zeros_like(win_k)
+    start = 32 + 32 * npg
+    slots = (torch.arange(start, ctx, device=DEVICE) - 32) % layout.RING
+    win_k[:, :, slots] = k[:, :, start:]
+    win_v[:, :, slots] = v[:, :, start:]
+    lengths = torch.full((B,), ctx, dtype=torch.int32, device=DEVICE)
+    table = torch.arange(B * maxp, dtype=torch.int32, device=DEVICE).view(B, maxp)
+    pool = pool_tensors(bits, B * maxp)
+    hist_k = k[:, :, 32:start].unflatten(2, (npg, 32)).permute(0, 2, 1, 3, 4).reshape(B * npg, H, 32, D)
+    hist_v = v[:, :, 32:start].unflatten(2, (npg, 32)).permute(0, 2, 1, 3, 4).reshape(B * npg, H, 32, D)
+    pages = (torch.arange(B, device=DEVICE)[:, None] * maxp + torch.arange(npg, device=DEVICE)).flatten()
+    tq.write_pages(hist_k.contiguous(), hist_v.contiguous(), pages, *pool, bits)
+    return [sink_k, sink_v, win_k, win_v, lengths, table, *pool]
+
+
+def pool_tensors(bits: int, n: int) -> list:
+    f16 = dict(dtype=torch.float16, device=DEVICE)
+    u8 = dict(dtype=torch.uint8, device=DEVICE)
+    if bits == 16:
+        e = torch.empty(0, **f16)
+        full = dict(dtype=torch.bfloat16, device=DEVICE)
+        return [torch.empty(n, H, 32, D, **full), e, e, torch.empty(n, H, 32, D, **full),
+                torch.empty(0, **u8), e, e]
+    return [torch.empty(n, H, 32, D * bits // 8, **u8), torch.empty(n, H, D, **f16), torch.empty(n, H, D, **f16),
+            torch.empty(n, H, 32, D // 4, **u8),
+            torch.empty(n, H, 32, D // 4, **u8) if bits == 4 else torch.empty(0, **u8),
+            torch.empty(n, H, 32, D // 32, **f16), torch.empty(n, H, 32, D // 32, **f16)]
+
+
+def dequant_sdpa(q, cell):
+    """What a dequantize-then-attend cache does: INT4 pages -> BF16 K/V, concatenated, cuDNN SDPA."""
+    sink_k, sink_v, win_k, win_v, lengths, table = cell[:6]
+    pool = codec.PageCodes(*cell[6:])
+    B = q.shape[0]
+    idx = table.long().flatten()
+    pages = codec.PageCodes(*[t[idx] for t in pool])
+    kh = codec.decode_k(pages, 4).to(torch.bfloat16).view(B, -1, H, 32, D).permute(0, 2, 1, 3, 4).flatten(2, 3)
+    vh = codec.decode_v(pages, 4).to(torch.bfloat16).view(B, -1, H, 32, D).permute(0, 2, 1, 3, 4).flatten(2, 3)
+    k = torch.cat([sink_k, kh, win_k], dim=2)  # window order does not matter for one query
+    v = torch.cat([sink_v, vh, win_v], dim=2)
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        return F.scaled_dot_product_attention(q[:, :, None], k, v, scale=D**-0.5)[:, :, 0]
+
+
+def hot_fraction(q, cell, tau, rows: int = 4) -> float:
+    """Fraction of history (token, head) pairs the kernel reads hot, by the op's rule, from stored codes
+    (first ``rows`` rows)."""
+    B = min(q.shape[0], rows)
+    pool = codec.PageCodes(*cell[6:])
+    table = cell[5]
+    hot = total = 0
+    scale = D**-0.5
+    for b in range(B):
+        pages = codec.PageCodes(*[t[table[b].long()] for t in pool])
+        kk = codec.decode_k(pages, 4)  # [P, H, 32, D]
+        s = torch.einsum("hd,phtd->pht", q[b].float(), kk) * scale
+        sink = (torch.einsum("hd,htd->ht", q[b].float(), cell[0][b].float()) * scale).amax(-1)  # [H]
+        m_ref = torch.maximum(sink[None], s.amax(-1))  # [P, H]
+        hot += int((s >= (m_ref - tau * math.log(2))[..., None]).sum())
+        total += s.numel()
+    return hot / total
+
+
+def bench_graph(make_call, n_sets: int) -> float:
+    """Median ms of one call: a CUDA graph holds one call per input set; do_bench times its replays."""
+    calls = [make_call(i) for i in range(n_sets)]
+    if DEVICE == "cpu":
+        t = time.perf_counter()
+        for c in calls:
+            c()
+        return (time.perf_counter() - t) * 1e3 / n_sets
+    for c in calls:
+        c()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for c in calls:
+            c()
+    ms = triton.testing.do_bench(graph.replay, warmup=25, rep=150, return_mode="median")
+    return ms / n_sets
+
+
+def n_sets_for(nbytes: int) -> int:
+    if DEVICE == "cpu":
+        return 1
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size
+    return int(min(8, max(1, math.ceil(3 * l2 / max(nbytes, 1)))))
+
+
+def history_bytes(B: int, ctx: int, bits: int, cold_fraction: float = 0.0) -> int:
+    npg = layout.n_pages(ctx)
+    exact = B * H * (ctx - 32 * npg) * D * 2 * 2  # sink + window, K and V
+    pages = B * H * npg * pool_bytes_per_page(bits)
+    cold = B * H * npg * 32 * cold_fraction * (D // 4)  # lo plane skipped per cold (token, head)
+    return int(exact + pages - cold)
+
+
+def run_shape(B: int, ctx: int, rows: list, cfg: dict) -> None:
+    dense_bytes = B * H * ctx * D * 2 * 2
+    int4_bytes = history_bytes(B, ctx, 4)
+    sets_dense = n_sets_for(dense_bytes)
+    sets_q = n_sets_for(int4_bytes)
+    dense = [make_dense(B, ctx, seed=s) for s in range(max(sets_dense, sets_q))]
+    qs = [d["q"] for d in dense]
+    scale = D**-0.5
+    res = {"batch": B, "context": ctx, "history_pages": layout.n_pages(ctx)}
+
+    def record(name, ms, nbytes, **extra):
+        res[name] = {"ms": ms, "bytes": nbytes, "tb_s": nbytes / ms / 1e9, **extra}
+
+    for name, backend in (("cudnn_bf16", SDPBackend.CUDNN_ATTENTION), ("flash_bf16", SDPBackend.FLASH_ATTENTION)):
+        def make(i, backend=backend, dense=dense):
+            q4, k, v = dense[i]["q"][:, :, None], dense[i]["k"], dense[i]["v"]
+
+            def call():
+                with sdpa_kernel(backend):
+                    F.scaled_dot_product_attention(q4, k, v, scale=scale)
+            return call
+        try:
+            record(name, bench_graph(make, sets_dense), dense_bytes)
+        except Exception as e:  # noqa: BLE001  (a backend may be unavailable for this shape)
+            res[name] = {"error": repr(e)[:200]}
+    for bits, name in ((4, "loopkv_int4"), (2, "loopkv_int2"), (16, "loopkv_bf16")):
+        cells = [make_cell(dense[i], bits) for i in range(sets_q if bits != 16 else sets_dense)]
+        kw = cfg.get(bits, {})
+
+        def make(i, cells=cells, bits=bits, kw=kw):
+            return lambda: ta.cell_attention(qs[i], *cells[i], bits, math.inf, scale, **kw)
+        record(name, bench_graph(make, len(cells)), history_bytes(B, ctx, bits))
+        if bits == 4:
+            # correctness against the reference (same stored state), and the quantization error vs BF16
+            out = ta.cell_attention(qs[0], *cells[0], 4, math.inf, scale, **kw).float()
+            if B * ctx <= 8 * 16384:
+                ref = cell_attention_reference(qs[0].float(), *[t.float() if t.dtype == torch.bfloat16 else t
+                                                                 for t in cells[0]], 4, math.inf, scale)
+                res["int4_vs_reference_max_abs"] = float((out - ref).abs().max())
+            dense_out = F.scaled_dot_product_attention(qs[0][:, :, None].float(), dense[0]["k"].float(),
+                                                       dense[0]["v"].float(), scale=scale)[:, :, 0]
+            res["int4_vs_bf16_rel"] = float((out - dense_out).norm() / dense_out.norm())
+
+            def make_shared(i, cells=cells, kw=kw):
+                shared = list(cells[i])
+                shared[5] = torch.roll(cells[i][5], 1, dims=0).contiguous()  # rows read other rows' pages
+                return lambda: ta.cell_attention(qs[i], *shared, 4, math.inf, scale, **kw)
+            record("loopkv_shared", bench_graph(make_shared, len(cells)), history_bytes(B, ctx, 4))
+            try:
+                ms = triton.testing.do_bench(lambda cells=cells: dequant_sdpa(qs[0], cells[0]), warmup=5, rep=60,
+                                             return_mode="median")
+                npg = layout.n_pages(ctx)
+                record("dequant_sdpa", ms, int4_bytes + 2 * B * H * npg * 32 * D * 2 * 2)
+            except Exception as e:  # noqa: BLE001  (out of memory at the largest shapes; no GPU in --smoke)
+                res["dequant_sdpa"] = {"error": repr(e)[:200]}
+            # decode append: every row at an exit length (worst step) and one past it (plain step)
+            for aname, length in (("append_exit", 319 + 32 * 3), ("append_plain", 320 + 32 * 3)):
+                cell = cells[0]
+                lens = torch.full((B,), length, dtype=torch.int32, device=DEVICE)
+                kv = torch.randn(B, H, 1, D, device=DEVICE, dtype=torch.bfloat16)
+
+                def make_app(i, cell=cell, lens=lens, kv=kv):
+                    return lambda: (cell[4].copy_(lens),
+                                    tq.append(kv, kv, *cell[:6], *cell[6:], 4))
+                record(aname, bench_graph(make_app, 1), 0)
+            cell[4].fill_(ctx)
+    vp = [make_dense(B, ctx, seed=100 + s, hot=True) for s in range(sets_q)]
+    vcells = [make_cell(d, 4) for d in vp]
+    frac = hot_fraction(vp[0]["q"], vcells[0], TAU)
+    kw = cfg.get("vp", cfg.get(4, {}))
+    for tau, name in ((math.inf, "loopkv_int4_vpdata"), (TAU, "loopkv_int4_vp")):
+        def make(i, tau=tau, vp=vp, vcells=vcells):
+            return lambda: ta.cell_attention(vp[i]["q"], *vcells[i], 4, tau, scale, **kw)
+        cold = 0.0 if tau == math.inf else 1 - frac
+        record(name, bench_graph(make, len(vcells)), history_bytes(B, ctx, 4, cold), hot_fraction=frac)
+    cudnn = res.get("cudnn_bf16", {}).get("ms")
+    for val in res.values():
+        if isinstance(val, dict) and "ms" in val and cudnn:
+            val["speedup_vs_cudnn"] = cudnn / val["ms"]
+    rows.append(res)
+
+
+def sweep(out_rows: list) -> dict:
+    """Time launch configs of the INT4 reader at B=32 x 16K and B=1 x 8K; returns the best per shape."""
+    best = {}
+    shapes = ((32, 16384, (1, 2, 4, 8, 16)), (1, 8192, (16, 32, 64)))
+    if DEVICE == "cpu":
+        shapes = ((1, 288 + 32 * 3, (1, 2)),)
+    for B, ctx, splits_list in shapes:
+        dense = [make_dense(B, ctx, seed=s) for s in range(n_sets_for(history_bytes(B, ctx, 4)))]
+        cells = [make_cell(d, 4) for d in dense]
+        for nw in (1, 2, 4) if DEVICE == "cuda" else (1,):
+            for ns in (1, 2, 3) if DEVICE == "cuda" else (1,):
+                for sp in splits_list:
+                    kw = dict(num_warps=nw, num_stages=ns, splits=sp)
+                    try:
+                        ms = bench_graph(lambda i, kw=kw, dense=dense, cells=cells: (lambda: ta.cell_attention(
+                            dense[i]["q"], *cells[i], 4, math.inf, D**-0.5, **kw)), len(cells))
+                    except Exception as e:  # noqa: BLE001
+                        out_rows.append({"batch": B, "context": ctx, **kw, "error": repr(e)[:200]})
+                        continue
+                    out_rows.append({"batch": B, "context": ctx, **kw, "ms": ms})
+                    if (B, ctx) not in best or ms < best[(B, ctx)]["ms"]:
+                        best[(B, ctx)] = {"ms": ms, **kw}
+    return {f"{b}x{c}": v for (b, c), v in best.items()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sweep", action="store_true", help="time launch configs first")
+    ap.add_argument("--quick", action="store_true", help="only B=32 x 16K and B=1 x 8K")
+    ap.add_argument("--batches", type=int, nargs="*", default=[1, 8, 32])
+    ap.add_argument("--contexts", type=int, nargs="*", default=[8192, 16384, 32768])
+    ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
+    ap.add_argument("--smoke", action="store_true", help="tiny CPU run under TRITON_INTERPRET=1 (script check)")
+    args = ap.parse_args()
+    if args.smoke:
+        global DEVICE, H
+        DEVICE, H = "cpu", 2
+        args.batches, args.contexts = [1], [288 + 32 * 4 + 7]
+    t0 = time.time()
+    result = {
+        "device": torch.cuda.get_device_name(0) if DEVICE == "cuda" else "cpu (smoke)",
+        "torch": torch.__version__, "triton": triton.__version__,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "shape": {"kv_heads": H, "head_dim": D, "q_heads_per_kv": 1, "dtype": "bfloat16", "tau": TAU},
+        "config": {"waves": ta.WAVES, "max_splits": ta.MAX_SPLITS},
+        "rows": [],
+    }
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, f"cell_attention_{datetime.date.today().isoformat()}.json")
+
+    def save():  # after every stage, so a run cut short still leaves its numbers
+        with open(path, "w") as f:
+            json.dump(result, f, indent=1)
+
+    if args.sweep:
+        result["sweep"] = []
+        result["sweep_best"] = sweep(result["sweep"])
+        print("sweep best:", result["sweep_best"], flush=True)
+        save()
+    shapes = [(b, c) for b in args.batches for c in args.contexts]
+    if args.quick:
+        shapes = [(32, 16384), (1, 8192)]
+    for B, ctx in shapes:
+        try:
+            run_shape(B, ctx, result["rows"], {})
+        except torch.OutOfMemoryError as e:
+            result["rows"].append({"batch": B, "context": ctx, "error": repr(e)[:200]})
+        if DEVICE == "cuda":
+            torch.cuda.empty_cache()
+        print(f"done B={B} ctx={ctx} at {time.time() - t0:.0f}s", flush=True)
+        save()
+    print_table(result)
+    print("wrote", path, f"in {time.time() - t0:.0f}s")
+
+
+ARMS = ("cudnn_bf16", "flash_bf16", "dequant_sdpa", "loopkv_bf16", "loopkv_int4", "loopkv_int4_vpdata",
+        "loopkv_int4_vp", "loopkv_int2", "loopkv_shared", "append_exit", "append_plain")
+
+
+def print_table(result: dict) -> None:
+    print(f"{'B':>3} {'ctx':>6} " + " ".join(f"{a[:12]:>12}" for a in ARMS) + "   (ms; x = speedup vs cudnn)")
+    for r in result["rows"]:
+        cells = []
+        for a in ARMS:
+            v = r.get(a, {})
+            cells.append(f"{v['ms']:.3f}" if "ms" in v else "-")
+        print(f"{r['batch']:>3} {r['context']:>6} " + " ".join(f"{c:>12}" for c in cells))
+        sp = {a: r[a].get("speedup_vs_cudnn") for a in ARMS if isinstance(r.get(a), dict) and "ms" in r[a]}
+        print("           " + " ".join(f"{(f'{sp[a]:.2f}x' if sp.get(a) else '-'):>12}" for a in ARMS))
+        extra = {k: r[k] for k in ("int4_vs_reference_max_abs", "int4_vs_bf16_rel") if k in r}
+        hot = r.get("loopkv_int4_vp", {}).get("hot_fraction")
+        print(f"           hot_fraction={hot} {extra}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
