@@ -14,8 +14,8 @@ tiles, and K's per-channel statistics are plain reductions over the token axis. 
 not a power of two (96) is padded to ``DP`` with masked loads and stores.
 
 ``append_`` runs on a ``(B, H)`` grid with no host sync: each program writes its head's new token into
-the sink or the window ring, quantizes the page leaving the window when this append makes one leave
-(decided on the device), and the last program of a row (an atomic counter that the kernel resets to
+the sink or the window ring, quantizes the page this append completes for the pool (``length = 319 +
+32 p``, decided on the device), and the last program of a row (an atomic counter that the kernel resets to
 zero, so CUDA-graph replays stay correct) stores ``lengths[b] + 1``. Launchers are plain functions
 that also run on CPU tensors under ``TRITON_INTERPRET=1``.
 """
@@ -28,11 +28,11 @@ from torch import Tensor
 
 from loopkv.ops.cache_ops import append_reference, write_pages_reference
 from loopkv.ops.codec import EPS, FP16_MAX, GROUP, PAGE, SINK, WINDOW
-from loopkv.ops.layout import RING, capacity
+from loopkv.ops.layout import QUANTIZE_LENGTH, RING, capacity
 from loopkv.ops.triton_register import counters
 
 # The kernels spell these constants out (Triton wants literals); fail loudly if the contract moves.
-assert (SINK, WINDOW, PAGE, GROUP, RING) == (32, 256, 32, 32, 288)
+assert (SINK, WINDOW, PAGE, GROUP, RING, QUANTIZE_LENGTH) == (32, 256, 32, 32, 288, 319)
 assert EPS == 2.0**-10
 assert FP16_MAX == 65504.0
 
@@ -157,11 +157,11 @@ def _append_kernel(
     k_pages, k_scale, k_zero, v_hi, v_lo, v_scale, v_zero,
     BITS: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
 ):
-    """Program (b, h): token ``lengths[b]`` of head h into sink/ring; quantize the exiting page of head h.
+    """Program (b, h): token ``lengths[b]`` of head h into sink/ring; quantize a completed page of head h.
 
-    The exit happens iff the append makes ``n = lengths[b] + 1 >= 320`` with ``(n - 288) % 32 == 0``; it
-    encodes page ``p = (n - 288) // 32 - 1`` from ring slots ``(32 p) % 288 + [0, 32)``. The last
-    program of row b (counter ``cnt[b]``, reset to 0 by that program) stores ``lengths[b] = n``.
+    The append that makes ``n = lengths[b] + 1 = 319 + 32 p`` (``QUANTIZE_LENGTH``, docs/storage-layout.md)
+    encodes page ``p`` from ring slots ``(32 p) % 288 + [0, 32)``. The last program of row b (counter
+    ``cnt[b]``, reset to 0 by that program) stores ``lengths[b] = n``.
     """
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -183,9 +183,9 @@ def _append_kernel(
     tl.store(win_v + w_off, vn.to(win_v.dtype.element_ty), mask=in_win)
     new_len = pos + ok.to(tl.int32)
     if BITS != 0:
-        exits = ok & (new_len >= 320) & ((new_len - 288) % 32 == 0)  # SINK + WINDOW (+ PAGE)
+        exits = ok & (new_len >= 319) & ((new_len - 319) % 32 == 0)  # QUANTIZE_LENGTH
         if exits:
-            p = (new_len - 288) // 32 - 1
+            p = (new_len - 319) // 32
             phys = tl.load(page_table + b.to(tl.int64) * MAXP + p)
             row0 = (bh * 288 + (32 * p) % 288) * D
             _encode_page(
@@ -259,7 +259,7 @@ def append(
         return
     maxp = page_table.shape[1]
     if maxp == 0:
-        bits = 0  # no page can leave the window: capacity(0) < the first exit length
+        bits = 0  # no page is ever quantized: capacity(0) is below QUANTIZE_LENGTH
     cnt = counters(lengths.device, B, purpose="append")
     _append_kernel[(B, H)](
         k_new, v_new, k_new.stride(0), k_new.stride(1), k_new.stride(3),

@@ -51,7 +51,8 @@ def attention_samples(device="cpu", dtype=torch.float32):
 def append_samples(device="cpu", dtype=torch.float32):
     samples = []
     for bits in (16, 4, 2, 0):  # 0: a shared cell appends to its sink and window only
-        lengths = [0, 319, 351]  # the last two make a page leave the window
+        q = layout.QUANTIZE_LENGTH
+        lengths = [0, q - 1, q + 31]  # the last two complete pages 0 and 1
         kv = [torch.randn(3, HEADS, 1, HEAD_DIM, dtype=dtype, device=device) for _ in range(2)]
         p = pool(bits, BATCH * MAXP, device, dtype) if bits else pool(4, BATCH * MAXP, device, dtype)
         samples.append((*kv, *storage(lengths, device, dtype), *p, bits))

@@ -130,8 +130,8 @@ def run_appends(bits, lengths, steps, *, maxp=3, heads=2, head_dim=64, dtype=tor
         kn = torch.randn(batch, heads, 1, head_dim, dtype=dtype, device=device)
         vn = torch.randn(batch, heads, 1, head_dim, dtype=dtype, device=device)
         n = want[0][4]
-        exits += int(((n + 1 >= layout.EXIT_LENGTH) & ((n + 1 - 288) % 32 == 0)
-                      & (n < layout.capacity(maxp))).sum())
+        q = layout.QUANTIZE_LENGTH
+        exits += int(((n + 1 >= q) & ((n + 1 - q) % 32 == 0) & (n < layout.capacity(maxp))).sum())
         tq.append(kn, vn, *got[0], pt, *got[1], bits)
         cache_ops.append_reference(kn, vn, *want[0], pt, *want[1], bits)
         for name, a, b in zip(("sink_k", "sink_v", "win_k", "win_v", "lengths"), got[0], want[0], strict=True):
@@ -144,10 +144,11 @@ def run_appends(bits, lengths, steps, *, maxp=3, heads=2, head_dim=64, dtype=tor
 @pytest.mark.interpret
 @pytest.mark.parametrize("bits", [4, 2, 16, 0])
 def test_append_matches_reference(bits):
-    """Rows: empty, inside the sink, at the sink's end, one before an exit, one before the second exit,
-    at capacity (unchanged). Two steps cross both exits."""
+    """Rows: empty, inside the sink, at the sink's end, one before page 0 is quantized, one before page 1,
+    at capacity (unchanged). Two steps cross both page writes."""
     maxp = 3
-    lengths = [0, 5, 31, 319, 351, layout.capacity(maxp)]
+    q = layout.QUANTIZE_LENGTH
+    lengths = [0, 5, 31, q - 1, q + 31, layout.capacity(maxp)]
     exits = run_appends(bits, lengths, 2, maxp=maxp)
     assert exits == 2
 
@@ -155,15 +156,17 @@ def test_append_matches_reference(bits):
 @interpret
 @pytest.mark.interpret
 def test_append_gqa_shape_and_fp32():
-    exits = run_appends(4, [383, 287], 2, maxp=4, heads=3, head_dim=96, dtype=torch.float32)
+    q = layout.QUANTIZE_LENGTH
+    exits = run_appends(4, [q + 63, q - 33], 2, maxp=4, heads=3, head_dim=96, dtype=torch.float32)
     assert exits == 1
 
 
 @interpret
 @pytest.mark.interpret
 def test_append_without_pages():
-    """maxp = 0 (max_cache_len below the first exit): tokens land, nothing is quantized."""
-    run_appends(4, [0, 100, 318, 319], 2, maxp=0)
+    """maxp = 0 (max_cache_len below the first page): tokens land, nothing is quantized, full rows stay."""
+    exits = run_appends(4, [0, 100, 316, 318], 3, maxp=0)
+    assert exits == 0
 
 
 @interpret
@@ -199,5 +202,6 @@ def test_write_pages_gpu_matches_cpu_reference(bits):
 @pytest.mark.parametrize("bits", [4, 2, 16, 0])
 def test_append_gpu_matches_reference(bits):
     maxp = 8
-    lengths = [0, 31, 319, 351, 319 + 32 * 5, layout.capacity(maxp), 1000 % layout.capacity(maxp), 500]
+    q = layout.QUANTIZE_LENGTH
+    lengths = [0, 31, q - 1, q + 31, q + 32 * 5 - 3, layout.capacity(maxp), 1000 % layout.capacity(maxp), 500]
     run_appends(bits, lengths, 40, maxp=maxp, heads=16, head_dim=128, device="cuda")
