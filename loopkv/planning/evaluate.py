@@ -25,8 +25,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from loopkv.ops.layout import EXIT_LENGTH
 from loopkv.planning.profile import as_documents, kl_per_position
+from loopkv.planning.simulate import FIRST_HISTORY
 
 
 @dataclass(frozen=True)
@@ -60,12 +60,12 @@ def _check(model, plan, prefill_len: int | None, max_positions: int | None) -> t
 
     check_model(model)
     plan.validate_for(model.config)
-    prefill = EXIT_LENGTH if prefill_len is None else prefill_len
+    prefill = FIRST_HISTORY if prefill_len is None else prefill_len
     if not isinstance(prefill, int) or prefill < 1:
-        raise ValueError(f"prefill_len must be a positive int (default {EXIT_LENGTH}), got {prefill_len!r}")
+        raise ValueError(f"prefill_len must be a positive int (default {FIRST_HISTORY}), got {prefill_len!r}")
     if max_positions is not None and (not isinstance(max_positions, int) or max_positions < 1):
         raise ValueError(f"max_positions must be a positive int or None, got {max_positions!r}")
-    return prefill, max(prefill, EXIT_LENGTH)
+    return prefill, max(prefill, FIRST_HISTORY)
 
 
 @torch.no_grad()

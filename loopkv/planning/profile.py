@@ -32,9 +32,9 @@ import torch
 from torch import Tensor
 
 from loopkv.cells import Cell
-from loopkv.ops.layout import EXIT_LENGTH
 from loopkv.planning.profile_data import FINAL_PROFILE_OPTIONS, PROFILE_OPTIONS, Profile
 from loopkv.planning.simulate import (
+    FIRST_HISTORY,
     SimState,
     check_model,
     final_sources,
@@ -74,7 +74,7 @@ def as_documents(documents: Any, *, min_len: int) -> list[Tensor]:
         if d.numel() < min_len:
             raise ValueError(
                 f"documents[{i}] has {d.numel()} tokens, fewer than {min_len}: damage is measured where history "
-                f"pages exist (positions >= {EXIT_LENGTH}); use longer documents (about 1024+ tokens)"
+                f"pages exist (positions >= {FIRST_HISTORY}); use longer documents (about 1024+ tokens)"
             )
         out.append(d.long().cpu())
     return out
@@ -98,8 +98,8 @@ def calibration_documents(*, n: int = 4, length: int = 1024, seed: int = 0) -> l
 
     if not isinstance(n, int) or n < 1:
         raise ValueError(f"n must be a positive int, got {n!r}")
-    if not isinstance(length, int) or length <= EXIT_LENGTH:
-        raise ValueError(f"length must be an int > {EXIT_LENGTH} so that history pages exist, got {length!r}")
+    if not isinstance(length, int) or length <= FIRST_HISTORY:
+        raise ValueError(f"length must be an int > {FIRST_HISTORY} so that history pages exist, got {length!r}")
     corpus = data.load_corpus()
     n_text = (n + 1) // 2
     docs = list(data.heldout_windows(corpus, n=n_text, seq_len=length, seed=seed))
@@ -186,7 +186,7 @@ def profile(
     final_options: Sequence[str] = FINAL_PROFILE_OPTIONS,
     tau: float = math.inf,
     share_source: str = "int4",
-    prefill_len: int = EXIT_LENGTH,
+    prefill_len: int = FIRST_HISTORY,
     out: str | os.PathLike | None = None,
     resume: bool = True,
     batch_cells: int = DEFAULT_BATCH_CELLS,
@@ -221,7 +221,7 @@ def profile(
         raise ValueError(f"batch_cells must be a positive int, got {batch_cells!r}")
     if not isinstance(prefill_len, int) or prefill_len < 1:
         raise ValueError(f"prefill_len must be a positive int, got {prefill_len!r}")
-    first = max(prefill_len, EXIT_LENGTH)
+    first = max(prefill_len, FIRST_HISTORY)
     docs = as_documents(documents, min_len=first + 1)
     config = model.config
     kv_heads = config.num_key_value_heads or config.num_attention_heads

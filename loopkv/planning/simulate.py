@@ -40,10 +40,13 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from loopkv.ops import codec
-from loopkv.ops.codec import PAGE, SINK
-from loopkv.ops.layout import EXIT_LENGTH, n_pages
+from loopkv.ops.codec import PAGE, SINK, WINDOW
+from loopkv.ops.layout import n_pages
 
 ATTN_NAME = "loopkv_served"
+# The first length at which a history page exists (page 0 is read from length 320 on): positions
+# ``i >= FIRST_HISTORY`` are the first whose query can see quantized history in decode.
+FIRST_HISTORY = SINK + WINDOW + PAGE
 LN2 = math.log(2.0)
 # Query positions per block of the dense served attention: bounds the score tensors to
 # [rows, heads, QUERY_BLOCK, N] whatever the document length.
@@ -340,7 +343,7 @@ def simulate_plan(
     plan: Any,
     document: Tensor,
     *,
-    prefill_len: int = EXIT_LENGTH,
+    prefill_len: int = FIRST_HISTORY,
     logits_from: int | None = None,
     share_passes: int = 1,
 ) -> Tensor:
@@ -353,7 +356,7 @@ def simulate_plan(
     loops, layers = check_model(model)
     plan.validate_for(model.config)
     ids = document.reshape(1, -1).to(model.device)
-    start = max(prefill_len, EXIT_LENGTH) if logits_from is None else logits_from
+    start = max(prefill_len, FIRST_HISTORY) if logits_from is None else logits_from
     final = frozenset((loops - 1) * layers + layer for layer in range(layers))
     spec = plan_spec(plan)
     with served_attention_enabled(model):

@@ -11,10 +11,10 @@ from scipy import stats
 
 import loopkv
 from loopkv.cells import Cell
-from loopkv.ops.layout import EXIT_LENGTH
 from loopkv.planning.evaluate import additivity_report, measure_kl, random_plans, summarize
 from loopkv.planning.knapsack import predicted_damage
 from loopkv.planning.profile import profile
+from loopkv.planning.simulate import FIRST_HISTORY
 from tests.planning.test_profile import LAYERS, LOOPS, tiny_documents, tiny_model
 from tests.tolerances import LOGITS_FP32_ATOL
 
@@ -43,8 +43,8 @@ def test_bf16_plan_has_zero_kl(model, doc):
     result = measure_kl(model, loopkv.Plan.uniform(loops=LOOPS, layers=LAYERS, option="bf16"), doc, progress=False)
     assert 0.0 <= result.kl <= KL_OF_ROUNDOFF
     assert result.agreement == 1.0
-    assert result.positions == 360 - EXIT_LENGTH
-    assert result.first_position == EXIT_LENGTH
+    assert result.positions == 360 - FIRST_HISTORY
+    assert result.first_position == FIRST_HISTORY
     assert result.per_document == (result.kl,)
 
 
@@ -127,6 +127,6 @@ def test_additivity_report_end_to_end(model, doc):
     # a single-cell plan is measured as profiled
     assert rep.measured[0] == pytest.approx(rep.predicted[0], rel=1e-3)
     assert all(m > 0 for m in rep.measured)
-    assert rep.to_dict()["results"][0]["positions"] == 360 - EXIT_LENGTH
+    assert rep.to_dict()["results"][0]["positions"] == 360 - FIRST_HISTORY
     assert len(rep.format().splitlines()) == len(plans) + 2
     assert torch.isfinite(torch.tensor(rep.ratio_max))

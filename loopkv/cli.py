@@ -1,0 +1,314 @@
+"""The ``loopkv`` command line: profile a model, solve a plan, show files, measure a plan's KL, run the demo.
+
+::
+
+    loopkv profile small --out profile.json                      # resumable: add --resume after a stop
+    loopkv plan profile.json --preset m --out plan.json          # or --max-damage 1.5 --max-stored-kib 30
+    loopkv show plan.json [--png plan.png]
+    loopkv eval small --plan plan.json --profile profile.json    # KL through the real LoopKVCache
+    loopkv demo
+
+MODEL is a local checkpoint directory (``OuroForCausalLM.from_pretrained``) or ``small`` (the small model
+loopkv ships). Documents default to seeded calibration documents for the byte-level small model
+(``loopkv.planning.profile.calibration_documents``); ``--documents`` takes text files (tokenized with the
+model's tokenizer) or token-id files (``.pt`` / ``.npy``, [N] or [n, N]).
+
+``import loopkv.cli`` imports only argparse: everything heavy loads inside the command that needs it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from collections.abc import Sequence
+
+EXIT_ERROR = 2
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+# ---------------------------------------------------------------------------------------------- parser
+def _float(text: str) -> float:
+    return math.inf if text.lower() in ("inf", "infinity") else float(text)
+
+
+def _options(text: str) -> tuple[str, ...]:
+    return tuple(o.strip() for o in text.split(",") if o.strip())
+
+
+def _add_model(p: argparse.ArgumentParser, *, dtype_choice: bool) -> None:
+    p.add_argument("model", metavar="MODEL", help="a checkpoint directory, or 'small' for loopkv's small model")
+    p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+    if dtype_choice:
+        p.add_argument("--dtype", default="float32", choices=DTYPES, help="activation dtype (default float32)")
+
+
+def _add_documents(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--documents", nargs="+", metavar="FILE",
+                   help="text files (one document each) or token-id files (.pt/.npy, [N] or [n, N]); "
+                        "default: seeded calibration documents for the byte-level small model")
+    p.add_argument("--n-documents", type=int, default=4, help="generated documents (default 4)")
+    p.add_argument("--doc-len", type=int, default=None,
+                   help="tokens per generated document (default 1024); also truncates --documents")
+    p.add_argument("--seed", type=int, default=0, help="seed of the generated documents (default 0)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="loopkv", description="Loop-aware KV-cache compression for looped "
+                                     "transformers: profile, plan, show, evaluate.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("profile", help="measure every cell's single-cell damage (resumable)",
+                       description="Profile every (loop, layer) cell of MODEL at every option: the fp32 KL "
+                       "of applying the option to that cell alone, through a simulation of the served cache.")
+    _add_model(p, dtype_choice=False)
+    _add_documents(p)
+    p.add_argument("--out", required=True, help="profile JSON; the partial profile is saved after every batch")
+    p.add_argument("--resume", action="store_true", help="continue the partial profile in --out")
+    p.add_argument("--overwrite", action="store_true", help="start over even if --out exists")
+    p.add_argument("--options", type=_options, default=("int4", "int2", "share"),
+                   help="comma-separated options for non-final cells (default int4,int2,share)")
+    p.add_argument("--no-final", action="store_true", help="do not profile the final loop at int2")
+    p.add_argument("--tau", type=_float, default=math.inf, help="V precision threshold (default inf: off)")
+    p.add_argument("--share-source", default="int4", choices=("int4", "int2", "bf16"),
+                   help="the final loop's option a shared cell reads (default int4)")
+    p.add_argument("--batch-cells", type=int, default=8, help="measurements per forward (default 8)")
+
+    p = sub.add_parser("plan", help="solve a plan from a profile (exact knapsack)",
+                       description="Solve the plan with the least read bytes per token under a damage and a "
+                       "storage budget, from a profile. Prints the plan and its predicted figures.")
+    p.add_argument("profile", metavar="PROFILE", help="profile JSON from 'loopkv profile'")
+    p.add_argument("--preset", choices=("r", "m", "R", "M"),
+                   help="r: read-optimized (damage <= 1.19 KL_share); m: memory-optimized (also storage "
+                        "<= 0.65 of uniform INT4)")
+    p.add_argument("--max-damage", type=_float, help="damage budget (required without --preset)")
+    p.add_argument("--damage-unit", choices=("kl_share", "abs"), default=None,
+                   help="unit of --max-damage (default kl_share)")
+    p.add_argument("--max-stored-kib", type=_float, help="storage budget, KiB per history token")
+    p.add_argument("--storage-fraction", type=_float, help="storage budget as a fraction of uniform INT4")
+    p.add_argument("--tau", type=_float, default=None, help="V precision threshold recorded in the plan")
+    p.add_argument("--final-option", choices=("int4", "int2", "bf16"), default=None,
+                   help="the final loop's option (default int4)")
+    p.add_argument("--options", type=_options, default=None,
+                   help="options for non-final cells (default int4,int2,share)")
+    p.add_argument("--layerwise", action="store_true", help="one option per layer (the paper's ablation)")
+    p.add_argument("--out", required=True, help="plan JSON to write")
+
+    p = sub.add_parser("show", help="print a plan or a profile (optionally a PNG heatmap)")
+    p.add_argument("file", metavar="FILE", help="a plan or profile JSON")
+    p.add_argument("--png", help="also write a heatmap PNG (needs matplotlib)")
+    p.add_argument("--profile", help="a profile JSON, for a plan's predicted damage per loop")
+
+    p = sub.add_parser("eval", help="measure plans' KL through the real LoopKVCache",
+                       description="Per document: exact logits, then LoopKVCache(plan) prefill + teacher-forced "
+                       "decode; the fp32 KL and next-token agreement over positions >= 320.")
+    _add_model(p, dtype_choice=True)
+    p.add_argument("--plan", action="append", required=True, help="plan JSON (repeatable)")
+    _add_documents(p)
+    p.add_argument("--prefill-len", type=int, default=None, help="tokens prefilled before decoding (default 320)")
+    p.add_argument("--max-positions", type=int, default=None, help="decode at most this many counted positions")
+    p.add_argument("--profile", help="profile JSON: also print predicted vs measured (additivity report)")
+    p.add_argument("--random", type=int, default=0, help="with --profile: also measure N random plans")
+    p.add_argument("--json", help="write the results to this JSON file")
+
+    p = sub.add_parser("demo", help="run the loopkv demo (arguments are passed on)", add_help=False)
+    p.add_argument("args", nargs=argparse.REMAINDER)
+    return parser
+
+
+# ------------------------------------------------------------------------------------------- helpers
+def load_model(spec: str, *, device: str | None = None, dtype: str = "float32"):
+    """``small`` or a checkpoint directory -> an eval-mode model on ``device``."""
+    import torch
+
+    torch_dtype = getattr(torch, dtype)
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if spec == "small":
+        from loopkv.models.small import load_small
+
+        return load_small(dtype=torch_dtype, device=device)
+    if not os.path.isdir(spec):
+        raise ValueError(f"MODEL {spec!r} is neither a checkpoint directory nor 'small'")
+    from loopkv.models.ouro import OuroForCausalLM
+
+    model = OuroForCausalLM.from_pretrained(spec, dtype=torch_dtype, local_files_only=True)
+    return model.to(device).eval()
+
+
+def _tokenize(spec: str, text: bytes):
+    import torch
+
+    if spec == "small":
+        from loopkv.models.small import encode
+
+        return encode(text)
+    try:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(spec, local_files_only=True)
+    except (OSError, ValueError) as err:
+        raise ValueError(f"no tokenizer in {spec} ({err}); pass token-id files (.pt or .npy) as --documents") from err
+    return torch.tensor(tokenizer(text.decode("utf-8", errors="replace"))["input_ids"], dtype=torch.long)
+
+
+def load_documents(args, model) -> list:
+    """The documents of a command: ``--documents`` files, or generated calibration documents."""
+    import torch
+
+    if not args.documents:
+        from loopkv.planning.profile import calibration_documents
+
+        docs = calibration_documents(n=args.n_documents, length=args.doc_len or 1024, seed=args.seed)
+        top = max(int(d.max()) for d in docs)
+        if top >= model.config.vocab_size:
+            raise ValueError(f"the default documents are byte tokens (ids up to {top}) but this model's vocabulary "
+                             f"has {model.config.vocab_size} ids; pass --documents")
+        return docs
+    docs = []
+    for path in args.documents:
+        if path.endswith(".pt"):
+            data = torch.load(path, map_location="cpu", weights_only=True)
+        elif path.endswith(".npy"):
+            import numpy as np
+
+            data = torch.from_numpy(np.load(path))
+        else:
+            with open(path, "rb") as f:
+                data = _tokenize(args.model, f.read())
+        data = torch.as_tensor(data) if not isinstance(data, (list, tuple)) else data
+        rows = [data] if isinstance(data, torch.Tensor) and data.dim() == 1 else list(data)
+        docs += [torch.as_tensor(r)[: args.doc_len] if args.doc_len else torch.as_tensor(r) for r in rows]
+    return docs
+
+
+# ------------------------------------------------------------------------------------------ commands
+def cmd_profile(args) -> int:
+    from loopkv.planning.profile import profile
+
+    if os.path.exists(args.out) and not (args.resume or args.overwrite):
+        raise ValueError(f"{args.out} exists; pass --resume to continue it or --overwrite to start over")
+    model = load_model(args.model, device=args.device)
+    docs = load_documents(args, model)
+    result = profile(model, docs, options=args.options, final_options=() if args.no_final else ("int2",),
+                     tau=args.tau, share_source=args.share_source, out=args.out, resume=args.resume,
+                     batch_cells=args.batch_cells, progress=not args.quiet)
+    from loopkv.planning.show import format_profile
+
+    print(format_profile(result))
+    seconds = result.provenance.get("profile_seconds")
+    if seconds:
+        print(f"{len(result.damage) + 1} measurements in {seconds:.1f} s this run and before "
+              f"({(len(result.damage) + 1) / seconds:.2f} cell-option evaluations per second)")
+    print(f"wrote {args.out}")
+    return 0
+
+
+def cmd_plan(args) -> int:
+    from loopkv.planning.knapsack import solve, solve_layerwise, solve_preset
+    from loopkv.planning.profile_data import Profile
+    from loopkv.planning.show import format_plan
+
+    prof = Profile.from_json(args.profile)
+    kwargs = {k: v for k, v in {
+        "max_damage": args.max_damage, "damage_unit": args.damage_unit, "max_stored_kib": args.max_stored_kib,
+        "storage_fraction": args.storage_fraction, "tau": args.tau, "final_option": args.final_option,
+        "options": args.options,
+    }.items() if v is not None}
+    if args.preset is not None:
+        if args.layerwise:
+            raise ValueError("--layerwise takes explicit budgets (--max-damage ...), not --preset")
+        plan = solve_preset(prof, args.preset, **kwargs)
+    else:
+        if args.max_damage is None:
+            raise ValueError("pass --preset r|m or a damage budget --max-damage (in KL_share by default)")
+        kwargs.setdefault("damage_unit", "kl_share")
+        plan = (solve_layerwise if args.layerwise else solve)(prof, **kwargs)
+    plan.to_json(args.out)
+    print(format_plan(plan, profile=prof))
+    print(f"wrote {args.out}")
+    return 0
+
+
+def cmd_show(args) -> int:
+    from loopkv.planning.show import show_file
+
+    print(show_file(args.file, profile=args.profile, png=args.png))
+    if args.png:
+        print(f"wrote {args.png}")
+    return 0
+
+
+def cmd_eval(args) -> int:
+    from loopkv.planning.evaluate import measure_kl, random_plans, summarize
+    from loopkv.planning.knapsack import predicted_damage
+    from loopkv.planning.plan import Plan
+    from loopkv.planning.profile_data import Profile
+
+    if args.random and not args.profile:
+        raise ValueError("--random needs --profile (random plans are drawn on the profile's shape)")
+    prof = Profile.from_json(args.profile) if args.profile else None
+    plans = [Plan.from_json(p) for p in args.plan]
+    names = list(args.plan)
+    if args.random:
+        extra = random_plans(prof, args.random, seed=args.seed)
+        plans += extra
+        names += [f"random #{i}" for i in range(len(extra))]
+    model = load_model(args.model, device=args.device, dtype=args.dtype)
+    for plan in plans:
+        plan.validate_for(model.config)
+    if prof is not None:
+        prof.validate_for(model.config)
+    docs = load_documents(args, model)
+    results = []
+    for name, plan in zip(names, plans, strict=True):
+        r = measure_kl(model, plan, docs, prefill_len=args.prefill_len, max_positions=args.max_positions,
+                       progress=not args.quiet)
+        results.append(r)
+        unit = f" = {r.kl / prof.kl_share:.4g} KL_share" if prof is not None and prof.kl_share else ""
+        print(f"{name}: KL {r.kl:.4g} nats/token{unit}, next-token agreement {r.agreement:.4f} "
+              f"({r.positions} positions from {r.first_position})")
+    out = {"plans": names, "results": [r.to_dict() for r in results], "model": args.model}
+    if prof is not None:
+        report = summarize(names, [predicted_damage(prof, p) for p in plans], [r.kl for r in results],
+                           kl_share=prof.kl_share, results=results)
+        print(report.format())
+        out["additivity"] = report.to_dict()
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(out, f, indent=1)
+        print(f"wrote {args.json}")
+    return 0
+
+
+def cmd_demo(args) -> int:
+    import importlib
+
+    try:
+        demo = importlib.import_module("loopkv.demo")
+    except ModuleNotFoundError as err:
+        if err.name != "loopkv.demo":
+            raise
+        print("loopkv demo: this loopkv has no demo module (loopkv/demo.py) yet", file=sys.stderr)
+        return EXIT_ERROR
+    code = demo.main(args.args)
+    return 0 if code is None else int(code)
+
+
+COMMANDS = {"profile": cmd_profile, "plan": cmd_plan, "show": cmd_show, "eval": cmd_eval, "demo": cmd_demo}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``loopkv`` command line; returns the exit status (2 on a usage or input error)."""
+    args = build_parser().parse_args(argv)
+    try:
+        return COMMANDS[args.command](args)
+    except (ValueError, FileNotFoundError) as err:
+        print(f"loopkv {args.command}: error: {err}", file=sys.stderr)
+        return EXIT_ERROR
+
+
+if __name__ == "__main__":
+    sys.exit(main())
