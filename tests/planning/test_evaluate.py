@@ -6,7 +6,6 @@ import math
 
 import numpy as np
 import pytest
-import torch
 from scipy import stats
 
 import loopkv
@@ -52,11 +51,11 @@ def test_measured_kl_is_the_profiled_damage(model, doc):
     """One cell at INT2 through the real cache = the profiler's single-cell damage of that cell (the
     same positions, the same pooling; the logits agree to fp32 round-off, see test_profile)."""
     prof = profile(model, doc, options=("int2",), final_options=(), progress=False)
-    for cell in (Cell(0, 1), Cell(1, 0)):
-        measured = measure_kl(model, _single(cell, "int2"), doc, progress=False)
-        assert measured.kl > 100 * KL_OF_ROUNDOFF
-        assert measured.kl == pytest.approx(prof.damage_of(cell, "int2"), rel=1e-3)
-        assert 0.0 < measured.agreement <= 1.0
+    cell = Cell(1, 0)
+    measured = measure_kl(model, _single(cell, "int2"), doc, progress=False)
+    assert measured.kl > 100 * KL_OF_ROUNDOFF
+    assert measured.kl == pytest.approx(prof.damage_of(cell, "int2"), rel=1e-3)
+    assert 0.0 < measured.agreement <= 1.0
 
 
 def test_max_positions_and_prefill(model, doc):
@@ -119,7 +118,8 @@ def test_random_plans_are_seeded_and_valid():
 
 
 def test_additivity_report_end_to_end(model, doc):
-    prof = profile(model, doc, progress=False)
+    doc = doc[:, :340]  # 20 counted positions: one window exit during decode (position 351 is not needed)
+    prof = profile(model, doc, options=("int4", "int2"), final_options=(), progress=False)
     plans = [_single(Cell(0, 1), "int2"), *random_plans(prof, 2, seed=0, options=("int4", "int2"))]
     rep = additivity_report(model, prof, plans, doc, progress=False)
     assert rep.predicted == tuple(predicted_damage(prof, p) for p in plans)
@@ -127,6 +127,6 @@ def test_additivity_report_end_to_end(model, doc):
     # a single-cell plan is measured as profiled
     assert rep.measured[0] == pytest.approx(rep.predicted[0], rel=1e-3)
     assert all(m > 0 for m in rep.measured)
-    assert rep.to_dict()["results"][0]["positions"] == 360 - FIRST_HISTORY
+    assert rep.to_dict()["results"][0]["positions"] == 340 - FIRST_HISTORY
     assert len(rep.format().splitlines()) == len(plans) + 2
-    assert torch.isfinite(torch.tensor(rep.ratio_max))
+    assert math.isfinite(rep.ratio_max)

@@ -89,7 +89,7 @@ def test_served_attention_equals_cache_reads(option, source, tau, prefill_len):
     """Every query position of the dense served attention equals what the cache's prefill and decode
     reads return for that position (pages quantized as they leave the window, V precision, GQA)."""
     g = torch.Generator().manual_seed(7)
-    N = 384  # pages leave the window at positions 319, 351 and 383
+    N = 360  # pages leave the window at positions 319 and 351
     q = torch.randn(1, HEADS, N, D, generator=g)
     k, v, ks, vs = (torch.randn(1, KV_HEADS, N, D, generator=g) for _ in range(4))
     want = _cache_outputs(option, source, tau, q, k, v, ks, vs, prefill_len)
@@ -177,34 +177,29 @@ def test_profile_is_deterministic_and_batch_independent(full_profile, model, doc
 
 
 def test_profile_resumes_after_interruption(full_profile, model, docs, tmp_path, monkeypatch):
+    """Interrupted after its first saved batch, then resumed: the same Profile as an uninterrupted run."""
     out = tmp_path / "profile.json"
-    saves = []
     original = Profile.to_json
 
     def interrupted(self, path):
         original(self, path)
-        saves.append(len(self.damage))
-        if len(saves) == 2:
-            raise KeyboardInterrupt
+        raise KeyboardInterrupt
 
     monkeypatch.setattr(Profile, "to_json", interrupted)
     with pytest.raises(KeyboardInterrupt):
-        profile(model, docs, out=out, batch_cells=4, progress=False)
+        profile(model, docs, out=out, batch_cells=8, progress=False)
     monkeypatch.setattr(Profile, "to_json", original)
     partial = Profile.from_json(out)
     assert not partial.is_complete
     assert partial.kl_share is not None
-    assert len(partial.damage) == saves[-1] == 7
-    resumed = profile(model, docs, out=out, batch_cells=4, progress=False)
-    uninterrupted = profile(model, docs, batch_cells=4, progress=False)
+    assert len(partial.damage) == 7  # the first batch: kl_share and 7 (cell, option) pairs
+    resumed = profile(model, docs, out=out, batch_cells=8, progress=False)
     assert resumed.is_complete
-    assert resumed.damage == uninterrupted.damage
-    assert resumed.per_document == uninterrupted.per_document
-    assert resumed.kl_share == uninterrupted.kl_share
+    assert resumed.damage == full_profile.damage
+    assert resumed.per_document == full_profile.per_document
+    assert resumed.kl_share == full_profile.kl_share
     assert len(resumed.provenance["resumed"]) == 1
     assert Profile.from_json(out).damage == resumed.damage
-    for key, value in full_profile.damage.items():
-        assert resumed.damage[key] == pytest.approx(value, rel=1e-3, abs=1e-10)
 
 
 def test_resume_refuses_another_setup(model, docs, tmp_path):
