@@ -27,7 +27,7 @@ from loopkv.cache.storage import CellStorage, allocate_cell, nbytes
 from loopkv.cells import Cell, CellLayout
 from loopkv.ops import cache_ops, cell_attention, codec  # noqa: F401  (registers torch.ops.loopkv.*)
 from loopkv.ops.codec import PAGE, SINK
-from loopkv.ops.layout import RING, capacity, n_pages
+from loopkv.ops.layout import RING, capacity, n_pages, stored_pages
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -287,14 +287,14 @@ class LoopKVCache(Cache):
             ns = min(n, SINK)
             st.sink_k[b, :, :ns] = kb[:, :ns]
             st.sink_v[b, :, :ns] = vb[:, :ns]
-            npg = n_pages(n)
-            assert npg <= maxp
+            npg, nst = n_pages(n), stored_pages(n)  # read as history / already in the pool (layout.py)
+            assert nst <= maxp
             assert n <= capacity(maxp)
-            if npg and st.own_bits:
-                hist = slice(SINK, SINK + PAGE * npg)
-                page_k.append(kb[:, hist].unflatten(1, (npg, PAGE)).transpose(0, 1))  # [npg, H, PAGE, D]
-                page_v.append(vb[:, hist].unflatten(1, (npg, PAGE)).transpose(0, 1))
-                page_ids.append(st.page_table[b, :npg].long())
+            if nst and st.own_bits:
+                hist = slice(SINK, SINK + PAGE * nst)
+                page_k.append(kb[:, hist].unflatten(1, (nst, PAGE)).transpose(0, 1))  # [nst, H, PAGE, D]
+                page_v.append(vb[:, hist].unflatten(1, (nst, PAGE)).transpose(0, 1))
+                page_ids.append(st.page_table[b, :nst].long())
             start = SINK + PAGE * npg
             if n > start:
                 slots = (torch.arange(start, n, device=k.device) - SINK) % RING

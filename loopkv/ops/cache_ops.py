@@ -16,8 +16,8 @@ import torch
 from torch import Tensor
 
 from loopkv.ops import codec
-from loopkv.ops.codec import PAGE, SINK, WINDOW
-from loopkv.ops.layout import RING, capacity
+from loopkv.ops.codec import PAGE, SINK
+from loopkv.ops.layout import QUANTIZE_LENGTH, RING, capacity
 
 _POOL = ("k_pages", "k_scale", "k_zero", "v_hi", "v_lo", "v_scale", "v_zero")
 
@@ -75,9 +75,9 @@ def append_reference(
 
     if bits == 0 or maxp == 0:
         return
-    # the page that leaves the window in this append (if any): p = (n - SINK - WINDOW) // PAGE - 1
-    exits = ok & (new_len >= SINK + WINDOW + PAGE) & (torch.remainder(new_len - SINK - WINDOW, PAGE) == 0)
-    p = ((new_len - SINK - WINDOW) // PAGE - 1).clamp(0, maxp - 1)
+    # the page this append quantizes (if any): p = (n - 319) // 32 at n = 319 + 32 p (layout.py says why)
+    exits = ok & (new_len >= QUANTIZE_LENGTH) & (torch.remainder(new_len - QUANTIZE_LENGTH, PAGE) == 0)
+    p = ((new_len - QUANTIZE_LENGTH) // PAGE).clamp(0, maxp - 1)
     phys = page_table.long()[rows, p]  # [B]
     slots = torch.remainder(PAGE * p, RING)[:, None] + torch.arange(PAGE, device=k_new.device)  # [B, PAGE]
     idx = slots[:, None, :, None].expand(B, win_k.shape[1], PAGE, win_k.shape[3])

@@ -9,7 +9,12 @@ from __future__ import annotations
 from loopkv.ops.codec import PAGE, SINK, WINDOW
 
 RING = WINDOW + PAGE  # window ring slots: the 256-token window plus the open page
-EXIT_LENGTH = SINK + WINDOW + PAGE  # the first length at which a page leaves the window (320)
+# A page is *read* as history from length SINK + WINDOW + PAGE * (p + 1) on (320 for page 0), but it is
+# *written* to the pool one append earlier (319 for page 0), when its 32 tokens are complete and still
+# intact in the ring. Why: within one decode step the loops run in order, so a ``share`` cell of an
+# earlier loop reaches length 320 and reads page 0 before its source in the final loop has appended
+# the same step's token; quantizing at 319 makes the page available to every reader of that step.
+QUANTIZE_LENGTH = SINK + WINDOW + PAGE - 1  # 319: the length whose append quantizes page 0
 
 
 def n_pages(length):
@@ -19,14 +24,20 @@ def n_pages(length):
     return ((length - SINK - WINDOW) // PAGE).clamp_min(0)
 
 
+def stored_pages(length):
+    """Pages already quantized into the pool at ``length`` tokens: ``n_pages(length + 1)`` (see above)."""
+    return n_pages(length + 1)
+
+
 def max_pages(max_cache_len: int) -> int:
     """Pages a row needs to hold ``max_cache_len`` tokens."""
-    return n_pages(max_cache_len)
+    return stored_pages(max_cache_len)
 
 
 def capacity(pages_per_row: int) -> int:
-    """The most tokens a row with ``pages_per_row`` pages can hold (the next append would need one more)."""
-    return SINK + WINDOW + PAGE * (pages_per_row + 1) - 1
+    """The most tokens a row with ``pages_per_row`` pages can hold (the next append would quantize a page
+    that does not exist): page ``p`` is quantized by the append that makes ``length = 319 + 32 p``."""
+    return QUANTIZE_LENGTH + PAGE * pages_per_row - 1
 
 
 def ring_slot(position):

@@ -21,7 +21,7 @@ SCALE = D**-0.5
 def _run(plan, lens, steps, *, check_every=25, cell=0, max_len=None, seed=0):
     """Prefill rows of lengths ``lens`` (left-padded), decode ``steps`` tokens, compare with float64."""
     g = torch.Generator().manual_seed(seed)
-    cfg = tiny_config(head_dim=D)
+    cfg = tiny_config(loops=plan.loops, layers=plan.layers, head_dim=D)
     max_len = max_len or max(lens) + steps
     cache = loopkv.LoopKVCache(plan, config=cfg, max_batch_size=len(lens), max_cache_len=max_len, device="cpu")
     S = max(lens)
@@ -48,15 +48,15 @@ def _run(plan, lens, steps, *, check_every=25, cell=0, max_len=None, seed=0):
     ("option", "tau"), [("bf16", math.inf), ("int4", math.inf), ("int4", 14.0), ("int4", 0.0), ("int2", math.inf)]
 )
 def test_decode_matches_float64_recompute(option, tau):
-    plan = loopkv.Plan.uniform(loops=2, layers=2, option=option, tau=tau)
+    plan = loopkv.Plan.uniform(loops=1, layers=1, option=option, tau=tau)
     cache, _ = _run(plan, lens=[1, 33, 300], steps=60)
     assert cache.storage(0).lengths.tolist() == [61, 93, 360]
 
 
 def test_shared_cell_reads_final_loop_pages():
-    plan = loopkv.Plan.share_loop(loops=2, layers=2, shared_loops=(0,), option="int4", tau=14.0)
-    cache, _ = _run(plan, lens=[290, 300], steps=60, cell=1)  # cell (0, 1) shares (1, 1)
-    shared, source = cache.storage(1), cache.storage(3)
+    plan = loopkv.Plan.share_loop(loops=2, layers=1, shared_loops=(0,), option="int4", tau=14.0)
+    cache, _ = _run(plan, lens=[290, 300], steps=60, cell=0)  # cell (0, 0) shares (1, 0), read first in a step
+    shared, source = cache.storage(0), cache.storage(1)
     assert shared.k_pages is source.k_pages
     assert shared.page_table is source.page_table
     assert shared.win_k is not source.win_k  # its own exact window
@@ -183,7 +183,7 @@ def test_tau_inf_is_bit_identical_to_plain_int4_and_tau_changes_output():
 
 def test_reset_reuses_the_same_tensors_and_forgets():
     """After reset(), the same cache object gives bit-identical outputs to a fresh cache."""
-    plan = loopkv.Plan.uniform(loops=2, layers=2, option="int4", tau=14.0)
+    plan = loopkv.Plan.uniform(loops=1, layers=2, option="int4", tau=14.0)
     used, _ = _run(plan, lens=[300, 50], steps=40, check_every=1000)
     ptrs = [t.data_ptr() for layer in used.layers for t in layer.storage.own_tensors().values()]
     used.reset()
@@ -194,7 +194,7 @@ def test_reset_reuses_the_same_tensors_and_forgets():
     v, _ = left_pad([torch.randn(2, n, D, generator=g) for n in (330, 30)], 330)
     q = torch.randn(2, 4, 330, D, generator=g)
     steps = [torch.randn(2, 4, 1, D, generator=g) for _ in range(3)]
-    fresh = loopkv.LoopKVCache(plan, config=tiny_config(head_dim=D), max_batch_size=2,
+    fresh = loopkv.LoopKVCache(plan, config=tiny_config(loops=1, layers=2, head_dim=D), max_batch_size=2,
                                max_cache_len=used.max_cache_len, device="cpu")
     outs = []
     for cache in (used, fresh):
