@@ -16,7 +16,6 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
-    yield
 
 
 def interpret_enabled() -> bool:
