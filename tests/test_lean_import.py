@@ -20,13 +20,15 @@ def test_import_initializes_no_cuda_imports_no_triton_patches_nothing():
             raise RuntimeError("CUDA initialized")
         torch.cuda._lazy_init = boom
         torch.cuda.init = boom
-        from transformers import AttentionInterface
-        before = dict(AttentionInterface._global_mapping)
         import loopkv
         import loopkv.planning, loopkv.cells, loopkv.ops.codec
         plan = loopkv.Plan.uniform(loops=4, layers=24, option="int4")
         assert "triton" not in sys.modules, "triton imported"
-        assert dict(AttentionInterface._global_mapping) == before, "attention interface patched"
+        assert "transformers" not in sys.modules, "transformers imported by import loopkv"
+        from transformers import AttentionInterface
+        from transformers.masking_utils import AttentionMaskInterface
+        assert "loopkv" not in AttentionInterface._global_mapping, "attention interface patched"
+        assert "loopkv" not in AttentionMaskInterface._global_mapping, "mask interface patched"
         print("ok", plan.layout.num_cells)
         """
     )
