@@ -79,28 +79,32 @@ def _exact_values(p, vptr, valid, cm, PREC: tl.constexpr, UPCAST: tl.constexpr):
 
 
 @triton.jit
-def _field(x, SHIFT: tl.constexpr, WIDTH: tl.constexpr, MAGIC: tl.constexpr, DT: tl.constexpr):
-    """Bit field ``[SHIFT, SHIFT + WIDTH)`` of the bytes ``x`` as DT.
+def _field(x, SHIFT: tl.constexpr, WIDTH: tl.constexpr, FIELD: tl.constexpr, DT: tl.constexpr):
+    """Bit field ``[SHIFT, SHIFT + WIDTH)`` of the bytes ``x`` as an operand of the products.
 
-    MAGIC (fp16): ``1024 + 2**SHIFT * field`` exactly, from one AND-OR on the unshifted byte (``0x6400`` is
-    1024.0 in fp16): no shift, no integer-to-float conversion (a quarter-rate instruction on Hopper).
-    The caller folds ``2**-SHIFT`` into the other operand and subtracts the 1024 offset once per page.
+    FIELD 0: the integer field in DT (fp32 path). FIELD 1 (fp16): ``1024 + 2**SHIFT * field`` exactly, from
+    one AND-OR on the unshifted byte (``0x6400`` is 1024.0): no shift, no integer-to-float conversion (a
+    quarter-rate instruction on Hopper). FIELD 2 (fp16): the masked bits as a subnormal fp16, i.e.
+    ``2**(SHIFT - 24) * field`` exactly, from one AND. Callers fold the power of two (and, for FIELD 1,
+    the 1024 offset) into the other operand or the result.
     """
-    if MAGIC:
+    if FIELD == 1:
         return ((x & (((1 << WIDTH) - 1) << SHIFT)).to(tl.int16) | 0x6400).to(tl.float16, bitcast=True)
+    elif FIELD == 2:
+        return (x & (((1 << WIDTH) - 1) << SHIFT)).to(tl.int16).to(tl.float16, bitcast=True)
     else:
         return ((x >> SHIFT) & ((1 << WIDTH) - 1)).to(DT)
 
 
 @triton.jit
 def _q_tile(q_ptr, rvalid, F: tl.constexpr, BITS: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
-            DT: tl.constexpr, MAGIC: tl.constexpr):
-    """Query channels ``PER * j + F`` [rows, DP // PER] in DT (rows: q_ptr's); MAGIC pre-scales by
-    ``2**-(BITS * F)`` (exact) to match the unshifted fields of :func:`_field`."""
+            DT: tl.constexpr, FIELD: tl.constexpr):
+    """Query channels ``PER * j + F`` [rows, DP // PER] in DT (rows: q_ptr's); FIELD 1/2 pre-scale by
+    ``2**-(BITS * F)`` (exact) to undo the unshifted field's ``2**(BITS * F)``."""
     PER: tl.constexpr = 8 // BITS
     j = tl.arange(0, DP // PER)
     qi = tl.load(q_ptr[:, None] + (j * PER + F)[None, :], mask=rvalid[:, None] & (j < D // PER)[None, :], other=0.0)
-    if MAGIC:
+    if FIELD != 0:
         return (qi.to(tl.float32) * (1.0 / (1 << (BITS * F)))).to(tl.float16)
     else:
         return qi.to(DT)
@@ -108,37 +112,46 @@ def _q_tile(q_ptr, rvalid, F: tl.constexpr, BITS: tl.constexpr, D: tl.constexpr,
 
 @triton.jit
 def _score_part(s, corr, qa, qv, codes, page, k_scale, F: tl.constexpr, BITS: tl.constexpr, D: tl.constexpr,
-                DP: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr, MAGIC: tl.constexpr):
-    """Add field F's product ``(q * k_scale) . code`` to the scores s [RP, 32]; corr [GP] collects
-    ``sum(q * k_scale)`` per query head for the magic offset (same fp16 products as the tile's)."""
+                DP: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr, FIELD: tl.constexpr):
+    """Add field F's product ``(q * k_scale) . code`` to the scores s [RP, 32]; for FIELD 1, corr [GP]
+    collects ``sum(q * k_scale)`` per query head for the 1024 offset (the same fp16 products as the tile's)."""
     PER: tl.constexpr = 8 // BITS
     j = tl.arange(0, DP // PER)
     ks = tl.load(k_scale + page * D + j * PER + F, mask=j < D // PER, other=0.0)
-    if MAGIC:
+    if FIELD != 0:
         qk = qa * ks[None, :]  # fp16 x fp16: one rounding, like the fp32 product rounded to fp16
-        corr += tl.sum((qv * ks[None, :]).to(tl.float32), 1)
+        if FIELD == 1:
+            corr += tl.sum((qv * ks[None, :]).to(tl.float32), 1)
     else:
         qk = qa * ks.to(DT)[None, :]
-    s = tl.dot(qk, tl.trans(_field(codes, BITS * F, BITS, MAGIC, DT)), s, input_precision=PREC)
+    s = tl.dot(qk, tl.trans(_field(codes, BITS * F, BITS, FIELD, DT)), s, input_precision=PREC)
     return s, corr
 
 
 @triton.jit
-def _v_dot(acc, a, aq, hi, lo, K: tl.constexpr, BITS: tl.constexpr, MAGIC: tl.constexpr, DT: tl.constexpr,
+def _v_dot(acc, a, aq, hi, lo, K: tl.constexpr, BITS: tl.constexpr, FIELD: tl.constexpr, DT: tl.constexpr,
            PREC: tl.constexpr):
-    """acc + a @ code_K for crumb K (channels 4 j + K) of the V planes (INT4: 4 hi + lo).
+    """acc + a @ code_K for crumb K (channels 4 j + K) of the V planes (INT4: 4 hi + lo), up to a scale.
 
-    MAGIC: crumbs come as ``F = 1024 + 4**K * crumb``; acc gathers ``a @ F_hi + (a / 4) @ F_lo`` (aq = a / 4),
-    so the value is ``(4 if INT4 else 1) * 4**-K * acc - 1024 * (5 if INT4 else 1) * 4**-K * sum(a)``.
+    FIELD 1/2: acc gathers ``a @ (f_hi) + (a / 4) @ (f_lo)`` (aq = a / 4) with ``f = 4**K * crumb`` (FIELD 1:
+    the magic field minus 1024, exact in fp16) or ``2**-24 * 4**K * crumb`` (FIELD 2); the caller scales
+    acc by ``(4 if INT4 else 1) * 4**-K`` (and 2**24). The offset is removed before the product: summed
+    over thousands of tokens it would swamp the fp32 accumulator.
     """
-    if MAGIC:
-        acc = tl.dot(a, _field(hi, 2 * K, 2, MAGIC, DT), acc, input_precision=PREC)
+    if FIELD != 0:
+        fh = _field(hi, 2 * K, 2, FIELD, DT)
+        if FIELD == 1:
+            fh = fh - 1024.0
+        acc = tl.dot(a, fh, acc, input_precision=PREC)
         if BITS == 4:
-            acc = tl.dot(aq, _field(lo, 2 * K, 2, MAGIC, DT), acc, input_precision=PREC)
+            fl = _field(lo, 2 * K, 2, FIELD, DT)
+            if FIELD == 1:
+                fl = fl - 1024.0
+            acc = tl.dot(aq, fl, acc, input_precision=PREC)
     else:
-        code = _field(hi, 2 * K, 2, MAGIC, DT)
+        code = _field(hi, 2 * K, 2, FIELD, DT)
         if BITS == 4:
-            code = code * 4 + _field(lo, 2 * K, 2, MAGIC, DT)
+            code = code * 4 + _field(lo, 2 * K, 2, FIELD, DT)
         acc = tl.dot(a, code, acc, input_precision=PREC)
     return acc
 
@@ -149,7 +162,7 @@ def _far_quant(
     v_scale, v_zero, qk_scale, tau, ws_o, ws_ml, slot,
     G: tl.constexpr, GR: tl.constexpr, GP: tl.constexpr, NGP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
     BITS: tl.constexpr, VPREC: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
-    MAGIC: tl.constexpr,
+    FIELD: tl.constexpr,
 ):
     """History pages [p0, p1) of row b, KV head h, stored as INT4/INT2 codes -> partial (m, l, o)."""
     RP: tl.constexpr = GR * NGP
@@ -177,15 +190,15 @@ def _far_quant(
     qg = qg.to(tl.float32)
     expand = g_r[:, None] == gq[None, :]  # [RP, GP]: row r belongs to query head g
     # query tiles per field, hoisted out of the page loop (rows: A operand of the score product)
-    qa0 = _q_tile(q_rows, rvalid, 0, BITS, D, DP, DT, MAGIC)
-    qa1 = _q_tile(q_rows, rvalid, 1, BITS, D, DP, DT, MAGIC)
-    qv0 = _q_tile(q_heads, gq < G, 0, BITS, D, DP, DT, MAGIC)
-    qv1 = _q_tile(q_heads, gq < G, 1, BITS, D, DP, DT, MAGIC)
+    qa0 = _q_tile(q_rows, rvalid, 0, BITS, D, DP, DT, FIELD)
+    qa1 = _q_tile(q_rows, rvalid, 1, BITS, D, DP, DT, FIELD)
+    qv0 = _q_tile(q_heads, gq < G, 0, BITS, D, DP, DT, FIELD)
+    qv1 = _q_tile(q_heads, gq < G, 1, BITS, D, DP, DT, FIELD)
     if BITS == 2:
-        qa2 = _q_tile(q_rows, rvalid, 2, BITS, D, DP, DT, MAGIC)
-        qa3 = _q_tile(q_rows, rvalid, 3, BITS, D, DP, DT, MAGIC)
-        qv2 = _q_tile(q_heads, gq < G, 2, BITS, D, DP, DT, MAGIC)
-        qv3 = _q_tile(q_heads, gq < G, 3, BITS, D, DP, DT, MAGIC)
+        qa2 = _q_tile(q_rows, rvalid, 2, BITS, D, DP, DT, FIELD)
+        qa3 = _q_tile(q_rows, rvalid, 3, BITS, D, DP, DT, FIELD)
+        qv2 = _q_tile(q_heads, gq < G, 2, BITS, D, DP, DT, FIELD)
+        qv3 = _q_tile(q_heads, gq < G, 3, BITS, D, DP, DT, FIELD)
     m_i = tl.full([RP], float("-inf"), tl.float32)
     l_i = tl.zeros([RP], tl.float32)
     sink_max = tl.full([RP], float("-inf"), tl.float32)
@@ -203,7 +216,6 @@ def _far_quant(
     acc2 = tl.zeros([RP, VB], tl.float32)
     acc3 = tl.zeros([RP, VB], tl.float32)
     zacc = tl.zeros([RP], tl.float32)
-    asum = tl.zeros([RP], tl.float32)
     for pg in range(p0, p1):
         page = tl.load(page_table + b64 * MAXP + pg).to(tl.int64) * H + h
         # ---- scores: (q * k_scale) . codes + q . k_zero, per field of the packed bytes
@@ -211,13 +223,15 @@ def _far_quant(
                         other=0)
         s = tl.zeros([RP, 32], dtype=tl.float32)
         corr = tl.zeros([GP], dtype=tl.float32)
-        s, corr = _score_part(s, corr, qa0, qv0, codes, page, k_scale, 0, BITS, D, DP, DT, PREC, MAGIC)
-        s, corr = _score_part(s, corr, qa1, qv1, codes, page, k_scale, 1, BITS, D, DP, DT, PREC, MAGIC)
+        s, corr = _score_part(s, corr, qa0, qv0, codes, page, k_scale, 0, BITS, D, DP, DT, PREC, FIELD)
+        s, corr = _score_part(s, corr, qa1, qv1, codes, page, k_scale, 1, BITS, D, DP, DT, PREC, FIELD)
         if BITS == 2:
-            s, corr = _score_part(s, corr, qa2, qv2, codes, page, k_scale, 2, BITS, D, DP, DT, PREC, MAGIC)
-            s, corr = _score_part(s, corr, qa3, qv3, codes, page, k_scale, 3, BITS, D, DP, DT, PREC, MAGIC)
+            s, corr = _score_part(s, corr, qa2, qv2, codes, page, k_scale, 2, BITS, D, DP, DT, PREC, FIELD)
+            s, corr = _score_part(s, corr, qa3, qv3, codes, page, k_scale, 3, BITS, D, DP, DT, PREC, FIELD)
         kz = tl.load(k_zero + page * D + c, mask=c < D, other=0.0).to(tl.float32)
-        bias = tl.sum(qg * kz[None, :], 1) - 1024.0 * corr  # [GP]; corr is 0 without MAGIC
+        bias = tl.sum(qg * kz[None, :], 1) - 1024.0 * corr  # [GP]; corr is 0 unless FIELD 1
+        if FIELD == 2:
+            s = s * 16777216.0  # 2**24: the subnormal fields' scale
         s = (s + tl.sum(tl.where(expand, bias[None, :], 0.0), 1)[:, None]) * qk_scale
         m_page = tl.max(s, 1)
         if tl.max(m_page - m_i, 0) > 0:  # rescale only when a running maximum grows (rarely, after warm-up)
@@ -225,7 +239,6 @@ def _far_quant(
             alpha = tl.exp2(m_i - m_new)
             l_i *= alpha
             zacc *= alpha
-            asum *= alpha
             acc0 *= alpha[:, None]
             acc1 *= alpha[:, None]
             acc2 *= alpha[:, None]
@@ -252,21 +265,17 @@ def _far_quant(
             lo = hi  # INT2 has no lo plane (unused)
         zacc += tl.sum(p * vz, 1)
         a = (p * vs).to(DT)
-        aq = a
-        if MAGIC:
-            asum += tl.sum(a.to(tl.float32), 1)
-            aq = a * 0.25
-        acc0 = _v_dot(acc0, a, aq, hi, lo, 0, BITS, MAGIC, DT, PREC)
-        acc1 = _v_dot(acc1, a, aq, hi, lo, 1, BITS, MAGIC, DT, PREC)
-        acc2 = _v_dot(acc2, a, aq, hi, lo, 2, BITS, MAGIC, DT, PREC)
-        acc3 = _v_dot(acc3, a, aq, hi, lo, 3, BITS, MAGIC, DT, PREC)
-    if MAGIC:  # undo the fields' 4**K scale and 1024 offset (INT4: hi and lo/4 planes, times 4)
-        w: tl.constexpr = 4.0 if BITS == 4 else 1.0
-        off = (asum * (1024.0 * (5.0 if BITS == 4 else 1.0)))[:, None]
-        acc0 = acc0 * w - off
-        acc1 = (acc1 * w - off) * 0.25
-        acc2 = (acc2 * w - off) * 0.0625
-        acc3 = (acc3 * w - off) * 0.015625
+        aq = a * 0.25
+        acc0 = _v_dot(acc0, a, aq, hi, lo, 0, BITS, FIELD, DT, PREC)
+        acc1 = _v_dot(acc1, a, aq, hi, lo, 1, BITS, FIELD, DT, PREC)
+        acc2 = _v_dot(acc2, a, aq, hi, lo, 2, BITS, FIELD, DT, PREC)
+        acc3 = _v_dot(acc3, a, aq, hi, lo, 3, BITS, FIELD, DT, PREC)
+    if FIELD != 0:  # undo the fields' scale: 4**K (and 2**24 for subnormal fields); INT4 hi weighs 4
+        w: tl.constexpr = (4.0 if BITS == 4 else 1.0) * (16777216.0 if FIELD == 2 else 1.0)
+        acc0 = acc0 * w
+        acc1 = acc1 * (w * 0.25)
+        acc2 = acc2 * (w * 0.0625)
+        acc3 = acc3 * (w * 0.015625)
     # partial: channel 4 j + K of query head g comes from row (g, group (4 j + K) // 32 = j // 8)
     first = gr == 0
     tl.store(ws_ml + (slot * GR + g_r) * 2, m_i, mask=first)
@@ -296,7 +305,7 @@ def _cell_attn_kernel(
     H, MAXP, NNEAR, NSPLIT, qk_scale, tau,
     G: tl.constexpr, GR: tl.constexpr, GP: tl.constexpr, NGP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
     BITS: tl.constexpr, VPREC: tl.constexpr, BN: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr,
-    UPCAST: tl.constexpr, MAGIC: tl.constexpr,
+    UPCAST: tl.constexpr, FIELD: tl.constexpr, NPP: tl.constexpr,
 ):
     """Program (i, b*H + h): near slots (i < NNEAR) or history split i - NNEAR of row b, KV head h."""
     RP: tl.constexpr = GR * NGP
@@ -354,36 +363,40 @@ def _cell_attn_kernel(
             _far_quant(
                 q, sq_b, sq_h, b, h, H, MAXP, length, p0, p1, page_table, sink_k, k_pages, k_scale, k_zero,
                 v_hi, v_lo, v_scale, v_zero, qk_scale, tau, ws_o, ws_ml, slot,
-                G, GR, GP, NGP, D, DP, BITS, VPREC, DT, PREC, UPCAST, MAGIC,
+                G, GR, GP, NGP, D, DP, BITS, VPREC, DT, PREC, UPCAST, FIELD,
             )
     # ---- the last program of (b, h) merges the partials by log-sum-exp
     tl.debug_barrier()
     done = tl.atomic_add(cnt + bh, 1, sem="acq_rel")
     if done == nprog - 1:
-        gg = tl.arange(0, GR)
-        m_run = tl.full([GR], float("-inf"), tl.float32)
-        l_run = tl.zeros([GR], tl.float32)
-        o_run = tl.zeros([GR, DP], tl.float32)
-        for k in range(nprog):
-            base = (bh64 * nprog + k) * GR + gg
-            m_k = tl.load(ws_ml + base * 2, cache_modifier=".cg")
-            l_k = tl.load(ws_ml + base * 2 + 1, cache_modifier=".cg")
-            o_k = tl.load(ws_o + base[:, None] * DP + c[None, :], cache_modifier=".cg")
-            m_new = tl.maximum(m_run, m_k)
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            a_run = tl.exp2(m_run - m_safe)
-            a_k = tl.exp2(m_k - m_safe)
-            l_run = l_run * a_run + l_k * a_k
-            o_run = o_run * a_run[:, None] + o_k * a_k[:, None]
-            m_run = m_new
-        res = tl.where(l_run[:, None] > 0, o_run / tl.where(l_run > 0, l_run, 1.0)[:, None], 0.0)
-        optr = out + b.to(tl.int64) * so_b + (h * G + gg)[:, None] * so_h + c[None, :]
-        tl.store(optr, res.to(out.dtype.element_ty), mask=(gg < G)[:, None] & cm[None, :])
+        k = tl.arange(0, NPP)
+        kvalid = k < nprog
+        for g in range(G):
+            base = (bh64 * nprog + k) * GR + g  # [NPP] partial slots of query head g
+            m_k = tl.load(ws_ml + base * 2, mask=kvalid, other=float("-inf"), cache_modifier=".cg")
+            l_k = tl.load(ws_ml + base * 2 + 1, mask=kvalid, other=0.0, cache_modifier=".cg")
+            m_all = tl.max(m_k, 0)
+            m_safe = tl.where(m_all == float("-inf"), 0.0, m_all)
+            l_all = tl.sum(l_k * tl.exp2(m_k - m_safe), 0)
+            o = tl.zeros([DP], tl.float32)
+            for c0 in tl.static_range(0, NPP, 16):  # 16 partials at a time, loads independent
+                kk = c0 + tl.arange(0, 16)
+                slots = (bh64 * nprog + kk) * GR + g
+                wk = tl.exp2(tl.load(ws_ml + slots * 2, mask=kk < nprog, other=float("-inf"),
+                                     cache_modifier=".cg") - m_safe)
+                ok = tl.load(ws_o + slots[:, None] * DP + c[None, :], mask=(kk < nprog)[:, None], other=0.0,
+                             cache_modifier=".cg")
+                o += tl.sum(ok * wk[:, None], 0)
+            res = tl.where(l_all > 0, o / tl.where(l_all > 0, l_all, 1.0), 0.0)
+            optr = out + b.to(tl.int64) * so_b + (h * G + g) * so_h + c
+            tl.store(optr, res.to(out.dtype.element_ty), mask=cm)
         tl.atomic_xchg(cnt + bh, 0)
 
 
-WAVES = 8  # far programs per SM the split heuristic aims for
+WAVES = 64  # far programs per SM the split heuristic aims for (the reader is latency-bound)
 MAX_SPLITS = 64
+FIELD_MODE = {"offset": 1, "subnormal": 2}  # how fp16 code operands are made (see _field)
+DEFAULT_FIELD_MODE = "offset"
 _SM_COUNT: dict[int, int] = {}
 
 
@@ -409,7 +422,12 @@ def choose_splits(rows_heads: int, max_pages: int, device: torch.device) -> int:
 
 
 def _config(bits: int, head_dim: int, rows: int) -> dict:
-    """Fixed launch config per shape bucket (no autotuning: the op runs inside CUDA graphs)."""
+    """Fixed launch config per shape bucket (no autotuning: the op runs inside CUDA graphs).
+
+    Measured on the H200 (docs/kernel-notes.md): the code readers are latency-bound and run best as one
+    warp per program with three pipeline stages; exact BF16 pages as four warps."""
+    if bits in (4, 2):
+        return {"num_warps": 1, "num_stages": 3}
     return {"num_warps": 4, "num_stages": 2}
 
 
@@ -417,7 +435,7 @@ def cell_attention(
     q: Tensor, sink_k: Tensor, sink_v: Tensor, win_k: Tensor, win_v: Tensor, lengths: Tensor,
     page_table: Tensor, k_pages: Tensor, k_scale: Tensor, k_zero: Tensor, v_hi: Tensor, v_lo: Tensor,
     v_scale: Tensor, v_zero: Tensor, bits: int, tau: float, scale: float, *, splits: int | None = None,
-    num_warps: int | None = None, num_stages: int | None = None,
+    num_warps: int | None = None, num_stages: int | None = None, field_mode: str | None = None,
 ) -> Tensor:
     """Triton ``cell_attention``: q [B, Hq, D] -> [B, Hq, D] (shapes: docs/storage-layout.md).
 
@@ -469,7 +487,9 @@ def cell_attention(
         H, maxp, nnear, nsplit, scale * LOG2E, float(tau) if vprec else 0.0,
         G=G, GR=GR, GP=_next_pow2(G), NGP=NGP, D=D, DP=DP, BITS=bits if nsplit else 0, VPREC=vprec, BN=NEAR_BLOCK,
         DT=tl.float32 if exact else tl.float16, PREC="ieee" if exact else "tf32",
-        UPCAST=q.device.type != "cuda" and q.dtype == torch.bfloat16, MAGIC=not exact,
+        UPCAST=q.device.type != "cuda" and q.dtype == torch.bfloat16,
+        FIELD=0 if exact else FIELD_MODE[field_mode or DEFAULT_FIELD_MODE],
+        NPP=max(16, _next_pow2(nprog)),
         num_warps=num_warps or cfg["num_warps"], num_stages=num_stages or cfg["num_stages"],
     )
     return out

@@ -13,7 +13,8 @@ tile ``x_i [PAGE, DP // per]`` holds channels ``per * j + i``, so packing is a s
 tiles, and K's per-channel statistics are plain reductions over the token axis. ``head_dim`` that is
 not a power of two (96) is padded to ``DP`` with masked loads and stores.
 
-``append_`` runs on a ``(B, H)`` grid with no host sync: each program writes its head's new token into
+``append_`` runs on a ``(B, H, 2)`` grid (K and V apart) with no host sync: each program writes its head's
+new K or V token into
 the sink or the window ring, quantizes the page this append completes for the pool (``length = 319 +
 32 p``, decided on the device), and the last program of a row (an atomic counter that the kernel resets to
 zero, so CUDA-graph replays stay correct) stores ``lengths[b] + 1``. Launchers are plain functions
@@ -58,11 +59,12 @@ def _qparams(xmin, xmax, LEVELS: tl.constexpr):
 
 @triton.jit
 def _encode_page(
-    k_src, v_src, sk_t, sk_d, sv_t, sv_d, phys, h, H,
+    k_src, v_src, sk_t, sk_d, sv_t, sv_d, phys, h, H, part,
     k_pages, k_scale, k_zero, v_hi, v_lo, v_scale, v_zero,
     BITS: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
 ):
-    """Encode one page of one head (token t, channel c at ``src + t * s_t + c * s_d``) into ``phys``.
+    """Encode K (part 0) or V (part 1) of one page of one head (token t, channel c at
+    ``src + t * s_t + c * s_d``) into physical page ``phys``. K and V go to two programs: half the latency.
 
     BITS 16: exact copy into k_pages/v_hi [N, H, PAGE, D]. BITS 4/2: codes as in codec.encode_pages.
     """
@@ -72,11 +74,13 @@ def _encode_page(
         c = tl.arange(0, DP)
         m = (t[:, None] < 32) & (c[None, :] < D)
         dst = page * (32 * D) + t[:, None] * D + c[None, :]
-        kx = tl.load(k_src + t[:, None] * sk_t + c[None, :] * sk_d, mask=m)
-        vx = tl.load(v_src + t[:, None] * sv_t + c[None, :] * sv_d, mask=m)
-        tl.store(k_pages + dst, kx.to(k_pages.dtype.element_ty), mask=m)
-        tl.store(v_hi + dst, vx.to(v_hi.dtype.element_ty), mask=m)
-    else:
+        if part == 0:
+            kx = tl.load(k_src + t[:, None] * sk_t + c[None, :] * sk_d, mask=m)
+            tl.store(k_pages + dst, kx.to(k_pages.dtype.element_ty), mask=m)
+        else:
+            vx = tl.load(v_src + t[:, None] * sv_t + c[None, :] * sv_d, mask=m)
+            tl.store(v_hi + dst, vx.to(v_hi.dtype.element_ty), mask=m)
+    elif part == 0:
         LEVELS: tl.constexpr = (1 << BITS) - 1
         # ---- K: per channel over the page's tokens; channel KPER * j + i at bits BITS * i of byte j
         KPER: tl.constexpr = 8 // BITS
@@ -95,6 +99,8 @@ def _encode_page(
             tl.store(k_scale + page * D + ch, scale, mask=j < KBD)
             tl.store(k_zero + page * D + ch, zero, mask=j < KBD)
         tl.store(k_pages + page * (32 * KBD) + t[:, None] * KBD + j[None, :], packed.to(tl.uint8), mask=jm)
+    else:
+        LEVELS: tl.constexpr = (1 << BITS) - 1
         # ---- V: per token in groups of 32 channels; tiles by crumb position, channel 4 * j + i
         VB: tl.constexpr = DP // 4
         VBD: tl.constexpr = D // 4
@@ -111,14 +117,14 @@ def _encode_page(
         mx = tl.maximum(tl.maximum(x0, x1), tl.maximum(x2, x3))
         gmin = tl.min(tl.reshape(mn, [32, NGP, 8]), axis=2)  # [32, NGP]
         gmax = tl.max(tl.reshape(mx, [32, NGP, 8]), axis=2)
-        scale, zero = _qparams(gmin, gmax, LEVELS)  # [32, NGP] fp16
+        vscale, vzero = _qparams(gmin, gmax, LEVELS)  # [32, NGP] fp16
         g = tl.arange(0, NGP)
         gm = (t[:, None] < 32) & (g[None, :] < NG)
         goff = page * (32 * NG) + t[:, None] * NG + g[None, :]
-        tl.store(v_scale + goff, scale, mask=gm)
-        tl.store(v_zero + goff, zero, mask=gm)
-        s_b = tl.reshape(tl.broadcast_to(scale[:, :, None], [32, NGP, 8]), [32, VB])
-        z_b = tl.reshape(tl.broadcast_to(zero[:, :, None], [32, NGP, 8]), [32, VB])
+        tl.store(v_scale + goff, vscale, mask=gm)
+        tl.store(v_zero + goff, vzero, mask=gm)
+        s_b = tl.reshape(tl.broadcast_to(vscale[:, :, None], [32, NGP, 8]), [32, VB])
+        z_b = tl.reshape(tl.broadcast_to(vzero[:, :, None], [32, NGP, 8]), [32, VB])
         c0 = _rne_codes(x0, z_b, s_b, LEVELS)
         c1 = _rne_codes(x1, z_b, s_b, LEVELS)
         c2 = _rne_codes(x2, z_b, s_b, LEVELS)
@@ -140,12 +146,12 @@ def _write_pages_kernel(
     k_pages, k_scale, k_zero, v_hi, v_lo, v_scale, v_zero,
     BITS: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
 ):
-    """Program (n, h): encode ``k[n, h], v[n, h]`` ([PAGE, D]) into physical page ``pages[n]``."""
+    """Program (n, h, part): encode ``k[n, h]`` (part 0) or ``v[n, h]`` (part 1), [PAGE, D], into ``pages[n]``."""
     n = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     phys = tl.load(pages + n)
     _encode_page(
-        k + n * sk_n + h * sk_h, v + n * sv_n + h * sv_h, sk_t, sk_d, sv_t, sv_d, phys, h, H,
+        k + n * sk_n + h * sk_h, v + n * sv_n + h * sv_h, sk_t, sk_d, sv_t, sv_d, phys, h, H, tl.program_id(2),
         k_pages, k_scale, k_zero, v_hi, v_lo, v_scale, v_zero, BITS, D, DP,
     )
 
@@ -157,30 +163,34 @@ def _append_kernel(
     k_pages, k_scale, k_zero, v_hi, v_lo, v_scale, v_zero,
     BITS: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
 ):
-    """Program (b, h): token ``lengths[b]`` of head h into sink/ring; quantize a completed page of head h.
+    """Program (b, h, part): K (part 0) or V (part 1) of head h: the token ``lengths[b]`` into sink/ring, and
+    the page this append completes, quantized.
 
     The append that makes ``n = lengths[b] + 1 = 319 + 32 p`` (``QUANTIZE_LENGTH``, docs/storage-layout.md)
-    encodes page ``p`` from ring slots ``(32 p) % 288 + [0, 32)``. The last program of row b (counter
-    ``cnt[b]``, reset to 0 by that program) stores ``lengths[b] = n``.
+    encodes page ``p`` from ring slots ``(32 p) % 288 + [0, 32)``. The last of the row's 2 H programs
+    (counter ``cnt[b]``, reset to 0 by that program) stores ``lengths[b] = n``.
     """
     b = tl.program_id(0)
     h = tl.program_id(1)
+    part = tl.program_id(2)  # 0: K, 1: V of head h
     pos = tl.load(lengths + b).to(tl.int32)
     ok = pos < CAP  # rows at capacity are left unchanged
     c = tl.arange(0, DP)
     cm = c < D
-    kn = tl.load(k_new + b.to(tl.int64) * sk_b + h * sk_h + c * sk_d, mask=cm)
-    vn = tl.load(v_new + b.to(tl.int64) * sv_b + h * sv_h + c * sv_d, mask=cm)
     bh = b.to(tl.int64) * H + h
     pos_c = tl.zeros([DP], dtype=tl.int32) + pos  # per-lane copy: masks stay tensors
     in_sink = cm & (pos_c < CAP) & (pos_c < 32)  # SINK
-    s_off = (bh * 32 + tl.minimum(pos, 31)) * D + c
-    tl.store(sink_k + s_off, kn.to(sink_k.dtype.element_ty), mask=in_sink)
-    tl.store(sink_v + s_off, vn.to(sink_v.dtype.element_ty), mask=in_sink)
     in_win = cm & (pos_c < CAP) & (pos_c >= 32)
+    s_off = (bh * 32 + tl.minimum(pos, 31)) * D + c
     w_off = (bh * 288 + tl.maximum(pos - 32, 0) % 288) * D + c  # RING = 288
-    tl.store(win_k + w_off, kn.to(win_k.dtype.element_ty), mask=in_win)
-    tl.store(win_v + w_off, vn.to(win_v.dtype.element_ty), mask=in_win)
+    if part == 0:
+        kn = tl.load(k_new + b.to(tl.int64) * sk_b + h * sk_h + c * sk_d, mask=cm)
+        tl.store(sink_k + s_off, kn.to(sink_k.dtype.element_ty), mask=in_sink)
+        tl.store(win_k + w_off, kn.to(win_k.dtype.element_ty), mask=in_win)
+    else:
+        vn = tl.load(v_new + b.to(tl.int64) * sv_b + h * sv_h + c * sv_d, mask=cm)
+        tl.store(sink_v + s_off, vn.to(sink_v.dtype.element_ty), mask=in_sink)
+        tl.store(win_v + w_off, vn.to(win_v.dtype.element_ty), mask=in_win)
     new_len = pos + ok.to(tl.int32)
     if BITS != 0:
         exits = ok & (new_len >= 319) & ((new_len - 319) % 32 == 0)  # QUANTIZE_LENGTH
@@ -189,12 +199,12 @@ def _append_kernel(
             phys = tl.load(page_table + b.to(tl.int64) * MAXP + p)
             row0 = (bh * 288 + (32 * p) % 288) * D
             _encode_page(
-                win_k + row0, win_v + row0, D, 1, D, 1, phys, h, H,
+                win_k + row0, win_v + row0, D, 1, D, 1, phys, h, H, part,
                 k_pages, k_scale, k_zero, v_hi, v_lo, v_scale, v_zero, BITS, D, DP,
             )
     tl.debug_barrier()  # every thread has read lengths[b] before this program counts itself done
     done = tl.atomic_add(cnt + b, 1, sem="acq_rel")
-    if done == H - 1:
+    if done == 2 * H - 1:
         tl.store(lengths + b, new_len.to(lengths.dtype.element_ty))
         tl.atomic_xchg(cnt + b, 0)
 
@@ -214,7 +224,7 @@ def _all_contiguous(*tensors: Tensor) -> bool:
 
 def write_pages(
     k: Tensor, v: Tensor, pages: Tensor, k_pages: Tensor, k_scale: Tensor, k_zero: Tensor,
-    v_hi: Tensor, v_lo: Tensor, v_scale: Tensor, v_zero: Tensor, bits: int,
+    v_hi: Tensor, v_lo: Tensor, v_scale: Tensor, v_zero: Tensor, bits: int, *, num_warps: int = 4,
 ) -> None:
     """Triton ``write_pages_``: encode ``k, v`` [n, H, PAGE, D] into physical ``pages`` (int [n]).
 
@@ -229,17 +239,17 @@ def write_pages(
     if not _all_contiguous(k_pages, k_scale, k_zero, v_hi, v_lo, v_scale, v_zero):
         write_pages_reference(k, v, pages, k_pages, k_scale, k_zero, v_hi, v_lo, v_scale, v_zero, bits)
         return
-    _write_pages_kernel[(n, H)](
+    _write_pages_kernel[(n, H, 2)](
         k, v, pages, *k.stride(), *v.stride(), H,
         k_pages, k_scale, k_zero, v_hi, v_lo, v_scale, v_zero,
-        BITS=bits, D=D, DP=_next_pow2(D), num_warps=4,
+        BITS=bits, D=D, DP=_next_pow2(D), num_warps=num_warps,
     )
 
 
 def append(
     k_new: Tensor, v_new: Tensor, sink_k: Tensor, sink_v: Tensor, win_k: Tensor, win_v: Tensor,
     lengths: Tensor, page_table: Tensor, k_pages: Tensor, k_scale: Tensor, k_zero: Tensor,
-    v_hi: Tensor, v_lo: Tensor, v_scale: Tensor, v_zero: Tensor, bits: int,
+    v_hi: Tensor, v_lo: Tensor, v_scale: Tensor, v_zero: Tensor, bits: int, *, num_warps: int = 4,
 ) -> None:
     """Triton ``append_``: k_new, v_new [B, H, 1, D]; one launch, predicated per row on the device.
 
@@ -261,11 +271,11 @@ def append(
     if maxp == 0:
         bits = 0  # no page is ever quantized: capacity(0) is below QUANTIZE_LENGTH
     cnt = counters(lengths.device, B, purpose="append")
-    _append_kernel[(B, H)](
+    _append_kernel[(B, H, 2)](
         k_new, v_new, k_new.stride(0), k_new.stride(1), k_new.stride(3),
         v_new.stride(0), v_new.stride(1), v_new.stride(3),
         sink_k, sink_v, win_k, win_v, lengths, page_table, cnt, H, maxp, capacity(maxp),
         k_pages, k_scale, k_zero, v_hi, v_lo, v_scale, v_zero,
-        BITS=bits, D=D, DP=_next_pow2(D), num_warps=4,
+        BITS=bits, D=D, DP=_next_pow2(D), num_warps=num_warps,
     )
 

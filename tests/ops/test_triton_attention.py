@@ -196,15 +196,30 @@ GPU_CASES = [  # bits, tau, heads, group, head_dim, dtype
 @pytest.mark.gpu
 @pytest.mark.parametrize(("bits", "tau", "heads", "group", "head_dim", "dtype"), GPU_CASES)
 def test_gpu_matches_reference(bits, tau, heads, group, head_dim, dtype):
-    maxp, batch = 48, 8
+    maxp, batch = 96, 8
     g = torch.Generator().manual_seed(bits * 7 + head_dim)
-    lengths = [0, 5, 300, 320] + torch.randint(320, layout.capacity(maxp) + 1, (batch - 4,), generator=g).tolist()
+    lengths = [0, 5, 300, layout.capacity(maxp)] + torch.randint(320, layout.capacity(maxp) + 1, (batch - 4,),
+                                                                   generator=g).tolist()
     st = make_cell(batch, heads, head_dim, maxp, bits, lengths, dtype=dtype, device="cuda", seed=head_dim)
     q = torch.randn(batch, heads * group, head_dim, generator=g).to(dtype).cuda()
     scale = head_dim**-0.5
     for splits in (None, 1, 7):
         out = ta.cell_attention(q, *st, bits, tau, scale, splits=splits)
         assert_close_to_reference(out, q, st, bits, tau, scale)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("bits", "tau", "heads", "group", "head_dim"), [
+    (4, INF, 16, 1, 128), (4, 14.0, 4, 4, 256), (2, INF, 8, 2, 64)])
+def test_gpu_subnormal_fields_match_reference(bits, tau, heads, group, head_dim):
+    """The other way to make fp16 code operands (subnormal fields), over many pages per program."""
+    maxp, batch = 96, 4
+    lengths = [layout.capacity(maxp), 5, 320, 1000]
+    st = make_cell(batch, heads, head_dim, maxp, bits, lengths, dtype=torch.bfloat16, device="cuda", seed=3)
+    q = torch.randn(batch, heads * group, head_dim).to(torch.bfloat16).cuda()
+    for splits in (1, 3):
+        out = ta.cell_attention(q, *st, bits, tau, head_dim**-0.5, splits=splits, field_mode="subnormal")
+        assert_close_to_reference(out, q, st, bits, tau, head_dim**-0.5)
 
 
 @pytest.mark.gpu
