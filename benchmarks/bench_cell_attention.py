@@ -283,7 +283,7 @@ def sweep(out_rows: list) -> dict:
         del d, cell, ref
     good = [m for m in modes if errors.get(m, 0.0) < 2e-2] or ["offset"]
     best = {}
-    shapes = ((32, 16384, (8, 16, 32), (2, 3)), (1, 8192, (32, 64), (3,)))
+    shapes = ((32, 16384, (8, 16, 32), (3,)), (1, 8192, (32, 64), (3,)))
     if DEVICE == "cpu":
         shapes = ((1, 288 + 32 * 3, (1, 2), (1,)),)
     for B, ctx, splits_list, stages in shapes:
