@@ -75,6 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tau", type=_float, default=math.inf, help="V precision threshold (default inf: off)")
     p.add_argument("--share-source", default="int4", choices=("int4", "int2", "bf16"),
                    help="the final loop's option a shared cell reads (default int4)")
+    p.add_argument("--share-passes", type=int, default=2,
+                   help="passes that iterate a shared cell's source pages to the served fixed point (default 2)")
     p.add_argument("--batch-cells", type=int, default=8, help="measurements per forward (default 8)")
 
     p = sub.add_parser("plan", help="solve a plan from a profile (exact knapsack)",
@@ -193,8 +195,8 @@ def cmd_profile(args) -> int:
     model = load_model(args.model, device=args.device)
     docs = load_documents(args, model)
     result = profile(model, docs, options=args.options, final_options=() if args.no_final else ("int2",),
-                     tau=args.tau, share_source=args.share_source, out=args.out, resume=args.resume,
-                     batch_cells=args.batch_cells, progress=not args.quiet)
+                     tau=args.tau, share_source=args.share_source, share_passes=args.share_passes, out=args.out,
+                     resume=args.resume, batch_cells=args.batch_cells, progress=not args.quiet)
     from loopkv.planning.show import format_profile
 
     print(format_profile(result))

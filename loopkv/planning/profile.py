@@ -46,7 +46,7 @@ from loopkv.planning.simulate import (
 KL_SHARE = "kl_share"  # the job that measures the unit
 DEFAULT_BATCH_CELLS = 8
 # Settings that change the numbers; a partial file made with other settings is not resumed.
-_SETTING_KEYS = ("tau", "share_source", "prefill_len", "first_position", "document_lengths", "dtype")
+_SETTING_KEYS = ("tau", "share_source", "share_passes", "prefill_len", "first_position", "document_lengths", "dtype")
 
 
 # ------------------------------------------------------------------------------------------ documents
@@ -164,10 +164,12 @@ def kl_per_position(ref_logits: Tensor, logits: Tensor, *, chunk: int = 256) -> 
 
 # ------------------------------------------------------------------------------------------- profile
 def _jobs(base: Profile) -> list[tuple[Cell, str] | str]:
-    """Every measurement in a fixed order: the unit first, then cell-major, option-minor."""
+    """Every measurement in a fixed order: the unit first, then cell-major, option-minor, the ``share``
+    measurements last (so that they batch together: only they need ``share_passes``)."""
     everything = Profile.partial(loops=base.loops, layers=base.layers, kv_heads=base.kv_heads,
                                  head_dim=base.head_dim, options=base.options, final_options=base.final_options)
-    return [KL_SHARE, *everything.missing()]
+    pairs = everything.missing()
+    return [KL_SHARE, *[j for j in pairs if j[1] != "share"], *[j for j in pairs if j[1] == "share"]]
 
 
 def _done(profile: Profile, job) -> bool:
@@ -186,6 +188,7 @@ def profile(
     final_options: Sequence[str] = FINAL_PROFILE_OPTIONS,
     tau: float = math.inf,
     share_source: str = "int4",
+    share_passes: int = 2,
     prefill_len: int = FIRST_HISTORY,
     out: str | os.PathLike | None = None,
     resume: bool = True,
@@ -200,6 +203,10 @@ def profile(
     final_options: () or ("int2",), the final loop's options.
     tau: V precision threshold for INT4 reads (``inf``: off). share_source: what a ``share`` cell reads,
         the final loop at "int4" (the planner's default), "int2" or "bf16".
+    share_passes: 1 takes a shared cell's source pages from the exact model (an approximation that
+        reads KL_share ~6% low on the test model, docs/planning.md); each further pass takes them from
+        the previous pass's own perturbed final loop, converging to the served cache (2, the default, is
+        within ~3e-4 relative of it on 1024 tokens).
     prefill_len: the positions before it attend exactly (as a served prefill), the KL is averaged over
         positions ``>= max(prefill_len, 320)``.
     out: a JSON path; the partial profile is saved there after every batch, and with ``resume`` a
@@ -217,6 +224,8 @@ def profile(
         raise ValueError(f"share_source must be 'int4', 'int2' or 'bf16', got {share_source!r}")
     if not isinstance(tau, (int, float)) or math.isnan(tau) or tau < 0:
         raise ValueError(f"tau must be a number >= 0 (math.inf: V precision off), got {tau!r}")
+    if not isinstance(share_passes, int) or share_passes < 1:
+        raise ValueError(f"share_passes must be a positive int, got {share_passes!r}")
     if not isinstance(batch_cells, int) or batch_cells < 1:
         raise ValueError(f"batch_cells must be a positive int, got {batch_cells!r}")
     if not isinstance(prefill_len, int) or prefill_len < 1:
@@ -233,6 +242,7 @@ def profile(
     settings = {
         "tau": "inf" if math.isinf(tau) else float(tau),
         "share_source": share_source,
+        "share_passes": share_passes,
         "prefill_len": prefill_len,
         "first_position": first,
         "document_lengths": [int(d.numel()) for d in docs],
@@ -255,7 +265,7 @@ def profile(
     pending = [[j for j in b if not _done(result, j)] for b in batches]
     pending = [b for b in pending if b]
     runner = _Runner(model, docs, loops=loops, layers=layers, tau=tau, share_source=share_source,
-                     prefill_len=prefill_len, first=first)
+                     share_passes=share_passes, prefill_len=prefill_len, first=first)
     bar = _progress(sum(map(len, pending)), enabled=progress)
     clamped = list(result.provenance.get("clamped", []))
     elapsed = float(result.provenance.get("profile_seconds", 0.0))
@@ -319,10 +329,11 @@ def _progress(total: int, *, enabled: bool):
 class _Runner:
     """Measures batches of jobs over every document; caches each document's exact reference."""
 
-    def __init__(self, model, docs, *, loops, layers, tau, share_source, prefill_len, first) -> None:
+    def __init__(self, model, docs, *, loops, layers, tau, share_source, share_passes, prefill_len, first) -> None:
         self.model, self.docs = model, docs
         self.loops, self.layers = loops, layers
-        self.tau, self.share_source = tau, share_source
+        self.tau, self.share_source, self.share_passes = tau, share_source, share_passes
+        self.final = frozenset((loops - 1) * layers + layer for layer in range(layers))
         self.prefill_len, self.first = prefill_len, first
         self._refs: dict[int, tuple[Tensor, dict]] = {}
 
@@ -330,8 +341,8 @@ class _Runner:
         """(exact logits [P, V], exact final-loop K/V per layer) of document ``d``."""
         if d not in self._refs:
             ids = self.docs[d].to(self.model.device)[None]
-            final = frozenset((self.loops - 1) * self.layers + layer for layer in range(self.layers))
-            state = SimState(rows=[{}], prefill_len=self.prefill_len, layers=self.layers, sources={}, capture=final)
+            state = SimState(rows=[{}], prefill_len=self.prefill_len, layers=self.layers, sources={},
+                             capture=self.final)
             logits = forward(self.model, ids, state, logits_from=self.first)
             self._refs[d] = (logits[0], final_sources(state.captured, loops=self.loops, layers=self.layers))
         return self._refs[d]
@@ -353,8 +364,16 @@ class _Runner:
         for d, doc in enumerate(self.docs):
             ref, sources = self._reference(d)
             ids = doc.to(self.model.device)[None].expand(len(batch), -1)
-            state = SimState(rows=specs, prefill_len=self.prefill_len, layers=self.layers, sources=sources)
-            kl = kl_per_position(ref, forward(self.model, ids, state, logits_from=self.first))  # [R, P]
+            shares = any(s.share for spec in specs for s in spec.values())
+            passes = self.share_passes if shares else 1
+            for k in range(passes):
+                capture = self.final if k + 1 < passes else frozenset()
+                state = SimState(rows=specs, prefill_len=self.prefill_len, layers=self.layers, sources=sources,
+                                 capture=capture)
+                logits = forward(self.model, ids, state, logits_from=self.first)
+                if capture:  # the next pass reads each row's own perturbed final loop
+                    sources = final_sources(state.captured, loops=self.loops, layers=self.layers)
+            kl = kl_per_position(ref, logits)  # [R, P]
             total += kl.shape[1]
             for r in range(len(batch)):
                 sums[r] += float(kl[r].sum())

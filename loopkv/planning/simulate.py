@@ -19,12 +19,13 @@ The simulation hooks in through public mechanisms only: a :class:`_SimCache` pas
 an attention function registered as ``"loopkv_served"`` with ``transformers.AttentionInterface``, which
 :func:`served_attention_enabled` switches the model to (``set_attn_implementation``) and back.
 
-Approximation: a ``share`` cell's source pages are given (``sources``), normally the final loop's K/V of
-an exact forward. In the served cache they come from the perturbed model itself; the source K/V at
-position ``j`` only differ from exact once the shared cell's output at positions ``<= j`` has
-changed, i.e. for ``j >= 320``, and such a page is read only by queries ``i >= j + 288``. Documents
-shorter than 608 tokens are therefore simulated exactly; beyond, the difference is second order
-(:func:`simulate_plan` can iterate the sources to the fixed point with ``share_passes``).
+Share sources: a ``share`` cell's source pages are given (``sources``). Taken from an exact forward
+they are right for every page a query reads as long as the document is shorter than 608 tokens (the
+source K/V at position ``j`` only change once the shared cell's output at positions ``<= j`` has, i.e.
+for ``j >= 320``, and such a page is read only by queries ``i >= j + 288``). Beyond, iterate: take the
+sources from the previous pass's own perturbed final loop (``share_passes`` in :func:`simulate_plan`
+and in the profiler); every pass carries the perturbation at least 288 positions further, so the passes
+reach the served cache's fixed point.
 """
 
 from __future__ import annotations
@@ -345,7 +346,7 @@ def simulate_plan(
     *,
     prefill_len: int = FIRST_HISTORY,
     logits_from: int | None = None,
-    share_passes: int = 1,
+    share_passes: int = 2,
 ) -> Tensor:
     """The logits a plan's served cache would produce on ``document`` ([N] or [1, N] token ids), by
     dense simulation: [N - logits_from, V] (default from ``max(prefill_len, 320)``).

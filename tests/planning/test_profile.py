@@ -249,3 +249,30 @@ def test_calibration_documents_are_seeded():
     assert all(int(d.max()) < 320 for d in docs)
     assert documents_hash(docs) == documents_hash(calibration_documents(n=3, length=400, seed=0))
     assert documents_hash(docs) != documents_hash(calibration_documents(n=3, length=400, seed=1))
+
+
+def test_share_sources_reach_the_served_fixed_point(model):
+    """Share sources from an exact forward are right below 608 tokens (up to the round-off of the exact
+    vs the served attention path); beyond, iterating the sources reaches the served fixed point (a
+    source perturbation is read >= 288 positions later)."""
+    plan = loopkv.Plan(loops=LOOPS, layers=LAYERS, options=("share", "bf16", "share", "share", "int4", "int4"))
+    short = tiny_documents(1, 600)[0]
+    torch.testing.assert_close(simulate_plan(model, plan, short), simulate_plan(model, plan, short, share_passes=2),
+                               atol=LOGITS_FP32_ATOL, rtol=LOGITS_FP32_RTOL)
+    long = tiny_documents(1, 700)[0]
+    one, two, three = (simulate_plan(model, plan, long, share_passes=k) for k in (1, 2, 3))
+    torch.testing.assert_close(two, three, atol=LOGITS_FP32_ATOL, rtol=LOGITS_FP32_RTOL)
+    assert (one - two).abs().max() > 100 * LOGITS_FP32_ATOL
+
+
+def test_profile_share_passes(model):
+    doc = tiny_documents(1, 700)
+    one = profile(model, doc, options=("int4", "share"), final_options=(), share_passes=1, progress=False)
+    two = profile(model, doc, options=("int4", "share"), final_options=(), progress=False)  # default: 2
+    for t in range(LOOPS - 1):
+        for layer in range(LAYERS):
+            c = Cell(t, layer)
+            assert two.damage_of(c, "int4") == pytest.approx(one.damage_of(c, "int4"), rel=1e-6)
+            assert two.damage_of(c, "share") != one.damage_of(c, "share")
+            assert two.damage_of(c, "share") == pytest.approx(one.damage_of(c, "share"), rel=0.2)
+    assert two.provenance["settings"]["share_passes"] == 2
