@@ -136,12 +136,9 @@ def test_simulation_is_the_served_cache(model, cells, tau):
     assert (served - exact).abs().max() > 100 * (served - simulated).abs().max()
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="LoopKVCache bug: in the decode step where a page leaves the window, a share cell (loop < T-1) "
-    "reads the source's page before the final loop's append has quantized it (it reads zeros)",
-)
 def test_simulation_is_the_served_cache_for_share(model):
+    """A shared cell reads the final loop's INT4 page of this very step (regression: the cache once read
+    the page before the final loop's append had quantized it, at every window exit)."""
     plan = loopkv.Plan(loops=LOOPS, layers=LAYERS, options=("bf16", "bf16", "share", "bf16", "int4", "int4"))
     doc = tiny_documents(1, 360)[0]
     torch.testing.assert_close(simulate_plan(model, plan, doc), served_logits(model, plan, doc),
