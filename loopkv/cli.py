@@ -10,7 +10,7 @@
 
 MODEL is a local checkpoint directory (``OuroForCausalLM.from_pretrained``) or ``small`` (the small model
 loopkv ships). Documents default to seeded calibration documents for the byte-level small model
-(``loopkv.planning.profile.calibration_documents``); ``--documents`` takes text files (tokenized with the
+(``loopkv.planning.profiler.calibration_documents``); ``--documents`` takes text files (tokenized with the
 model's tokenizer) or token-id files (``.pt`` / ``.npy``, [N] or [n, N]).
 
 ``import loopkv.cli`` imports only argparse: everything heavy loads inside the command that needs it.
@@ -161,7 +161,7 @@ def load_documents(args, model) -> list:
     import torch
 
     if not args.documents:
-        from loopkv.planning.profile import calibration_documents
+        from loopkv.planning.profiler import calibration_documents
 
         docs = calibration_documents(n=args.n_documents, length=args.doc_len or 1024, seed=args.seed)
         top = max(int(d.max()) for d in docs)
@@ -188,7 +188,7 @@ def load_documents(args, model) -> list:
 
 # ------------------------------------------------------------------------------------------ commands
 def cmd_profile(args) -> int:
-    from loopkv.planning.profile import profile
+    from loopkv.planning.profiler import profile
 
     if os.path.exists(args.out) and not (args.resume or args.overwrite):
         raise ValueError(f"{args.out} exists; pass --resume to continue it or --overwrite to start over")

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from loopkv.planning.profile import as_documents, kl_per_position
+from loopkv.planning.profiler import as_documents, kl_per_position
 from loopkv.planning.simulate import FIRST_HISTORY
 
 

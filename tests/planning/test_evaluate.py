@@ -12,7 +12,7 @@ import loopkv
 from loopkv.cells import Cell
 from loopkv.planning.evaluate import additivity_report, measure_kl, random_plans, summarize
 from loopkv.planning.knapsack import predicted_damage
-from loopkv.planning.profile import profile
+from loopkv.planning.profiler import profile
 from loopkv.planning.simulate import FIRST_HISTORY
 from tests.planning.test_profile import LAYERS, LOOPS, tiny_documents, tiny_model
 from tests.tolerances import LOGITS_FP32_ATOL

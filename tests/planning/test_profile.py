@@ -4,6 +4,8 @@ and resumable, and bad inputs are refused (DESIGN.md §5)."""
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -13,8 +15,8 @@ import loopkv
 from loopkv.cells import Cell
 from loopkv.models.ouro import OuroConfig, OuroForCausalLM
 from loopkv.planning.evaluate import served_logits
-from loopkv.planning.profile import calibration_documents, documents_hash, model_fingerprint, profile
 from loopkv.planning.profile_data import Profile
+from loopkv.planning.profiler import calibration_documents, documents_hash, model_fingerprint, profile
 from loopkv.planning.simulate import FIRST_HISTORY, Served, exact_attention, served_attention, served_for, simulate_plan
 from tests.cache.driver import decode, prefill
 from tests.tolerances import ATTN_FP32_ATOL, ATTN_FP32_RTOL, LOGITS_FP32_ATOL, LOGITS_FP32_RTOL
@@ -273,3 +275,11 @@ def test_profile_share_passes(model):
             assert two.damage_of(c, "share") != one.damage_of(c, "share")
             assert two.damage_of(c, "share") == pytest.approx(one.damage_of(c, "share"), rel=0.2)
     assert two.provenance["settings"]["share_passes"] == 2
+
+
+def test_public_profile_is_the_function():
+    """``loopkv.planning.profile`` stays the function even after the profiler module is imported."""
+    code = ("import loopkv, loopkv.planning.profiler, loopkv.planning.evaluate, loopkv.cli; "
+            "print(callable(loopkv.planning.profile), loopkv.planning.profile.__module__)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["True", "loopkv.planning.profiler"]

@@ -1,0 +1,382 @@
+"""The per-cell profiler: single-cell damages through the simulated served cache (DESIGN.md §5, paper §3.1).
+
+For every non-final cell ``c`` and option ``o`` the damage is ``KL(p_exact || p_{c<-o})`` with every
+other cell exact, in nats per token, in the model's activations (fp32 is required), averaged over the
+positions ``i >= max(prefill_len, 320)`` of the documents (pooled over documents: every position
+weighs the same). The final loop is profiled at INT2 per layer, and ``kl_share`` (the unit of damage)
+is loop T-2 reading loop T-1's exact history, every layer at once, everything else exact (paper §2.3).
+
+Each measurement is one teacher-forced forward per document in which the perturbed cell attends as
+the served cache does (:mod:`loopkv.planning.simulate`: sink and window exact, a page quantized once
+it has left the window, a ``share`` cell reading the final loop's quantized pages). ``batch_cells``
+measurements share one forward, one batch row each. Everything is deterministic: the jobs are cut
+into batches from the full, fixed job list, so a resumed run recomputes exactly the batches an
+uninterrupted one would (with the same ``batch_cells``) and gets the same numbers.
+
+Round-off can make a damage that is really ~0 come out slightly negative; it is clamped to 0, and the
+clamped entries are listed in ``provenance["clamped"]`` (and warned about).
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import math
+import os
+import time
+import warnings
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from loopkv.cells import Cell
+from loopkv.planning.profile_data import FINAL_PROFILE_OPTIONS, PROFILE_OPTIONS, Profile
+from loopkv.planning.simulate import (
+    FIRST_HISTORY,
+    SimState,
+    check_model,
+    final_sources,
+    forward,
+    served_attention_enabled,
+    served_for,
+)
+
+KL_SHARE = "kl_share"  # the job that measures the unit
+DEFAULT_BATCH_CELLS = 8
+# Settings that change the numbers; a partial file made with other settings is not resumed.
+_SETTING_KEYS = ("tau", "share_source", "share_passes", "prefill_len", "first_position", "document_lengths", "dtype")
+
+
+# ------------------------------------------------------------------------------------------ documents
+def as_documents(documents: Any, *, min_len: int) -> list[Tensor]:
+    """Token id documents as a list of int64 [N] tensors (from a [N] or [n, N] tensor or a sequence of
+    1-D tensors / lists), each at least ``min_len`` tokens; ValueError otherwise."""
+    if isinstance(documents, Tensor):
+        if documents.dim() not in (1, 2):
+            raise ValueError(
+                f"documents as a tensor must be [N] or [n, N] token ids, got shape {tuple(documents.shape)}"
+            )
+        docs = [documents] if documents.dim() == 1 else list(documents)
+    elif isinstance(documents, Iterable) and not isinstance(documents, (str, bytes)):
+        docs = [torch.as_tensor(d) for d in documents]
+    else:
+        raise ValueError(f"documents must be token id tensors or lists, got {type(documents).__name__}")
+    if not docs:
+        raise ValueError("documents is empty; pass at least one long document (e.g. calibration_documents())")
+    out = []
+    for i, d in enumerate(docs):
+        if d.dim() != 1 or d.dtype.is_floating_point or d.dtype == torch.bool:
+            raise ValueError(
+                f"documents[{i}] must be a 1-D tensor of integer token ids, got {d.dtype} {tuple(d.shape)}"
+            )
+        if d.numel() < min_len:
+            raise ValueError(
+                f"documents[{i}] has {d.numel()} tokens, fewer than {min_len}: damage is measured where history "
+                f"pages exist (positions >= {FIRST_HISTORY}); use longer documents (about 1024+ tokens)"
+            )
+        out.append(d.long().cpu())
+    return out
+
+
+def documents_hash(documents: Sequence[Tensor]) -> str:
+    """sha256 (hex) of the documents' token ids, in order."""
+    sha = hashlib.sha256()
+    for d in documents:
+        ids = d.long().cpu().contiguous()
+        sha.update(len(ids).to_bytes(8, "little"))
+        sha.update(ids.numpy().tobytes())
+    return sha.hexdigest()
+
+
+def calibration_documents(*, n: int = 4, length: int = 1024, seed: int = 0) -> list[Tensor]:
+    """Seeded calibration documents for the byte-level small model (``loopkv.models.data``): held-out
+    stdlib text windows alternating with synthetic long-range documents (key-value retrieval,
+    variable tracking). ``n`` documents of exactly ``length`` tokens, int64 [length] each."""
+    from loopkv.models import data
+
+    if not isinstance(n, int) or n < 1:
+        raise ValueError(f"n must be a positive int, got {n!r}")
+    if not isinstance(length, int) or length <= FIRST_HISTORY:
+        raise ValueError(f"length must be an int > {FIRST_HISTORY} so that history pages exist, got {length!r}")
+    corpus = data.load_corpus()
+    n_text = (n + 1) // 2
+    docs = list(data.heldout_windows(corpus, n=n_text, seq_len=length, seed=seed))
+    for j in range(n - n_text):
+        task = data.retrieval_task if j % 2 == 0 else data.variable_tracking_task
+        prompt, answer = task(length, seed * 1000 + j, corpus=corpus)
+        docs.append(torch.from_numpy(data.encode_bytes(prompt + answer, bos=True)))
+    return docs
+
+
+# ---------------------------------------------------------------------------------------- provenance
+def model_fingerprint(model) -> str:
+    """sha256 (hex) of the model's looped shape and every state-dict tensor (name, dtype, shape, bytes)."""
+    config = model.config
+    sha = hashlib.sha256()
+    fields = ("model_type", "total_ut_steps", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+              "head_dim", "hidden_size", "rms_norm_eps", "rope_parameters", "layer_types", "sliding_window")
+    sha.update(repr([(f, getattr(config, f, None)) for f in fields]).encode())
+    for name, tensor in sorted(model.state_dict().items()):
+        t = tensor.detach().cpu().contiguous()
+        sha.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        sha.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return sha.hexdigest()
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"cuda ({torch.cuda.get_device_name(device)})"
+    return str(device)
+
+
+def environment(model) -> dict[str, Any]:
+    """loopkv/torch/transformers versions, device and date (UTC)."""
+    import transformers
+
+    from loopkv import __version__
+
+    return {
+        "loopkv_version": __version__,
+        "torch_version": torch.__version__,
+        "transformers_version": transformers.__version__,
+        "device": device_name(model.device),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+# ------------------------------------------------------------------------------------------------ KL
+def kl_per_position(ref_logits: Tensor, logits: Tensor, *, chunk: int = 256) -> Tensor:
+    """``KL(p || q)`` per position: ref_logits [P, V] (p, the exact model), logits [R, P, V] (q) ->
+    float64 [R, P]. The logits are the model's (fp32); the softmax and the sum run in float64 so that
+    the KL's own round-off stays far below any damage (identical logits give exactly 0)."""
+    R, P, _ = logits.shape
+    out = torch.empty(R, P, dtype=torch.float64, device=logits.device)
+    for i in range(0, P, chunk):
+        logp = torch.log_softmax(ref_logits[i : i + chunk].double(), dim=-1)  # [c, V]
+        p = logp.exp()
+        for r in range(R):
+            logq = torch.log_softmax(logits[r, i : i + chunk].double(), dim=-1)
+            out[r, i : i + chunk] = (p * (logp - logq)).sum(dim=-1)
+    return out
+
+
+# ------------------------------------------------------------------------------------------- profile
+def _jobs(base: Profile) -> list[tuple[Cell, str] | str]:
+    """Every measurement in a fixed order: the unit first, then cell-major, option-minor, the ``share``
+    measurements last (so that they batch together: only they need ``share_passes``)."""
+    everything = Profile.partial(loops=base.loops, layers=base.layers, kv_heads=base.kv_heads,
+                                 head_dim=base.head_dim, options=base.options, final_options=base.final_options)
+    pairs = everything.missing()
+    return [KL_SHARE, *[j for j in pairs if j[1] != "share"], *[j for j in pairs if j[1] == "share"]]
+
+
+def _done(profile: Profile, job) -> bool:
+    if job == KL_SHARE:
+        return profile.kl_share is not None
+    cell, option = job
+    return (profile.layout.flat_index(cell), option) in profile.damage
+
+
+@torch.no_grad()
+def profile(
+    model,
+    documents: Any,
+    *,
+    options: Sequence[str] = PROFILE_OPTIONS,
+    final_options: Sequence[str] = FINAL_PROFILE_OPTIONS,
+    tau: float = math.inf,
+    share_source: str = "int4",
+    share_passes: int = 2,
+    prefill_len: int = FIRST_HISTORY,
+    out: str | os.PathLike | None = None,
+    resume: bool = True,
+    batch_cells: int = DEFAULT_BATCH_CELLS,
+    progress: bool = True,
+) -> Profile:
+    """Profile every cell of ``model`` (see the module docstring) and return the :class:`Profile`.
+
+    documents: token ids, a [N] / [n, N] tensor or a sequence of 1-D tensors, each longer than
+        ``max(prefill_len, 320)`` (about 1024+ tokens is typical; e.g. :func:`calibration_documents`).
+    options: what non-final cells are profiled at, from ("int4", "int2", "share");
+    final_options: () or ("int2",), the final loop's options.
+    tau: V precision threshold for INT4 reads (``inf``: off). share_source: what a ``share`` cell reads,
+        the final loop at "int4" (the planner's default), "int2" or "bf16".
+    share_passes: 1 takes a shared cell's source pages from the exact model (an approximation that
+        reads KL_share ~6% low on the test model, docs/planning.md); each further pass takes them from
+        the previous pass's own perturbed final loop, converging to the served cache (2, the default, is
+        within ~3e-4 relative of it on 1024 tokens).
+    prefill_len: the positions before it attend exactly (as a served prefill), the KL is averaged over
+        positions ``>= max(prefill_len, 320)``.
+    out: a JSON path; the partial profile is saved there after every batch, and with ``resume`` a
+        partial file from the same setup is continued (a file from another model, other documents or
+        other settings is refused with a ValueError).
+    batch_cells: measurements per forward (batch rows); more is faster and takes more memory.
+    """
+    loops, layers = check_model(model)
+    if model.dtype != torch.float32:
+        raise ValueError(
+            f"profile in fp32 activations (the model is {model.dtype}): bf16 round-off alone is about half of "
+            "KL_share (paper §2.3, Appendix E); load the model with dtype=torch.float32 or call model.float()"
+        )
+    if share_source not in ("int4", "int2", "bf16"):
+        raise ValueError(f"share_source must be 'int4', 'int2' or 'bf16', got {share_source!r}")
+    if not isinstance(tau, (int, float)) or math.isnan(tau) or tau < 0:
+        raise ValueError(f"tau must be a number >= 0 (math.inf: V precision off), got {tau!r}")
+    if not isinstance(share_passes, int) or share_passes < 1:
+        raise ValueError(f"share_passes must be a positive int, got {share_passes!r}")
+    if not isinstance(batch_cells, int) or batch_cells < 1:
+        raise ValueError(f"batch_cells must be a positive int, got {batch_cells!r}")
+    if not isinstance(prefill_len, int) or prefill_len < 1:
+        raise ValueError(f"prefill_len must be a positive int, got {prefill_len!r}")
+    first = max(prefill_len, FIRST_HISTORY)
+    docs = as_documents(documents, min_len=first + 1)
+    config = model.config
+    kv_heads = config.num_key_value_heads or config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    if any(o in ("int4", "int2", "share") for o in (*options, *final_options)):
+        from loopkv.ops.codec import check_head_dim
+
+        check_head_dim(head_dim)
+    settings = {
+        "tau": "inf" if math.isinf(tau) else float(tau),
+        "share_source": share_source,
+        "share_passes": share_passes,
+        "prefill_len": prefill_len,
+        "first_position": first,
+        "document_lengths": [int(d.numel()) for d in docs],
+        "dtype": str(model.dtype),
+    }
+    provenance = {
+        "model_fingerprint": model_fingerprint(model),
+        "documents_hash": documents_hash(docs),
+        **environment(model),
+        "n_documents": len(docs),
+        "positions": sum(int(d.numel()) - first for d in docs),
+        "settings": settings,
+        "method": "dense simulation of the served cache, one cell perturbed per row (loopkv.planning.simulate)",
+    }
+    base = Profile.partial(loops=loops, layers=layers, kv_heads=kv_heads, head_dim=head_dim, options=options,
+                           final_options=final_options, provenance=provenance)
+    result = _resume(base, out, settings) if (out is not None and resume and os.path.exists(out)) else base
+    jobs = _jobs(base)
+    batches = [jobs[i : i + batch_cells] for i in range(0, len(jobs), batch_cells)]
+    pending = [[j for j in b if not _done(result, j)] for b in batches]
+    pending = [b for b in pending if b]
+    runner = _Runner(model, docs, loops=loops, layers=layers, tau=tau, share_source=share_source,
+                     share_passes=share_passes, prefill_len=prefill_len, first=first)
+    bar = _progress(sum(map(len, pending)), enabled=progress)
+    clamped = list(result.provenance.get("clamped", []))
+    elapsed = float(result.provenance.get("profile_seconds", 0.0))
+    try:
+        with served_attention_enabled(model):
+            for batch in pending:
+                start = time.perf_counter()
+                values = runner.measure(batch, bar)
+                elapsed += time.perf_counter() - start
+                for job, (pooled, per_doc) in zip(batch, values, strict=True):
+                    name = KL_SHARE if job == KL_SHARE else f"{job[1]} at {tuple(job[0])}"
+                    if min(pooled, *per_doc) < 0:
+                        clamped.append(name)
+                        warnings.warn(f"profile: the damage of {name} came out {min(pooled, *per_doc):.3g} < 0 "
+                                      "(round-off of a damage that is ~0); clamped to 0", stacklevel=3)
+                    pooled, per_doc = max(pooled, 0.0), [max(v, 0.0) for v in per_doc]
+                    if job == KL_SHARE:
+                        if pooled == 0.0:
+                            raise ValueError("kl_share measured 0: loop T-2 reading loop T-1's history changes "
+                                             "nothing; use longer documents (history must exist)")
+                        result = result.with_kl_share(pooled, per_document=per_doc)
+                    else:
+                        result = result.with_damage(job[0], job[1], pooled, per_document=per_doc)
+                prov = {**result.provenance, "clamped": clamped, "profile_seconds": round(elapsed, 3)}
+                result = _replace_provenance(result, prov)
+                if out is not None:
+                    result.to_json(out)
+    finally:
+        bar.close()
+    return result
+
+
+def _replace_provenance(profile: Profile, provenance: dict) -> Profile:
+    import dataclasses
+
+    return dataclasses.replace(profile, provenance=provenance)
+
+
+def _resume(base: Profile, out, settings: dict) -> Profile:
+    saved = Profile.from_json(out)
+    diffs = base.setup_differences(saved)
+    theirs = saved.provenance.get("settings") or {}
+    diffs += [f"settings[{k!r}]: {settings.get(k)!r} vs {theirs.get(k)!r}" for k in _SETTING_KEYS
+              if settings.get(k) != theirs.get(k)]
+    if diffs:
+        raise ValueError(
+            f"refusing to resume {os.fspath(out)}: it was profiled with another setup ({'; '.join(diffs)}); "
+            "pass another out= path, delete the file, or resume=False to start over"
+        )
+    resumed = [*saved.provenance.get("resumed", []), base.provenance["date"]]
+    return _replace_provenance(saved, {**saved.provenance, "resumed": resumed})
+
+
+def _progress(total: int, *, enabled: bool):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc="loopkv profile", unit="cell", disable=not enabled or total == 0,
+                dynamic_ncols=True)
+
+
+class _Runner:
+    """Measures batches of jobs over every document; caches each document's exact reference."""
+
+    def __init__(self, model, docs, *, loops, layers, tau, share_source, share_passes, prefill_len, first) -> None:
+        self.model, self.docs = model, docs
+        self.loops, self.layers = loops, layers
+        self.tau, self.share_source, self.share_passes = tau, share_source, share_passes
+        self.final = frozenset((loops - 1) * layers + layer for layer in range(layers))
+        self.prefill_len, self.first = prefill_len, first
+        self._refs: dict[int, tuple[Tensor, dict]] = {}
+
+    def _reference(self, d: int):
+        """(exact logits [P, V], exact final-loop K/V per layer) of document ``d``."""
+        if d not in self._refs:
+            ids = self.docs[d].to(self.model.device)[None]
+            state = SimState(rows=[{}], prefill_len=self.prefill_len, layers=self.layers, sources={},
+                             capture=self.final)
+            logits = forward(self.model, ids, state, logits_from=self.first)
+            self._refs[d] = (logits[0], final_sources(state.captured, loops=self.loops, layers=self.layers))
+        return self._refs[d]
+
+    def _spec(self, job) -> dict:
+        L, T = self.layers, self.loops
+        if job == KL_SHARE:
+            served = served_for("share", source_option="bf16")
+            return {(T - 2) * L + layer: served for layer in range(L)}
+        cell, option = job
+        return {cell.loop * L + cell.layer: served_for(option, source_option=self.share_source, tau=self.tau)}
+
+    def measure(self, batch, bar) -> list[tuple[float, list[float]]]:
+        """Per job: (KL pooled over all counted positions, [mean KL per document])."""
+        specs = [self._spec(job) for job in batch]
+        sums = [0.0] * len(batch)
+        per_doc: list[list[float]] = [[] for _ in batch]
+        total = 0
+        for d, doc in enumerate(self.docs):
+            ref, sources = self._reference(d)
+            ids = doc.to(self.model.device)[None].expand(len(batch), -1)
+            shares = any(s.share for spec in specs for s in spec.values())
+            passes = self.share_passes if shares else 1
+            for k in range(passes):
+                capture = self.final if k + 1 < passes else frozenset()
+                state = SimState(rows=specs, prefill_len=self.prefill_len, layers=self.layers, sources=sources,
+                                 capture=capture)
+                logits = forward(self.model, ids, state, logits_from=self.first)
+                if capture:  # the next pass reads each row's own perturbed final loop
+                    sources = final_sources(state.captured, loops=self.loops, layers=self.layers)
+            kl = kl_per_position(ref, logits)  # [R, P]
+            total += kl.shape[1]
+            for r in range(len(batch)):
+                sums[r] += float(kl[r].sum())
+                per_doc[r].append(float(kl[r].mean()))
+            bar.update(len(batch) / len(self.docs))
+        return [(s / total, p) for s, p in zip(sums, per_doc, strict=True)]
