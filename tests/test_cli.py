@@ -107,6 +107,16 @@ def test_model_and_document_errors(checkpoint, tmp_path, capsys):
     text.write_text("hello " * 100)
     assert main(["profile", str(checkpoint), "--documents", str(text), "--out", str(tmp_path / "p.json")]) == 2
     assert "token-id files" in capsys.readouterr().err
+    # a plan or a profile made for another model is refused before anything runs
+    plan = tmp_path / "plan.json"
+    Plan.uniform(loops=LOOPS + 1, layers=LAYERS).to_json(plan)
+    assert main(["eval", str(checkpoint), "--plan", str(plan), "--documents", str(text)]) == 2
+    assert "does not fit the model" in capsys.readouterr().err
+    prof = tmp_path / "other.json"
+    Profile.partial(loops=LOOPS, layers=LAYERS + 1, kv_heads=2, head_dim=32).to_json(prof)
+    Plan.uniform(loops=LOOPS, layers=LAYERS).to_json(plan)
+    assert main(["eval", str(checkpoint), "--plan", str(plan), "--profile", str(prof), "--documents", str(text)]) == 2
+    assert "does not match the model" in capsys.readouterr().err
 
 
 def test_demo_without_module(capsys, monkeypatch):
