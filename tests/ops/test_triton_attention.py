@@ -106,6 +106,19 @@ def test_matches_reference(bits, tau, group, head_dim, dtype):
 
 @interpret
 @pytest.mark.interpret
+@pytest.mark.parametrize("field_mode", ["offset", "subnormal"])
+def test_fp16_field_modes(field_mode):
+    """Both ways of making fp16 code operands, INT4 with V precision and INT2, match the reference."""
+    st4 = make_cell(2, 2, 128, 3, 4, [288 + 32 * 3 + 9, 350], dtype=torch.bfloat16, seed=8)
+    st2 = make_cell(2, 2, 64, 3, 2, [288 + 32 * 3, 400], dtype=torch.bfloat16, seed=9)
+    for st, bits, d in ((st4, 4, 128), (st2, 2, 64)):
+        q = torch.randn(2, 2, d).to(torch.bfloat16)
+        out = ta.cell_attention(q, *st, bits, 14.0, d**-0.5, splits=1, field_mode=field_mode)
+        assert_close_to_reference(out, q, st, bits, 14.0, d**-0.5)
+
+
+@interpret
+@pytest.mark.interpret
 def test_splits_and_window_only_rows():
     """1 split, more splits than pages; a row with a window but no history page (300 tokens)."""
     lengths = [300, 288 + 32 * 3, 1]
