@@ -1,7 +1,13 @@
 import os
 
-import pytest
 import torch
+
+# Without a GPU, Triton kernels run in the interpreter; it must be chosen before triton is imported
+# (triton reads TRITON_INTERPRET when @triton.jit decorates), so set it here, first.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
 
 
 def pytest_collection_modifyitems(config, items):
