@@ -11,11 +11,15 @@ rounded up to ``VOCAB_SIZE = 320`` (a multiple of 64) and the ids above ``PAD`` 
 
 Synthetic documents force attention far back:
 
-* key-value retrieval: records ``\\nkey 48213: value 7391\\n`` scattered between stdlib filler, then
-  queries ``\\n? 48213 -> 7391``; :func:`retrieval_task` is the prompt/answer pair the quality
-  benchmarks score by exact match of the greedy answer;
+* key-value retrieval: records ``\\nkey 48213: 7391\\n`` scattered between stdlib filler, then
+  queries that repeat a record's prefix, ``\\nkey 48213: `` + answer ``7391``; :func:`retrieval_task`
+  is the prompt/answer pair the quality benchmarks score by exact match of the greedy answer. The key
+  sits right before the value in record and query alike, so a copy (induction) circuit that matches the
+  last few bytes solves it, and shorter matches already narrow the candidates (a smooth path to learn);
 * variable tracking (RULER-style chains): ``\\nVAR QZK = 48213\\n`` ... ``\\nVAR ABC = QZK\\n`` ...,
-  then ``\\n? ABC -> 48213``; :func:`variable_tracking_task` is its prompt/answer pair.
+  then ``\\n? ABC -> 48213``; :func:`variable_tracking_task` is its prompt/answer pair;
+* repeats: random strings ``\\n<16-48 letters/digits>\\n`` in filler, each repeated once later (training
+  only: the cheapest signal for the copy circuit the tasks need).
 
 :class:`BatchSampler` mixes stdlib text windows with both kinds at a given sequence length.
 """
@@ -191,17 +195,17 @@ def retrieval_document(
 ) -> tuple[bytes, list[tuple[bytes, bytes]]]:
     """A key-value retrieval document of exactly ``n_bytes`` bytes.
 
-    Returns ``(body, queries)``: ``body`` holds ``n_records`` records ``\\nkey K: value V\\n`` scattered
-    through filler; ``queries`` is a list of ``(b"\\n? K -> ", b"V")`` for ``n_queries`` distinct records.
+    Returns ``(body, queries)``: ``body`` holds ``n_records`` records ``\\nkey K: V\\n`` scattered through
+    filler; ``queries`` is a list of ``(b"\\nkey K: ", b"V")`` for ``n_queries`` distinct records.
     ``len(body) + sum(len(q) + len(a)) == n_bytes``.
     """
     if not 1 <= n_queries <= n_records:
         raise ValueError(f"n_queries must be in [1, n_records={n_records}], got {n_queries}")
     keys = rng.choice(KEY_HIGH - KEY_LOW, size=n_records, replace=False) + KEY_LOW
     values = rng.choice(VALUE_HIGH - VALUE_LOW, size=n_records, replace=False) + VALUE_LOW
-    records = [b"\nkey %d: value %d\n" % (k, v) for k, v in zip(keys, values, strict=True)]
+    records = [b"\nkey %d: %d\n" % (k, v) for k, v in zip(keys, values, strict=True)]
     asked = rng.choice(n_records, size=n_queries, replace=False)
-    queries = [(b"\n? %d -> " % keys[i], b"%d" % values[i]) for i in asked]
+    queries = [(b"\nkey %d: " % keys[i], b"%d" % values[i]) for i in asked]
     fixed = sum(map(len, records)) + sum(len(q) + len(a) for q, a in queries)
     _check_fits("retrieval", n_bytes, fixed)
     return _interleave(rng, split, records, n_bytes - fixed), queries
@@ -242,6 +246,24 @@ def variable_tracking_document(
     return _interleave(rng, split, statements, n_bytes - fixed), queries
 
 
+REPEAT_ALPHABET = np.frombuffer(b"abcdefghijklmnopqrstuvwxyz0123456789", dtype=np.uint8)
+
+
+def repeat_document(rng: np.random.Generator, split: Split, *, n_bytes: int, n_strings: int) -> bytes:
+    """A copy-training document of exactly ``n_bytes`` bytes: ``n_strings`` random strings
+    ``\\n<16..48 letters/digits>\\n`` in filler, each repeated once later (second copies in random order)."""
+    if n_strings < 1:
+        raise ValueError(f"n_strings must be >= 1, got {n_strings}")
+    strings = [
+        b"\n" + REPEAT_ALPHABET[rng.integers(0, REPEAT_ALPHABET.size, size=int(n))].tobytes() + b"\n"
+        for n in rng.integers(16, 49, size=n_strings)
+    ]
+    pieces = strings + [strings[i] for i in rng.permutation(n_strings)]
+    fixed = sum(map(len, pieces))
+    _check_fits("repeat", n_bytes, fixed)
+    return _interleave(rng, split, pieces, n_bytes - fixed)
+
+
 def _check_n_tokens(n_tokens: int) -> None:
     if not isinstance(n_tokens, int) or n_tokens < MIN_SYNTHETIC_LEN:
         raise ValueError(f"n_tokens must be an int >= {MIN_SYNTHETIC_LEN}, got {n_tokens!r}")
@@ -251,7 +273,7 @@ def retrieval_task(n_tokens: int, seed: int, *, corpus: Corpus | None = None) ->
     """A key-value retrieval prompt and its answer, for exact-match scoring of greedy decoding.
 
     ``BOS + prompt + answer`` is exactly ``n_tokens`` tokens: the prompt holds ``n_tokens // 80``
-    records between held-out stdlib filler and ends with one query ``\\n? K -> ``; the answer is the
+    records between held-out stdlib filler and ends with one query ``\\nkey K: ``; the answer is the
     4-digit value ``V``. The key occurs exactly twice in the prompt (record and query) and the answer
     exactly once (its record), so the task has one right answer. Deterministic in ``(n_tokens, seed)``
     and the interpreter's stdlib.
@@ -263,7 +285,7 @@ def retrieval_task(n_tokens: int, seed: int, *, corpus: Corpus | None = None) ->
     while True:
         body, [(query, answer)] = retrieval_document(rng, split, n_bytes=n_tokens - 1, n_queries=1, n_records=n_records)
         prompt = body + query
-        key = query[3:-4]
+        key = query[5:-2]
         if prompt.count(key) == 2 and prompt.count(answer) == 1:
             return prompt, answer
 
@@ -292,13 +314,13 @@ def variable_tracking_task(
 
 
 class BatchSampler:
-    """Seeded batches mixing stdlib text windows with synthetic retrieval and variable-tracking documents.
+    """Seeded batches mixing stdlib text windows with synthetic retrieval, variable-tracking and repeat rows.
 
     Each row is ``seq_len`` tokens with no padding, ``BOS`` first: a text row continues with a window of
-    the ``BOS doc EOS`` stream; a synthetic row with one document of ``seq_len - 1`` bytes whose query
-    answers end the row. Retrieval rows draw their record density (one per 48..160 bytes) and 1..16
-    queries at random;
-    variable-tracking rows draw 1..3 hops. Same seed and same calls, same batches.
+    the ``BOS doc EOS`` stream; a synthetic row with one document of ``seq_len - 1`` bytes (retrieval and
+    tracking rows end with their query answers). Retrieval rows draw their record density (one per
+    48..160 bytes) and 1..16 queries at random; variable-tracking rows draw 1..3 hops; repeat rows hold
+    one random string per 200 bytes (at most 16). Same seed and same calls, same batches.
     """
 
     def __init__(
@@ -308,19 +330,21 @@ class BatchSampler:
         seed: int,
         retrieval_fraction: float = 0.375,
         tracking_fraction: float = 0.125,
+        repeat_fraction: float = 0.0,
     ):
-        if retrieval_fraction < 0 or tracking_fraction < 0 or retrieval_fraction + tracking_fraction > 1:
+        fractions = (retrieval_fraction, tracking_fraction, repeat_fraction)
+        if min(fractions) < 0 or sum(fractions) > 1:
             raise ValueError(
-                "retrieval_fraction and tracking_fraction must be >= 0 and sum to <= 1, got "
-                f"{retrieval_fraction} and {tracking_fraction}"
+                "retrieval_fraction, tracking_fraction and repeat_fraction must be >= 0 and sum to <= 1, "
+                f"got {fractions}"
             )
         self.split = split
         self.rng = np.random.default_rng([0x5A4D, seed])
-        self.p = np.array([1 - retrieval_fraction - tracking_fraction, retrieval_fraction, tracking_fraction])
+        self.p = np.array([1 - sum(fractions), *fractions])
 
     def row(self, seq_len: int) -> np.ndarray:
         """One row: int64 ``[seq_len]``."""
-        kind = int(self.rng.choice(3, p=self.p)) if seq_len >= MIN_SYNTHETIC_LEN else 0
+        kind = int(self.rng.choice(4, p=self.p)) if seq_len >= MIN_SYNTHETIC_LEN else 0
         if kind == 0:
             return self.split.text_window(self.rng, seq_len)
         n_bytes = seq_len - 1
@@ -330,13 +354,16 @@ class BatchSampler:
             body, queries = retrieval_document(
                 self.rng, self.split, n_bytes=n_bytes, n_queries=n_queries, n_records=n_records
             )
-        else:
+        elif kind == 2:
             hops = int(self.rng.integers(1, max(1, min(3, n_bytes // 128)) + 1))
             n_chains = max(2, n_bytes // (CHAIN_SPACING * hops // 2 + 64))
             n_queries = int(self.rng.integers(1, min(4, n_chains) + 1))
             body, queries = variable_tracking_document(
                 self.rng, self.split, n_bytes=n_bytes, n_queries=n_queries, n_chains=n_chains, hops=hops
             )
+        else:
+            n_strings = max(1, min(16, n_bytes // 200))
+            body, queries = repeat_document(self.rng, self.split, n_bytes=n_bytes, n_strings=n_strings), []
         doc = body + b"".join(q + a for q, a in queries)
         return encode_bytes(doc, bos=True)
 
@@ -345,6 +372,23 @@ class BatchSampler:
         if batch_size < 1 or seq_len < 2:
             raise ValueError(f"batch_size must be >= 1 and seq_len >= 2, got {batch_size} and {seq_len}")
         return torch.from_numpy(np.stack([self.row(seq_len) for _ in range(batch_size)]))
+
+
+def copy_accuracy_documents(corpus: Corpus, *, n: int, seq_len: int, seed: int = 0) -> list[tuple[bytes, bytes]]:
+    """``n`` (prompt, answer) pairs testing plain copying: held-out filler with random strings, the prompt
+    ending with the first 8 bytes of a repeat of one of them, the answer its remaining bytes."""
+    rng = np.random.default_rng([0x4350, seed, seq_len])
+    out = []
+    for _ in range(n):
+        s = b"\n" + REPEAT_ALPHABET[rng.integers(0, REPEAT_ALPHABET.size, size=24)].tobytes()
+        head, tail = s[:9], s[9:]
+        filler = seq_len - 1 - len(s) - len(s)
+        if filler < 0:
+            raise ValueError(f"seq_len={seq_len} is too short for a copy test; use at least 64")
+        cut = int(rng.integers(0, filler + 1))
+        prompt = corpus.heldout.filler_bytes(rng, cut) + s + corpus.heldout.filler_bytes(rng, filler - cut) + head
+        out.append((prompt, tail))
+    return out
 
 
 def heldout_windows(corpus: Corpus, *, n: int, seq_len: int, seed: int = 0) -> torch.Tensor:

@@ -312,6 +312,9 @@ def evaluate(
     loss = heldout_loss(model, text, device=device, batch=max(1, batch_tokens // text.shape[1]))
     out["heldout_loss_nats"] = loss
     out["heldout_bits_per_byte"] = loss / math.log(2)
+    copy_len = min(retrieval_lengths)
+    copies = data.copy_accuracy_documents(corpus, n=n_tasks, seq_len=copy_len, seed=seed0)
+    out[f"copy_em_{copy_len}"] = task_accuracy(model, copies, device=device, batch=max(1, batch_tokens // copy_len))
     for n in retrieval_lengths:
         tasks = [data.retrieval_task(n, seed0 + i, corpus=corpus) for i in range(n_tasks)]
         out[f"retrieval_em_{n}"] = task_accuracy(model, tasks, device=device, batch=max(1, batch_tokens // n))
@@ -365,6 +368,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--aux-loop-weight", type=float, default=0.3)
     p.add_argument("--retrieval-fraction", type=float, default=0.375)
     p.add_argument("--tracking-fraction", type=float, default=0.125)
+    p.add_argument("--repeat-fraction", type=float, default=0.1)
     p.add_argument(
         "--compile",
         action=argparse.BooleanOptionalAction,
@@ -380,6 +384,13 @@ def build_parser() -> argparse.ArgumentParser:
     for name, value in SMALL_SHAPE.items():
         p.add_argument("--" + name.replace("_", "-"), type=int, default=None, help=f"model shape (default {value})")
     p.add_argument("--rope-theta", type=float, default=ROPE_THETA)
+    p.add_argument(
+        "--embed-init-std",
+        type=float,
+        default=1.0,
+        help="std of the initial byte embeddings (fresh models only); the sandwich norms give every block "
+        "output unit RMS, so embeddings at the usual 0.02 leave the token's identity faint in the residual",
+    )
     return p
 
 
@@ -463,6 +474,8 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         model = OuroForCausalLM.from_pretrained(args.init, dtype=torch.float32)
     else:
         model = OuroForCausalLM(small_config(shape=args.shape, max_positions=args.seq_len, rope_theta=args.rope_theta))
+        with torch.no_grad():
+            model.model.embed_tokens.weight.normal_(0.0, args.embed_init_std)
     model.to(device).train()
     n_params = sum(p.numel() for p in model.parameters())
     opt = make_optimizer(model, lr=args.lr, weight_decay=args.weight_decay)
@@ -471,6 +484,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         seed=args.seed,
         retrieval_fraction=args.retrieval_fraction,
         tracking_fraction=args.tracking_fraction,
+        repeat_fraction=args.repeat_fraction,
     )
     probe = LoopStates(model)
     tokens_per_step = args.batch_size * args.seq_len

@@ -52,15 +52,15 @@ def test_retrieval_answer_present_and_unique(n_tokens, corpus):
     for seed in range(5):
         prompt, answer = data.retrieval_task(n_tokens, seed, corpus=corpus)
         assert 1 + len(prompt) + len(answer) == n_tokens
-        m = re.fullmatch(rb"(?s).*\n\? (\d{5}) -> ", prompt)
+        m = re.fullmatch(rb"(?s).*\nkey (\d{5}): ", prompt)
         assert m is not None
         key = m.group(1)
         assert re.fullmatch(rb"\d{4}", answer)
         # the record answering the query exists exactly once, and nothing else holds key or answer
-        assert prompt.count(b"\nkey " + key + b": value " + answer + b"\n") == 1
+        assert prompt.count(b"\nkey " + key + b": " + answer + b"\n") == 1
         assert prompt.count(key) == 2
         assert prompt.count(answer) == 1
-        n_records = len(re.findall(rb"\nkey \d{5}: value \d{4}\n", prompt))
+        n_records = len(re.findall(rb"\nkey \d{5}: \d{4}\n", prompt))
         assert n_records == max(2, n_tokens // data.RECORD_SPACING)
 
 
@@ -112,17 +112,24 @@ def test_batch_sampler_deterministic_and_seeded(corpus):
 
 
 def test_batch_sampler_mixes_kinds(corpus):
-    s = data.BatchSampler(corpus.train, seed=0, retrieval_fraction=0.4, tracking_fraction=0.2)
+    s = data.BatchSampler(corpus.train, seed=0, retrieval_fraction=0.4, tracking_fraction=0.2, repeat_fraction=0.1)
     rows = [data.decode_bytes(r) for r in s(batch_size=200, seq_len=1024)]
-    kv = sum(b"\nkey " in r and b"\n? " in r for r in rows)
-    vt = sum(b"\nVAR " in r for r in rows)
-    assert 50 < kv < 110  # ~80 expected
-    assert 20 < vt < 60  # ~40 expected
-    assert 40 < len(rows) - kv - vt < 120  # text, ~80 expected
-    # a synthetic row ends with a query's answer
-    for r in rows:
-        if b"\nVAR " in r or (b"\nkey " in r and b"\n? " in r):
-            assert re.search(rb"\n\? \w+ -> \d+$", r)
+    kv = [r for r in rows if re.search(rb"\nkey \d{5}: \d{4}\n", r)]
+    vt = [r for r in rows if b"\nVAR " in r]
+    rep = [r for r in rows if re.search(rb"\n[a-z0-9]{16,48}\n", r) and r not in kv and r not in vt]
+    assert 50 < len(kv) < 110  # ~80 expected
+    assert 20 < len(vt) < 60  # ~40 expected
+    assert 8 < len(rep) < 35  # ~20 expected (a text row could hold such a line, rarely)
+    assert 40 < len(rows) - len(kv) - len(vt) - len(rep) < 100  # text, ~60 expected
+    for r in kv:  # ends with a query that repeats a record's prefix, then its value
+        m = re.search(rb"\nkey (\d{5}): (\d{4})$", r)
+        assert m is not None
+        assert r.count(b"\nkey " + m.group(1) + b": " + m.group(2)) == 2
+    for r in vt:
+        assert re.search(rb"\n\? [A-Z]{3} -> \d{5}$", r)
+    for r in rep:  # every random string occurs exactly twice
+        strings = re.findall(rb"\n([a-z0-9]{16,48})\n", r)
+        assert all(r.count(b"\n" + x + b"\n") == 2 for x in strings)
     with pytest.raises(ValueError, match="retrieval_fraction"):
         data.BatchSampler(corpus.train, seed=0, retrieval_fraction=0.9, tracking_fraction=0.2)
 
@@ -147,3 +154,13 @@ def test_heldout_windows_fixed(corpus):
         assert row[0] == data.BOS
         starts = np.flatnonzero(held == row[1])
         assert any(np.array_equal(held[s : s + 255], row[1:]) for s in starts)
+
+
+def test_copy_documents(corpus):
+    docs = data.copy_accuracy_documents(corpus, n=5, seq_len=512)
+    assert docs == data.copy_accuracy_documents(corpus, n=5, seq_len=512)
+    for prompt, answer in docs:
+        assert 1 + len(prompt) + len(answer) == 512
+        head = prompt[-9:]
+        assert prompt.count(head + answer) == 1  # the string occurs once, complete; then its head again
+        assert len(answer) == 16
