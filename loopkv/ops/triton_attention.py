@@ -40,7 +40,7 @@ from torch import Tensor
 from loopkv.ops.cell_attention import cell_attention_reference
 from loopkv.ops.codec import GROUP, PAGE, SINK
 from loopkv.ops.layout import RING
-from loopkv.ops.triton_register import counters
+from loopkv.ops.triton_register import counters, warmup  # noqa: F401  (warmup re-exported here)
 
 assert (SINK, PAGE, GROUP, RING) == (32, 32, 32, 288)  # spelled out as literals in the kernels
 LOG2E = 1.0 / math.log(2.0)
@@ -498,57 +498,3 @@ def cell_attention(
     )
     return out
 
-
-def warmup(
-    *, batch_size: int, kv_heads: int, q_heads: int, head_dim: int, max_pages: int, dtype: torch.dtype,
-    read_bits: tuple[int, ...] = (4,), own_bits: tuple[int, ...] = (4,), tau: float = math.inf,
-    device: torch.device | str = "cuda",
-) -> None:
-    """JIT-compile the kernels a cache of this shape launches and allocate their counters, so that
-    nothing compiles or allocates during CUDA-graph capture.
-
-    Runs each kernel once on small dummy tensors with the cache's specializations (heads, head_dim,
-    pages per row, strides, split count): ``cell_attention`` for every ``read_bits`` (and V precision
-    when ``tau`` is finite), ``append_`` and ``write_pages_`` for every ``own_bits``.
-    """
-    from loopkv.ops import triton_quant
-
-    device = torch.device(device)
-    H, D = kv_heads, head_dim
-    exact = dict(dtype=dtype, device=device)
-    sink = [torch.zeros(1, H, SINK, D, **exact) for _ in range(2)]
-    ring = [torch.zeros(1, H, RING, D, **exact) for _ in range(2)]
-    lengths = torch.zeros(1, dtype=torch.int32, device=device)
-    table = torch.zeros(1, max_pages, dtype=torch.int32, device=device)
-    splits = choose_splits(batch_size * H, max_pages, device)
-    counters(device, batch_size * H, purpose="attention")
-    counters(device, batch_size, purpose="append")
-    for bits in sorted(set(read_bits) | set(own_bits)):
-        pool = _dummy_pool(bits, H, D, dtype, device)
-        if bits in read_bits:
-            q = torch.zeros(1, q_heads, D, **exact)
-            for t in {math.inf, tau} if bits == 4 else {math.inf}:
-                cell_attention(q, *sink, *ring, lengths, table, *pool, bits, t, D**-0.5, splits=splits)
-        if bits in own_bits or bits == 0:
-            kv = torch.zeros(1, H, 1, D, **exact)
-            triton_quant.append(kv, kv, *sink, *ring, lengths, table, *pool, bits)
-            lengths.zero_()
-            if bits:
-                page = torch.zeros(1, H, PAGE, D, **exact)
-                triton_quant.write_pages(page, page, torch.zeros(1, dtype=torch.int64, device=device), *pool, bits)
-
-
-def _dummy_pool(bits: int, heads: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> list[Tensor]:
-    f16 = dict(dtype=torch.float16, device=device)
-    u8 = dict(dtype=torch.uint8, device=device)
-    if bits == 0:
-        return [torch.empty(0, **u8)] * 7
-    if bits == 16:
-        full = torch.zeros(1, heads, PAGE, head_dim, dtype=dtype, device=device)
-        return [full, torch.empty(0, **f16), torch.empty(0, **f16), full.clone(), torch.empty(0, **u8),
-                torch.empty(0, **f16), torch.empty(0, **f16)]
-    ng = head_dim // GROUP
-    return [torch.zeros(1, heads, PAGE, head_dim * bits // 8, **u8), torch.zeros(1, heads, head_dim, **f16),
-            torch.zeros(1, heads, head_dim, **f16), torch.zeros(1, heads, PAGE, head_dim // 4, **u8),
-            torch.zeros(1, heads, PAGE, head_dim // 4, **u8) if bits == 4 else torch.empty(0, **u8),
-            torch.zeros(1, heads, PAGE, ng, **f16), torch.zeros(1, heads, PAGE, ng, **f16)]
