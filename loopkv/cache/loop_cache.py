@@ -142,6 +142,7 @@ class LoopKVCache(Cache):
         self.dtype = dtype
         self.device = device
         self.kv_heads, self.head_dim = kv_heads, head_dim
+        self.q_heads = config.num_attention_heads
         self.tau = float(plan.tau)
 
         dims = dict(batch=max_batch_size, heads=kv_heads, head_dim=head_dim, max_cache_len=max_cache_len,
@@ -246,6 +247,23 @@ class LoopKVCache(Cache):
         raise NotImplementedError("LoopKVCache cannot shrink its batch; use reorder_cache or a new cache")
 
     # ---- loopkv-specific -------------------------------------------------------------------------
+    def warmup(self, *, q_heads: int | None = None) -> None:
+        """JIT-compile (CUDA: Triton) every kernel this cache launches, before any CUDA-graph capture.
+
+        Nothing compiles or allocates inside capture afterwards (DESIGN.md §8). A no-op on the CPU.
+        """
+        if self.device.type != "cuda":
+            return
+        from loopkv.ops.triton_register import register_triton_kernels, warmup
+
+        if not register_triton_kernels():
+            return
+        storages = [layer.storage for layer in self.layers]
+        warmup(batch_size=self.max_batch_size, kv_heads=self.kv_heads, q_heads=q_heads or self.q_heads,
+               head_dim=self.head_dim, max_pages=storages[0].page_table.shape[1], dtype=self.dtype,
+               read_bits=tuple(sorted({s.read_bits for s in storages})),
+               own_bits=tuple(sorted({s.own_bits for s in storages})), tau=self.tau, device=self.device)
+
     def storage(self, cell: Cell | int) -> CellStorage:
         idx = cell if isinstance(cell, int) else self.layout.flat_index(cell)
         return self.layers[idx].storage
