@@ -190,22 +190,43 @@ def _check_fits(name: str, n_bytes: int, fixed: int) -> None:
         )
 
 
+QUERY_PLACEMENTS = ("end", "anywhere")
+
+
 def retrieval_document(
-    rng: np.random.Generator, split: Split, *, n_bytes: int, n_queries: int, n_records: int
+    rng: np.random.Generator,
+    split: Split,
+    *,
+    n_bytes: int,
+    n_queries: int,
+    n_records: int,
+    placement: str = "end",
 ) -> tuple[bytes, list[tuple[bytes, bytes]]]:
     """A key-value retrieval document of exactly ``n_bytes`` bytes.
 
     Returns ``(body, queries)``: ``body`` holds ``n_records`` records ``\\nkey K: V\\n`` scattered through
-    filler; ``queries`` is a list of ``(b"\\nkey K: ", b"V")`` for ``n_queries`` distinct records.
-    ``len(body) + sum(len(q) + len(a)) == n_bytes``.
+    filler; with ``placement="end"``, ``queries`` is a list of ``(b"\\nkey K: ", b"V")`` for ``n_queries``
+    distinct records, meant to follow the body, and ``len(body) + sum(len(q) + len(a)) == n_bytes``.
+    With ``placement="anywhere"`` each query line ``\\nkey K: V\\n`` sits in the body at a random point
+    after its record, ``queries`` is empty and ``len(body) == n_bytes``: queries at every position keep a
+    model from tying "answer now" to the end of its training rows.
     """
     if not 1 <= n_queries <= n_records:
         raise ValueError(f"n_queries must be in [1, n_records={n_records}], got {n_queries}")
+    if placement not in QUERY_PLACEMENTS:
+        raise ValueError(f"placement must be one of {QUERY_PLACEMENTS}, got {placement!r}")
     keys = rng.choice(KEY_HIGH - KEY_LOW, size=n_records, replace=False) + KEY_LOW
     values = rng.choice(VALUE_HIGH - VALUE_LOW, size=n_records, replace=False) + VALUE_LOW
     records = [b"\nkey %d: %d\n" % (k, v) for k, v in zip(keys, values, strict=True)]
     asked = rng.choice(n_records, size=n_queries, replace=False)
     queries = [(b"\nkey %d: " % keys[i], b"%d" % values[i]) for i in asked]
+    if placement == "anywhere":
+        pieces = list(records)
+        for i, (q, a) in zip(asked, queries, strict=True):
+            after = pieces.index(records[i]) + 1
+            pieces.insert(int(rng.integers(after, len(pieces) + 1)), q + a + b"\n")
+        _check_fits("retrieval", n_bytes, sum(map(len, pieces)))
+        return _interleave(rng, split, pieces, n_bytes - sum(map(len, pieces))), []
     fixed = sum(map(len, records)) + sum(len(q) + len(a) for q, a in queries)
     _check_fits("retrieval", n_bytes, fixed)
     return _interleave(rng, split, records, n_bytes - fixed), queries
@@ -319,8 +340,9 @@ class BatchSampler:
     Each row is ``seq_len`` tokens with no padding, ``BOS`` first: a text row continues with a window of
     the ``BOS doc EOS`` stream; a synthetic row with one document of ``seq_len - 1`` bytes (retrieval and
     tracking rows end with their query answers). Retrieval rows draw their record density (one per
-    48..160 bytes) and 1..16 queries at random; variable-tracking rows draw 1..3 hops; repeat rows hold
-    one random string per 200 bytes (at most 16). Same seed and same calls, same batches.
+    48..160 bytes) and 1..16 queries at random, placed at the row's end or anywhere after their records
+    (``query_placement``); variable-tracking rows draw 1..3 hops; repeat rows hold one random string per
+    200 bytes (at most 16). Same seed and same calls, same batches.
     """
 
     def __init__(
@@ -331,6 +353,7 @@ class BatchSampler:
         retrieval_fraction: float = 0.375,
         tracking_fraction: float = 0.125,
         repeat_fraction: float = 0.0,
+        query_placement: str = "end",
     ):
         fractions = (retrieval_fraction, tracking_fraction, repeat_fraction)
         if min(fractions) < 0 or sum(fractions) > 1:
@@ -338,7 +361,10 @@ class BatchSampler:
                 "retrieval_fraction, tracking_fraction and repeat_fraction must be >= 0 and sum to <= 1, "
                 f"got {fractions}"
             )
+        if query_placement not in QUERY_PLACEMENTS:
+            raise ValueError(f"query_placement must be one of {QUERY_PLACEMENTS}, got {query_placement!r}")
         self.split = split
+        self.query_placement = query_placement
         self.rng = np.random.default_rng([0x5A4D, seed])
         self.p = np.array([1 - sum(fractions), *fractions])
 
@@ -352,7 +378,12 @@ class BatchSampler:
             n_records = max(2, n_bytes // int(self.rng.integers(48, 161)))
             n_queries = int(self.rng.integers(1, min(16, n_records, max(1, n_bytes // 64)) + 1))
             body, queries = retrieval_document(
-                self.rng, self.split, n_bytes=n_bytes, n_queries=n_queries, n_records=n_records
+                self.rng,
+                self.split,
+                n_bytes=n_bytes,
+                n_queries=n_queries,
+                n_records=n_records,
+                placement=self.query_placement,
             )
         elif kind == 2:
             hops = int(self.rng.integers(1, max(1, min(3, n_bytes // 128)) + 1))

@@ -42,6 +42,7 @@ def load_small(
     """The shipped small model (``OuroForCausalLM``, eval mode) from ``SMALL_DIR``, without network access.
 
     ``dtype``: parameter dtype (the checkpoint is stored in 16 bits; fp32 is the exact reference).
+    The model answers retrieval queries best near the end of a 4096-token window (docs/small-model.md).
     """
     from loopkv.models.ouro import OuroForCausalLM
 

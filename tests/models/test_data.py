@@ -164,3 +164,30 @@ def test_copy_documents(corpus):
         head = prompt[-9:]
         assert prompt.count(head + answer) == 1  # the string occurs once, complete; then its head again
         assert len(answer) == 16
+
+
+def test_queries_anywhere_follow_their_records(corpus):
+    rng = np.random.default_rng(0)
+    for n_queries in (1, 5, 12):
+        body, queries = data.retrieval_document(
+            rng, corpus.train, n_bytes=2047, n_queries=n_queries, n_records=25, placement="anywhere"
+        )
+        assert queries == []
+        assert len(body) == 2047
+        lines = re.findall(rb"\nkey (\d{5}): (\d{4})\n", body)
+        seen = {}
+        for key, value in lines:
+            seen.setdefault(key, []).append(value)
+        assert len(seen) == 25
+        repeated = [k for k, v in seen.items() if len(v) == 2]
+        assert len(repeated) == n_queries
+        assert all(len(set(v)) == 1 and len(v) <= 2 for v in seen.values())  # a query repeats its record
+    with pytest.raises(ValueError, match="placement"):
+        data.retrieval_document(rng, corpus.train, n_bytes=2047, n_queries=1, n_records=5, placement="start")
+    with pytest.raises(ValueError, match="query_placement"):
+        data.BatchSampler(corpus.train, seed=0, query_placement="middle")
+    s = data.BatchSampler(
+        corpus.train, seed=0, retrieval_fraction=1.0, tracking_fraction=0.0, query_placement="anywhere"
+    )
+    rows = [data.decode_bytes(r) for r in s(batch_size=20, seq_len=1024)]
+    assert sum(not re.search(rb"\nkey \d{5}: \d{4}$", r) for r in rows) > 10  # rows rarely end in a query

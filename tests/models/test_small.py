@@ -69,16 +69,16 @@ def test_loop_losses_match_model_output(corpus):
 def test_loss_decreases_on_fixed_batch(corpus):
     model = tiny_model().train()
     ids = data.BatchSampler(corpus.train, seed=0)(batch_size=4, seq_len=64)
-    opt = train_small.make_optimizer(model, lr=3e-3, weight_decay=0.1)
+    opt = train_small.make_optimizer(model, lr=5e-3, weight_decay=0.1)
     probe = train_small.LoopStates(model)
     history = []
-    for _ in range(25):
+    for _ in range(15):
         losses = train_small.loop_losses(model, ids, probe)
         loss = train_small.objective(losses, aux_weight=0.3)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        history.append(float(losses[-1]))
+        history.append(float(losses[-1].detach()))
     assert all(math.isfinite(x) for x in history)
     assert history[0] > math.log(256) - 1  # starts near uniform over bytes
     assert history[-1] < 0.7 * history[0]
@@ -130,7 +130,7 @@ def test_smoke_run_end_to_end(tmp_path):
     assert metrics["steps"] == 8
     assert metrics["tokens_seen"] > 0
     assert metrics["saved_dtype"] == "float16"
-    for key in ("retrieval_em_128", "retrieval_em_256", "heldout_loss_nats", "attention"):
+    for key in ("retrieval_em_128", "retrieval_em_256", "copy_em_128", "heldout_loss_nats", "attention"):
         assert key in metrics["final"]
     assert math.isfinite(metrics["final"]["heldout_loss_nats"])
     rows = (out / "train_log.csv").read_text().splitlines()
@@ -183,12 +183,22 @@ def test_load_small_gives_finite_logits():
 
 
 @needs_checkpoint
-def test_load_small_retrieves_at_1k(corpus):
-    """The shipped model answers held-out key-value retrieval at 1K context (the trained skill)."""
+def test_load_small_models_heldout_text(corpus):
+    """A trained model, not a broken load: held-out stdlib bytes cost ~0.8-1.1 nats (uniform: ln 256 = 5.5)."""
     model = small.load_small()
-    tasks = [data.retrieval_task(1024, seed, corpus=corpus) for seed in range(8)]
-    acc = train_small.task_accuracy(model, tasks, device=torch.device("cpu"), batch=8)
-    assert acc >= 6 / 8
+    windows = data.heldout_windows(corpus, n=4, seq_len=512, seed=3)
+    loss = train_small.heldout_loss(model, windows, device=torch.device("cpu"), batch=4)
+    assert loss < 1.5
+
+
+@pytest.mark.slow
+@needs_checkpoint
+def test_load_small_retrieves_at_4k(corpus):
+    """The shipped model answers held-out retrieval prompts of 4096 tokens, its final training length
+    (92.5% of 200 on the GPU in bf16; 4/4 of these on CPU in fp32)."""
+    model = small.load_small()
+    tasks = [data.retrieval_task(4096, seed, corpus=corpus) for seed in range(4)]
+    assert train_small.task_accuracy(model, tasks, device=torch.device("cpu"), batch=2) >= 3 / 4
 
 
 def test_load_small_refuses_bad_dtype():
