@@ -18,6 +18,7 @@ _LAZY = {
     "Plan": ("loopkv.planning.plan", "Plan"),
     "LoopKVCache": ("loopkv.cache.loop_cache", "LoopKVCache"),
     "register": ("loopkv.cache.attention", "register"),
+    "check_compile": ("loopkv.compile_check", "check_compile"),
     "planning": ("loopkv.planning", None),
     "ops": ("loopkv.ops", None),
     "models": ("loopkv.models", None),
@@ -30,6 +31,7 @@ if TYPE_CHECKING:
     from loopkv.cache.loop_cache import LoopKVCache as LoopKVCache
     from loopkv.cells import Cell as Cell
     from loopkv.cells import CellLayout as CellLayout
+    from loopkv.compile_check import check_compile as check_compile
     from loopkv.planning.plan import Plan as Plan
 
 

@@ -57,7 +57,7 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = p.parse_args(argv)
     if args.quick:
-        args.contexts, args.prompts, args.kl_docs, args.gen_context = "1024", 1, 1, 512
+        args.contexts, args.prompts, args.kl_docs, args.kl_len, args.gen_context = "512", 1, 1, 448, 448
     return args
 
 
@@ -107,8 +107,10 @@ def _simulate(model, plan, ids, *, prefill_len, logits_from):
     if plan is None:  # the exact model
         with torch.no_grad():
             return model(input_ids=ids[None].to(model.device)).logits[0, logits_from:].float()
+    passes = 2 if "share" in plan.options else 1  # share sources iterate to the served fixed point
     with torch.no_grad():
-        return simulate_plan(model, plan, ids, prefill_len=prefill_len, logits_from=logits_from).float()
+        return simulate_plan(model, plan, ids, prefill_len=prefill_len, logits_from=logits_from,
+                             share_passes=passes).float()
 
 
 def _kl_and_agreement(model, arm: Arm, docs, exact_logits) -> None:
