@@ -295,7 +295,7 @@ def cmd_demo(args) -> int:
             raise
         print("loopkv demo: this loopkv has no demo module (loopkv/demo.py) yet", file=sys.stderr)
         return EXIT_ERROR
-    code = demo.main(args.args)
+    code = demo.main(list(args.args))
     return 0 if code is None else int(code)
 
 
@@ -304,6 +304,9 @@ COMMANDS = {"profile": cmd_profile, "plan": cmd_plan, "show": cmd_show, "eval": 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``loopkv`` command line; returns the exit status (2 on a usage or input error)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["demo"]:  # the demo parses its own options (argparse.REMAINDER drops leading --options)
+        return cmd_demo(argparse.Namespace(command="demo", args=argv[1:]))
     args = build_parser().parse_args(argv)
     try:
         return COMMANDS[args.command](args)
