@@ -37,11 +37,13 @@ RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cpu")
-    p.add_argument("--kl-docs", type=int, default=4, help="held-out documents for KL and agreement")
+    p.add_argument("--kl-docs", type=int, default=6, help="held-out documents for KL and agreement")
     p.add_argument("--kl-len", type=int, default=1024, help="tokens per KL document")
     p.add_argument("--contexts", default="2048,4096", help="retrieval context lengths, comma-separated")
     p.add_argument("--prompts", default="10,6", help="retrieval prompts per context, comma-separated")
     p.add_argument("--boot", type=int, default=5000, help="bootstrap resamples")
+    p.add_argument("--share-passes", type=int, default=2,
+                   help="simulation passes for plans with share cells (2 = loopkv.demo's setting)")
     p.add_argument("--arms", default="", help="comma-separated arm names to run (default all)")
     p.add_argument("--out", default=str(RESULTS / f"quality_{datetime.date.today().isoformat()}.json"))
     return p.parse_args(argv)
@@ -127,26 +129,37 @@ def hot_fraction(model, ids: torch.Tensor, *, queries: int = 256, tau: float = T
     return [sum(cells[t * n_layers + j] for j in range(n_layers)) / n_layers for t in range(loops)]
 
 
-def _per_doc(model, arm, docs, exact) -> tuple[list[float], list[float]]:
-    from loopkv.demo import _simulate
+def _simulate(model, plan, ids, *, prefill_len: int, logits_from: int, share_passes: int) -> torch.Tensor:
+    """loopkv.demo's simulation ([N - logits_from, V] fp32 logits), with ``share_passes`` for share plans."""
+    from loopkv import demo
+    from loopkv.planning.simulate import simulate_plan
+
+    if plan is None or share_passes == 2 or "share" not in plan.options:
+        return demo._simulate(model, plan, ids, prefill_len=prefill_len, logits_from=logits_from)
+    with torch.no_grad():
+        return simulate_plan(model, plan, ids, prefill_len=prefill_len, logits_from=logits_from,
+                             share_passes=share_passes).float()
+
+
+def _per_doc(model, arm, docs, exact, *, share_passes: int) -> tuple[list[float], list[float]]:
     from loopkv.planning.simulate import FIRST_HISTORY
 
     kls, agree = [], []
     for doc, ref in zip(docs, exact, strict=True):
-        got = _simulate(model, arm.plan, doc, prefill_len=FIRST_HISTORY, logits_from=FIRST_HISTORY)
+        got = _simulate(model, arm.plan, doc, prefill_len=FIRST_HISTORY, logits_from=FIRST_HISTORY,
+                        share_passes=share_passes)
         lp, lq = torch.log_softmax(ref, -1), torch.log_softmax(got, -1)
         kls.append((lp.exp() * (lp - lq)).sum(-1).clamp_min(0).mean().item())
         agree.append((ref.argmax(-1) == got.argmax(-1)).float().mean().item())
     return kls, agree
 
 
-def _per_prompt(model, arm, items) -> list[float]:
-    from loopkv.demo import _simulate
-
+def _per_prompt(model, arm, items, *, share_passes: int) -> list[float]:
     hits = []
     for prompt, answer in items:
         ids = torch.cat([prompt, answer])
-        logits = _simulate(model, arm.plan, ids, prefill_len=len(prompt), logits_from=len(prompt) - 1)
+        logits = _simulate(model, arm.plan, ids, prefill_len=len(prompt), logits_from=len(prompt) - 1,
+                           share_passes=share_passes)
         hits.append(float(torch.equal(logits[: len(answer)].argmax(-1).cpu(), answer)))
     return hits
 
@@ -214,12 +227,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             row.update(stored_kib=b.stored_kib, read_kib=b.read_kib, kl_per_doc=[0.0] * len(docs),
                        agree_per_doc=[1.0] * len(docs))
         else:
-            kls, agree = _per_doc(model, arm, docs, exact)
+            kls, agree = _per_doc(model, arm, docs, exact, share_passes=args.share_passes)
             row.update(kl_per_doc=kls, agree_per_doc=agree, kl=bootstrap(kls, boot=args.boot),
                        agree_diff=bootstrap([a - 1.0 for a in agree], boot=args.boot))
         row["retrieval"] = {}
         for n, items in tasks.items():
-            hits = _per_prompt(model, arm, items)
+            hits = _per_prompt(model, arm, items, share_passes=args.share_passes)
             entry = {"per_prompt": hits, "exact_match": sum(hits) / len(hits)}
             if arm.plan is None:
                 base_ret[n] = hits
@@ -243,7 +256,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "counts": {"kl_docs": len(docs), "kl_len": args.kl_len, "kl_positions_from": FIRST_HISTORY,
                    "retrieval_prompts": {str(n): c for n, c in zip(contexts, counts, strict=True)},
                    "retrieval_seeds": "20000 + i", "heldout_seed": 1},
-        "share_passes": "2 for plans with share cells (as loopkv.demo)",
+        "share_passes": args.share_passes,
         "structure": structure, "arms": results, "seconds_per_arm": timings,
         "total_seconds": time.perf_counter() - t0,
     }
