@@ -22,12 +22,13 @@ from loopkv.planning.bytes import (
 from loopkv.planning.plan import OPTIONS, Plan, PlanEnvironmentWarning
 
 _LAZY = {
-    "profile": ("loopkv.planning.profile", "profile"),
+    "profile": ("loopkv.planning.profiler", "profile"),
     "Profile": ("loopkv.planning.profile_data", "Profile"),
     "solve": ("loopkv.planning.knapsack", "solve"),
     "solve_preset": ("loopkv.planning.knapsack", "solve_preset"),
     "solve_layerwise": ("loopkv.planning.knapsack", "solve_layerwise"),
     "measure_kl": ("loopkv.planning.evaluate", "measure_kl"),
+    "additivity_report": ("loopkv.planning.evaluate", "additivity_report"),
 }
 
 __all__ = [
