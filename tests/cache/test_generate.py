@@ -94,7 +94,7 @@ def test_reuse_after_reset_equals_fresh_cache(model):
     assert torch.equal(logits, l_fresh)
 
 
-def test_generate_without_reset_is_a_clear_error_or_continuation(model):
+def test_continuing_a_used_cache_equals_the_full_forward(model):
     """A second prompt on a used cache continues it token by token (the served semantics)."""
     plan = loopkv.Plan.uniform(loops=LOOPS, layers=LAYERS, option="bf16")
     cache = _cache(model, plan, 1, 200)
