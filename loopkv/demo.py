@@ -86,7 +86,13 @@ def _profile(model, args):
 
     shipped = SMALL_DIR / PROFILE_FILE
     if shipped.is_file() and not args.reprofile:
-        return Profile.from_json(shipped)
+        from loopkv.planning.profiler import model_fingerprint
+
+        profile = Profile.from_json(shipped)
+        if profile.provenance.get("model_fingerprint") != model_fingerprint(model):
+            print(f"warning: {shipped} was profiled on another checkpoint; run `loopkv demo --reprofile`",
+                  file=sys.stderr)
+        return profile
     from loopkv.planning.profiler import calibration_documents, profile
 
     out = pathlib.Path(args.out) / PROFILE_FILE
