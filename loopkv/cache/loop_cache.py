@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from loopkv.cache.storage import CellStorage, allocate_cell, nbytes
+from loopkv.cache.storage import POOL_FIELDS, CellStorage, allocate_cell
 from loopkv.cells import Cell, CellLayout
 from loopkv.ops import cache_ops, cell_attention, codec  # noqa: F401  (registers torch.ops.loopkv.*)
 from loopkv.ops.codec import PAGE, SINK
@@ -225,7 +225,7 @@ class LoopKVCache(Cache):
             for name, t in st.own_tensors().items():
                 if name == "page_table":
                     continue
-                if name in ("k_pages", "k_scale", "k_zero", "v_hi", "v_lo", "v_scale", "v_zero"):
+                if name in POOL_FIELDS:
                     if t.numel() == 0:
                         continue
                     per_row = st.page_table.shape[1]
@@ -274,8 +274,7 @@ class LoopKVCache(Cache):
         if batch == self.max_batch_size:
             return st
         pages = st.page_table.shape[1] * batch
-        pool = {n: (t[:pages] if t.numel() else t) for n, t in zip(
-            ("k_pages", "k_scale", "k_zero", "v_hi", "v_lo", "v_scale", "v_zero"), st.pool(), strict=True)}
+        pool = {n: (t[:pages] if t.numel() else t) for n, t in zip(POOL_FIELDS, st.pool(), strict=True)}
         return CellStorage(option=st.option, own_bits=st.own_bits, read_bits=st.read_bits,
                            sink_k=st.sink_k[:batch], sink_v=st.sink_v[:batch], win_k=st.win_k[:batch],
                            win_v=st.win_v[:batch], lengths=st.lengths[:batch],
@@ -343,7 +342,3 @@ class LoopKVCache(Cache):
         return (f"LoopKVCache(T={self.layout.loops}, L={self.layout.layers}, cells={counts}, "
                 f"max_batch_size={self.max_batch_size}, max_cache_len={self.max_cache_len}, "
                 f"dtype={self.dtype}, device={self.device})")
-
-
-def tensor_bytes(tensors) -> int:
-    return sum(nbytes(t) for t in tensors)

@@ -31,7 +31,6 @@ def _run(plan, lens, steps, *, check_every=25, cell=0, max_len=None, seed=0):
     v, _ = left_pad(seqs_v, S)
     for c in range(plan.loops * plan.layers):  # every cell gets the same prompt (final loop first is not needed)
         prefill(cache, c, torch.randn(len(lens), 4, S, D, generator=g), k, v, mask, SCALE)
-    worst = 0.0
     for step in range(steps):
         q = torch.randn(len(lens), 4, 1, D, generator=g)
         kd, vd = torch.randn(len(lens), 2, 1, D, generator=g), torch.randn(len(lens), 2, 1, D, generator=g)
@@ -40,8 +39,7 @@ def _run(plan, lens, steps, *, check_every=25, cell=0, max_len=None, seed=0):
             if c == cell and (step % check_every == check_every - 1 or step == steps - 1):
                 ref, _ = attention64(cache, c, q[:, :, 0], SCALE, plan.tau)
                 torch.testing.assert_close(out.double(), ref, atol=ATTN_FP32_ATOL, rtol=ATTN_FP32_RTOL)
-                worst = max(worst, (out.double() - ref).abs().max().item())
-    return cache, worst
+    return cache
 
 
 @pytest.mark.parametrize(
@@ -49,13 +47,13 @@ def _run(plan, lens, steps, *, check_every=25, cell=0, max_len=None, seed=0):
 )
 def test_decode_matches_float64_recompute(option, tau):
     plan = loopkv.Plan.uniform(loops=1, layers=1, option=option, tau=tau)
-    cache, _ = _run(plan, lens=[1, 33, 300], steps=60)
+    cache = _run(plan, lens=[1, 33, 300], steps=60)
     assert cache.storage(0).lengths.tolist() == [61, 93, 360]
 
 
 def test_shared_cell_reads_final_loop_pages():
     plan = loopkv.Plan.share_loop(loops=2, layers=1, shared_loops=(0,), option="int4", tau=14.0)
-    cache, _ = _run(plan, lens=[290, 300], steps=60, cell=0)  # cell (0, 0) shares (1, 0), read first in a step
+    cache = _run(plan, lens=[290, 300], steps=60, cell=0)  # cell (0, 0) shares (1, 0), read first in a step
     shared, source = cache.storage(0), cache.storage(1)
     assert shared.k_pages is source.k_pages
     assert shared.page_table is source.page_table
@@ -184,7 +182,7 @@ def test_tau_inf_is_bit_identical_to_plain_int4_and_tau_changes_output():
 def test_reset_reuses_the_same_tensors_and_forgets():
     """After reset(), the same cache object gives bit-identical outputs to a fresh cache."""
     plan = loopkv.Plan.uniform(loops=1, layers=2, option="int4", tau=14.0)
-    used, _ = _run(plan, lens=[300, 50], steps=40, check_every=1000)
+    used = _run(plan, lens=[300, 50], steps=40, check_every=1000)
     ptrs = [t.data_ptr() for layer in used.layers for t in layer.storage.own_tensors().values()]
     used.reset()
     assert used.get_seq_length() == 0
