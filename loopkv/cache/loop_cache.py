@@ -32,6 +32,11 @@ from loopkv.ops.layout import RING, capacity, n_pages, stored_pages
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
+def _capturing(device: torch.device) -> bool:
+    """True while a CUDA graph is being captured on the current stream (no host syncs allowed then)."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
 class LoopKVHandle:
     """What ``LoopKVCache.update`` returns in place of dense K/V: the cache, the cell and new tokens.
 
@@ -194,7 +199,9 @@ class LoopKVCache(Cache):
         if S > 1:
             return (LoopKVHandle(self, layer_idx, key_states, value_states),) * 2
         st = self._rows(layer_idx, B)
-        if not torch.compiler.is_compiling() and int(st.lengths.max()) >= self.max_cache_len:
+        # one host check per step (cell 0; every cell holds as many tokens), none when compiling/capturing
+        checks = layer_idx == 0 and not (torch.compiler.is_compiling() or _capturing(self.device))
+        if checks and int(st.lengths.max()) >= self.max_cache_len:
             raise ValueError(f"a row already holds max_cache_len={self.max_cache_len} tokens; build the "
                              "LoopKVCache with a larger max_cache_len")
         torch.ops.loopkv.append_(key_states, value_states, st.sink_k, st.sink_v, st.win_k, st.win_v,

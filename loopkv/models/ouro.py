@@ -18,6 +18,7 @@ forward accepts both names and returns the cache under the name the installed ve
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from collections.abc import Callable
 from typing import Any
@@ -27,7 +28,7 @@ from huggingface_hub.dataclasses import strict
 from torch import nn
 from transformers import initialization as init
 from transformers.activations import ACT2FN
-from transformers.cache_utils import Cache, DynamicCache
+from transformers.cache_utils import Cache, DynamicCache, StaticCache
 from transformers.configuration_utils import PreTrainedConfig
 from transformers.generation import GenerationMixin
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
@@ -38,6 +39,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
 from loopkv.cells import CellLayout
 
 __all__ = [
+    "static_dense_cache",
     "OuroConfig",
     "OuroForCausalLM",
     "OuroModel",
@@ -142,6 +144,21 @@ def dense_cache(config: OuroConfig) -> DynamicCache:
         else:
             entries.append((None, None))
     return DynamicCache(ddp_cache_data=entries)
+
+
+def static_dense_cache(config: OuroConfig, *, max_cache_len: int) -> StaticCache:
+    """transformers' ``StaticCache`` with one preallocated dense layer per cell (``T * L`` layers).
+
+    The dense BF16 baseline a transformers user compiles (``generate(..., compile_config=...)``).
+    ``StaticCache(config=...)`` alone builds ``L`` layers; this copies each (still empty, lazily
+    allocated) layer of the physical layer ``cell % L`` into every loop, so sliding layers stay sliding.
+    """
+    if not isinstance(max_cache_len, int) or max_cache_len < 1:
+        raise ValueError(f"max_cache_len must be a positive int, got {max_cache_len!r}")
+    cache = StaticCache(config=config, max_cache_len=max_cache_len)
+    per_layer = list(cache.layers)
+    cache.layers = [copy.deepcopy(per_layer[cell.layer]) for cell in config.cell_layout]
+    return cache
 
 
 class OuroRMSNorm(nn.Module):

@@ -16,7 +16,7 @@ from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.cache_utils import DynamicCache
 
-from loopkv.models.ouro import OuroConfig, OuroForCausalLM, dense_cache, register_ouro
+from loopkv.models.ouro import OuroConfig, OuroForCausalLM, dense_cache, register_ouro, static_dense_cache
 from tests.tolerances import LOGITS_FP32_ATOL, LOGITS_FP32_RTOL
 
 VOCAB, HIDDEN, INTER, LAYERS, LOOPS, HEAD_DIM = 97, 64, 96, 2, 3, 32
@@ -444,3 +444,20 @@ def test_handles_dispatch_to_loopkv_attention(monkeypatch):
     assert len(seen) == LOOPS * LAYERS
     assert all(kind is Handle for kind, _ in seen)
     torch.testing.assert_close(seen[0][1][-1], torch.arange(6), rtol=0, atol=0)
+
+
+def test_static_dense_cache_generates_like_the_dynamic_reference():
+    """``static_dense_cache``: one preallocated layer per cell; greedy tokens equal the DynamicCache
+    reference's, and ``reset()`` lets a second generate on the same cache repeat them."""
+    model = build_model(generation_config_dict())
+    ids = torch.randint(3, VOCAB, (2, 7))
+    want = model.generate(ids, past_key_values=dense_cache(model.config), max_new_tokens=6, do_sample=False)
+    cache = static_dense_cache(model.config, max_cache_len=16)
+    assert len(cache.layers) == LOOPS * LAYERS
+    got = model.generate(ids, past_key_values=cache, max_new_tokens=6, do_sample=False)
+    assert torch.equal(got, want)
+    assert len({id(layer.keys) for layer in cache.layers}) == LOOPS * LAYERS  # no aliasing
+    cache.reset()
+    assert torch.equal(model.generate(ids, past_key_values=cache, max_new_tokens=6, do_sample=False), want)
+    with pytest.raises(ValueError, match="max_cache_len"):
+        static_dense_cache(model.config, max_cache_len=0)

@@ -1,0 +1,432 @@
+"""End-to-end decode throughput of an Ouro-1.4B-shaped model on one GPU (issue 7, paper §5.3, Figure 7, Table 7).
+
+Arms, one run, the same model and the same capture of the whole decode step as one CUDA graph:
+
+* ``bf16``: transformers' ``StaticCache`` with one layer per cell (``static_dense_cache``), SDPA with the
+  static-cache mask: the dense baseline a transformers user compiles.
+* ``kivi4``: uniform INT4, no V precision (``Plan.uniform("int4")``).
+* ``kivi4v``: uniform INT4 with V precision (tau = 14, the paper's setting).
+* ``loopkv-r`` / ``loopkv-m``: plans with the paper's composition (§3.2, Figure 6, Table 8), built here as
+  grids (the weights are random, so there is no profile to solve a knapsack on; the cost depends only on
+  how many cells take each option): R = INT2 in 25 of the 72 cells of loops 1-3, all in the first or last
+  six layers, no sharing (215 KiB stored / 215 read per token); M = 26 shared cells (20 in loop 3, 6 in
+  loop 2), 20 INT2, the rest INT4 (155 stored / 220 read). Both with V precision (tau = 14). The byte
+  counts are asserted against ``Plan.bytes_per_token``.
+
+Weights are random (shapes set the cost) and the cache is filled synthetically to the context length
+(prefilling 16K tokens per row for every batch would dominate the run): codes uniform, K scales chosen so
+that V precision keeps a realistic fraction of tokens hot (measured on the model's own queries and
+reported per arm as ``hot_fraction``; the paper measures 17-22% on real attention, §3.3).
+
+For each arm and context: the largest batch whose cache fits the KV budget (``--kv-budget-gib``), decode
+tok/s and step time at a sweep of batches up to it (Figure 7), host launches per decode step (eager vs
+graph replay, counted with the profiler), and ``torch.cuda.max_memory_allocated``. The decode step
+(model forward, greedy argmax, position update) is captured once per (arm, batch) with
+``torch.cuda.graph`` (``--capture graph``, default) or compiled with
+``torch.compile(mode="reduce-overhead", fullgraph=True)`` (``--capture compile``: slow to compile per
+batch, so use it on a few points). Writes JSON (device, versions, date, every measurement) to ``--out``
+and prints a table last.
+
+    PYTHONPATH=. python benchmarks/bench_decode.py --out benchmarks/results/decode_$(date +%F).json
+    PYTHONPATH=. python benchmarks/bench_decode.py --smoke   # tiny model on CPU: checks the script runs
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import platform
+import time
+
+import torch
+
+import loopkv
+from loopkv.cache.attention import register
+from loopkv.models.ouro import OuroConfig, OuroForCausalLM, static_dense_cache
+from loopkv.ops import codec
+from loopkv.ops.layout import n_pages
+
+ARMS = ("bf16", "kivi4", "kivi4v", "loopkv-r", "loopkv-m")
+TAU = 14.0
+GIB = 1 << 30
+LAUNCH_EVENTS = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx",
+                 "cudaGraphLaunch", "cuGraphLaunch", "cudaMemcpyAsync", "cudaMemsetAsync")
+
+
+def ouro_1p4b_config(**overrides) -> OuroConfig:
+    """Ouro-1.4B's shapes (notes/kivi-ouro-vllm.md §3): 24 layers x 4 loops, 16 MHA heads of 128."""
+    cfg = dict(vocab_size=49152, hidden_size=2048, intermediate_size=5632, num_hidden_layers=24,
+               num_attention_heads=16, num_key_value_heads=16, head_dim=128, total_ut_steps=4,
+               max_position_embeddings=65536, rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=False)
+    cfg.update(overrides)
+    return OuroConfig(**cfg)
+
+
+def smoke_config() -> OuroConfig:
+    return ouro_1p4b_config(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+                            num_attention_heads=2, num_key_value_heads=2, head_dim=32)
+
+
+# ---- plans ---------------------------------------------------------------------------------------------
+def paper_plans(loops: int, layers: int) -> dict[str, loopkv.Plan]:
+    """The four quantized arms. R and M follow the paper's composition (module docstring)."""
+    edge = [i for i in range(layers) if i < layers // 4 or i >= layers - layers // 4]  # first/last quarter
+    r = [["int4"] * layers for _ in range(loops)]
+    m = [["int4"] * layers for _ in range(loops)]
+    n_int2_r = round(25 / 72 * (loops - 1) * layers)
+    spots = [(t, i) for t in range(loops - 1) for i in edge][:n_int2_r]
+    for t, i in spots:
+        r[t][i] = "int2"
+    if loops >= 3:
+        mid = set(range(layers // 3, layers // 3 + max(1, layers // 6)))  # 4 of 24 middle layers keep INT4
+        for i in range(layers):
+            if i not in mid:
+                m[loops - 2][i] = "share"  # loop 3 of 4: 20 of 24
+        for i in range(layers - layers // 4, layers):
+            m[loops - 3][i] = "share"  # loop 2 of 4: the last 6
+        own = [(t, i) for t in range(loops - 2) for i in range(layers) if m[t][i] == "int4"]
+        own.sort(key=lambda c: (c[1] not in edge, c))  # INT2 in the first/last layers first, as the paper's
+        for t, i in own[: round(20 / 24 * layers)]:
+            m[t][i] = "int2"
+    return {
+        "kivi4": loopkv.Plan.uniform(loops=loops, layers=layers, option="int4"),
+        "kivi4v": loopkv.Plan.uniform(loops=loops, layers=layers, option="int4", tau=TAU),
+        "loopkv-r": loopkv.Plan.from_grid(r, tau=TAU),
+        "loopkv-m": loopkv.Plan.from_grid(m, tau=TAU),
+    }
+
+
+# ---- caches, filled synthetically -------------------------------------------------------------------------
+def build_cache(arm, plans, cfg, *, batch, capacity, dtype, device):
+    if arm == "bf16":
+        cache = static_dense_cache(cfg, max_cache_len=capacity)
+        kv = torch.zeros(batch, cfg.num_key_value_heads, 1, cfg.head_dim, dtype=dtype, device=device)
+        for layer in cache.layers:
+            layer.lazy_initialization(kv, kv)
+        return cache
+    return loopkv.LoopKVCache(plans[arm], config=cfg, max_batch_size=batch, max_cache_len=capacity,
+                              dtype=dtype, device=device)
+
+
+def cache_bytes(cache) -> int:
+    if isinstance(cache, loopkv.LoopKVCache):
+        return sum(t.numel() * t.element_size() for layer in cache.layers
+                   for t in layer.storage.own_tensors().values())
+    return sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
+
+
+@torch.no_grad()
+def fill(cache, length: int, *, k_scale: float) -> None:
+    """Every row holds ``length`` tokens of synthetic K/V (codes uniform; K spread ~ ``k_scale``)."""
+    if not isinstance(cache, loopkv.LoopKVCache):
+        for layer in cache.layers:
+            layer.keys.normal_(0.0, 4.6 * k_scale)
+            layer.values.normal_()
+            layer.cumulative_length.fill_(length)
+        return
+    for layer in cache.layers:
+        st = layer.storage
+        st.sink_k.normal_(0.0, 4.6 * k_scale)
+        st.win_k.normal_(0.0, 4.6 * k_scale)
+        st.sink_v.normal_()
+        st.win_v.normal_()
+        st.lengths.fill_(length)
+        if st.own_bits in (2, 4):
+            levels = (1 << st.own_bits) - 1
+            step = k_scale * 15 / levels  # the same K spread at either width
+            for t in (st.k_pages, st.v_hi, st.v_lo):
+                if t.numel():
+                    t.copy_(torch.randint(0, 256, t.shape, dtype=torch.uint8, device=t.device))
+            st.k_scale.fill_(step)
+            st.k_zero.fill_(-step * levels / 2)
+            st.v_scale.fill_(3.0 / levels)
+            st.v_zero.fill_(-1.5)
+
+
+# ---- the decode step ---------------------------------------------------------------------------------------
+def make_step(model, cache, tok, pos, *, dense: bool, capacity: int):
+    """One decode step over static buffers: tok [B, 1] and pos [B, 1] advance in place (greedy)."""
+    slots = torch.arange(capacity, device=tok.device)
+
+    def step():
+        mask = (slots[None, :] <= pos)[:, None, None, :] if dense else None  # [B, 1, 1, capacity]
+        logits = model(input_ids=tok, position_ids=pos, attention_mask=mask, past_key_values=cache,
+                       logits_to_keep=1).logits
+        tok.copy_(logits[:, -1].argmax(-1, keepdim=True))
+        pos.add_(1)
+
+    return step
+
+
+def capture(step, mode: str):
+    """Returns ``replay()``: one call = one whole decode step."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    if mode == "compile":
+        compiled = torch.compile(step, mode="reduce-overhead", fullgraph=True)
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                compiled()
+        torch.cuda.current_stream().wait_stream(side)
+        return compiled
+    with torch.cuda.stream(side):
+        for _ in range(2):  # JIT-compiles the Triton kernels, allocates counters, outside capture
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph.replay
+
+
+def count_launches(fn) -> dict:
+    """Host-side launch API calls and GPU kernels of one call of ``fn`` (profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    host = {}
+    kernels = 0
+    for e in prof.events():
+        if e.name in LAUNCH_EVENTS:
+            host[e.name] = host.get(e.name, 0) + 1
+        if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA:
+            kernels += 1
+    return {"host_launches": sum(v for k, v in host.items() if "Memcpy" not in k and "Memset" not in k),
+            "host_calls": host, "gpu_kernels": kernels}
+
+
+def time_steps(replay, steps: int) -> float:
+    """Median of per-step times (ms) over ``steps`` replays, CUDA events."""
+    times = []
+    for _ in range(steps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    times.sort()
+    return times[len(times) // 2]
+
+
+# ---- V precision: how many history tokens are hot on these queries -----------------------------------------
+@torch.no_grad()
+def hot_fraction(model, cache, tok, pos, *, cells: int = 8) -> float | None:
+    """Fraction of row 0's history tokens whose V lo plane a V-precision read fetches (paper §3.3),
+    on the queries of one eager step, over the first ``cells`` INT4-reading cells (reference math)."""
+    if not isinstance(cache, loopkv.LoopKVCache) or math.isinf(cache.tau):
+        return None
+    seen: list[tuple[int, torch.Tensor, float]] = []
+    original = cache.read_cell
+
+    def spy(layer_idx, query, *, scale):
+        if len(seen) < cells and cache.layers[layer_idx].storage.read_bits == 4:
+            seen.append((layer_idx, query[:1].float(), scale))
+        return original(layer_idx, query, scale=scale)
+
+    cache.read_cell = spy
+    try:
+        make_step(model, cache, tok.clone(), pos.clone(), dense=False, capacity=cache.max_cache_len)()
+    finally:
+        del cache.read_cell
+    hot = total = 0
+    for idx, q, scale in seen:
+        st = cache.layers[idx].storage
+        n = int(st.lengths[0])
+        npg = int(n_pages(torch.tensor(n)))
+        if npg == 0:
+            continue
+        phys = st.page_table[0, :npg].long()
+        pages = codec.PageCodes(*(t[phys] for t in st.pool()))
+        k = codec.decode_k(pages, 4)  # [P, H, PAGE, D]
+        qh = q[0].view(st.sink_k.shape[1], -1, q.shape[-1])  # [H, g, D]
+        s = torch.einsum("hgd,phtd->phgt", qh, k) * scale
+        s_sink = torch.einsum("hgd,htd->hgt", qh, st.sink_k[0].float()) * scale
+        m_ref = torch.maximum(s_sink.amax(-1)[None], s.amax(-1))  # [P, H, g]
+        hot_tok = (s >= (m_ref - cache.tau * math.log(2.0))[..., None]).any(dim=2)  # [P, H, PAGE]
+        hot += int(hot_tok.sum())
+        total += hot_tok.numel()
+    return hot / total if total else None
+
+
+# ---- one measurement -----------------------------------------------------------------------------------------
+def measure(model, cfg, arm, plans, *, ctx, batch, steps, capture_mode, k_scale, dtype, device, launches):
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    capacity = ctx + 64
+    cache = build_cache(arm, plans, cfg, batch=batch, capacity=capacity, dtype=dtype, device=device)
+    if isinstance(cache, loopkv.LoopKVCache):
+        cache.warmup()
+    fill(cache, ctx, k_scale=k_scale)
+    tok = torch.randint(3, cfg.vocab_size, (batch, 1), device=device)
+    pos = torch.full((batch, 1), ctx, dtype=torch.long, device=device)
+    torch._dynamo.mark_static_address(tok)
+    torch._dynamo.mark_static_address(pos)
+    row = {"arm": arm, "ctx": ctx, "batch": batch, "capture": capture_mode, "cache_bytes": cache_bytes(cache)}
+    step = make_step(model, cache, tok, pos, dense=arm == "bf16", capacity=capacity)
+    t0 = time.perf_counter()
+    if launches:
+        row["eager"] = count_launches(step)
+    replay = capture(step, capture_mode)
+    row["capture_s"] = round(time.perf_counter() - t0, 2)
+    time_steps(replay, 3)
+    ms = time_steps(replay, steps)
+    if launches:
+        row["graph"] = count_launches(replay)
+    row.update(step_ms=round(ms, 3), tok_s=round(batch * 1000.0 / ms, 1),
+               ms_per_token=round(ms, 3), max_memory_allocated=torch.cuda.max_memory_allocated(),
+               finite=bool(torch.isfinite(tok.float()).all()))
+    if launches:
+        row["hot_fraction"] = hot_fraction(model, cache, tok, pos)
+    del replay, cache, step
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    return row
+
+
+def bytes_per_row(arm, plans, cfg, *, capacity, dtype, device) -> int:
+    cache = build_cache(arm, plans, cfg, batch=1, capacity=capacity, dtype=dtype, device=device)
+    n = cache_bytes(cache)
+    del cache
+    return n
+
+
+def batches_for(peak: int, sweep: list[int], common: int) -> list[int]:
+    return sorted({b for b in sweep if b < peak} | {1, min(common, peak), peak})
+
+
+# ---- driver ------------------------------------------------------------------------------------------------------
+def versions() -> dict:
+    import transformers
+    import triton
+
+    return {"torch": torch.__version__, "triton": triton.__version__, "transformers": transformers.__version__,
+            "cuda": torch.version.cuda, "python": platform.python_version(), "loopkv": loopkv.__version__}
+
+
+def summarize(rows: list[dict], contexts: list[int]) -> list[dict]:
+    """Per (arm, ctx): peak tok/s (at the largest batch measured) and ratios against bf16 and kivi4."""
+    out = []
+    for ctx in contexts:
+        at = [r for r in rows if r["ctx"] == ctx]
+        peak = {a: max((r for r in at if r["arm"] == a), key=lambda r: r["batch"], default=None) for a in ARMS}
+        one = {a: next((r for r in at if r["arm"] == a and r["batch"] == 1), None) for a in ARMS}
+        for a in ARMS:
+            if peak[a] is None:
+                continue
+            s = {"arm": a, "ctx": ctx, "peak_batch": peak[a]["batch"], "peak_tok_s": peak[a]["tok_s"],
+                 "peak_step_ms": peak[a]["step_ms"], "batch1_step_ms": one[a]["step_ms"] if one[a] else None}
+            for base in ("bf16", "kivi4"):
+                if peak.get(base):
+                    s[f"x_{base}"] = round(peak[a]["tok_s"] / peak[base]["tok_s"], 3)
+            if one[a] and one.get("bf16") and one["bf16"]:
+                s["batch1_vs_bf16"] = round(one["bf16"]["step_ms"] / one[a]["step_ms"], 3)
+            out.append(s)
+    return out
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--contexts", default="8192,16384", help="comma-separated context lengths")
+    p.add_argument("--arms", default=",".join(ARMS))
+    p.add_argument("--kv-budget-gib", type=float, default=96.0, help="KV memory budget per arm (GiB)")
+    p.add_argument("--sweep", default="4,8,16,32", help="batches measured below each arm's peak")
+    p.add_argument("--common-batch", type=int, default=8, help="batch every arm is measured at (if it fits)")
+    p.add_argument("--steps", type=int, default=20, help="timed decode steps per point")
+    p.add_argument("--capture", choices=("graph", "compile"), default="graph")
+    p.add_argument("--k-scale", type=float, default=1.8, help="synthetic K spread (sets V precision's hot share)")
+    p.add_argument("--max-batch", type=int, default=128)
+    p.add_argument("--smoke", action="store_true", help="tiny model, CPU-sized: check the script end to end")
+    p.add_argument("--out", default=None, help="JSON path")
+    args = p.parse_args(argv)
+
+    if args.smoke:
+        return smoke()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_decode needs a CUDA GPU (use --smoke to check the script on the CPU)")
+    device, dtype = torch.device("cuda"), torch.bfloat16
+    torch.manual_seed(0)
+    cfg = ouro_1p4b_config()
+    model = OuroForCausalLM(cfg).to(device=device, dtype=dtype).eval()
+    plans = paper_plans(cfg.total_ut_steps, cfg.num_hidden_layers)
+    kib = {a: plans[a].bytes_per_token(cfg) for a in plans}
+    plan_kib = {a: (b.stored_kib, b.read_kib) for a, b in kib.items()}
+    assert plan_kib["loopkv-r"] == (215.0, 215.0), plan_kib  # the paper's R and M (§3.2, Table 8)
+    assert plan_kib["loopkv-m"] == (155.0, 220.0), plan_kib
+    register()  # the "loopkv" attention/mask functions, before set_attn_implementation
+    contexts = [int(c) for c in args.contexts.split(",")]
+    arms = [a for a in args.arms.split(",") if a]
+    sweep = [int(b) for b in args.sweep.split(",") if b]
+    budget = int(args.kv_budget_gib * GIB)
+    rows, fits = [], {}
+    t_start = time.perf_counter()
+    for ctx in contexts:
+        for arm in arms:
+            per_row = bytes_per_row(arm, plans, cfg, capacity=ctx + 64, dtype=dtype, device=device)
+            peak = min(budget // per_row, args.max_batch)
+            fits[f"{arm}@{ctx}"] = {"bytes_per_row": per_row, "max_batch": peak}
+            for b in batches_for(peak, sweep, args.common_batch):
+                model.set_attn_implementation("sdpa" if arm == "bf16" else "loopkv")
+                row = measure(model, cfg, arm, plans, ctx=ctx, batch=b, steps=args.steps,
+                              capture_mode=args.capture, k_scale=args.k_scale, dtype=dtype, device=device,
+                              launches=b == 1)
+                rows.append(row)
+                print(f"{arm:9s} ctx={ctx:6d} B={b:3d} step={row['step_ms']:8.3f} ms  tok/s={row['tok_s']:8.1f}  "
+                      f"peak mem={row['max_memory_allocated'] / GIB:6.1f} GiB", flush=True)
+    summary = summarize(rows, contexts)
+    result = {
+        "benchmark": "bench_decode", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+        "device": torch.cuda.get_device_name(), "versions": versions(), "args": vars(args),
+        "model": {"shape": "Ouro-1.4B (random weights)", "params": sum(p.numel() for p in model.parameters())},
+        "kv_budget_bytes": budget, "plans_kib_per_token_stored_read": plan_kib,
+        "plan_grids": {a: plans[a].grid() for a in plans}, "fits": fits, "rows": rows, "summary": summary,
+        "wall_s": round(time.perf_counter() - t_start, 1),
+    }
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1, default=str)
+    print_table(summary, rows)
+
+
+def print_table(summary: list[dict], rows: list[dict]) -> None:
+    launches = {r["arm"]: r for r in rows if "graph" in r}
+    print(f"{'arm':9s} {'ctx':>6s} {'peak B':>6s} {'tok/s':>8s} {'x bf16':>7s} {'x kivi4':>7s} {'B1 ms':>7s} "
+          f"{'B1 vs bf16':>10s} {'launch eager/graph':>18s} {'hot':>5s}")
+    for s in summary:
+        r = launches.get(s["arm"], {})
+        lg = f"{r.get('eager', {}).get('host_launches', '-')}/{r.get('graph', {}).get('host_launches', '-')}"
+        hot = r.get("hot_fraction")
+        print(f"{s['arm']:9s} {s['ctx']:6d} {s['peak_batch']:6d} {s['peak_tok_s']:8.1f} {s.get('x_bf16', 0):7.2f} "
+              f"{s.get('x_kivi4', 0):7.2f} {s['batch1_step_ms'] or 0:7.2f} {s.get('batch1_vs_bf16', 0):10.2f} "
+              f"{lg:>18s} {'-' if hot is None else f'{hot:.2f}':>5s}")
+
+
+def smoke() -> None:
+    """CPU: the tiny model through every arm's cache (eager steps), plans' bytes, fill and hot fraction."""
+    cfg = smoke_config()
+    torch.manual_seed(0)
+    model = OuroForCausalLM(cfg).eval()
+    plans = paper_plans(cfg.total_ut_steps, cfg.num_hidden_layers)
+    register()
+    ctx = 700
+    for arm in ARMS:
+        model.set_attn_implementation("sdpa" if arm == "bf16" else "loopkv")
+        cache = build_cache(arm, plans, cfg, batch=2, capacity=ctx + 64, dtype=torch.float32, device="cpu")
+        fill(cache, ctx, k_scale=0.5)
+        tok = torch.randint(3, cfg.vocab_size, (2, 1))
+        pos = torch.full((2, 1), ctx)
+        step = make_step(model, cache, tok, pos, dense=arm == "bf16", capacity=ctx + 64)
+        with torch.no_grad():
+            for _ in range(3):
+                step()
+        hot = hot_fraction(model, cache, tok, pos) if arm != "bf16" else None
+        print(f"{arm:9s} ok: pos={int(pos[0])} bytes={cache_bytes(cache)} hot={hot}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,79 @@
+"""The whole decode step as one CUDA graph on the GPU (issue 7, DESIGN.md §8).
+
+``model.generate(..., compile_config=CompileConfig(fullgraph=True, mode="reduce-overhead"))`` on a
+LoopKVCache with every cell type (INT4 + V precision, INT2, shared): one graph, no graph breaks, no
+recompiles and no CUDA-graph skips over 1,024 decode steps (many window exits), the same graphs reused
+by a second ``generate`` after ``reset()``, and the tokens equal to eager decoding.
+"""
+
+import pytest
+import torch
+import torch._dynamo
+from torch._dynamo.utils import counters
+from transformers import CompileConfig
+
+import loopkv
+from loopkv.models.ouro import OuroConfig, OuroForCausalLM
+from tests.tolerances import LOGITS_FP32_ATOL, LOGITS_FP32_RTOL
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+NEW_TOKENS = 1024
+PROMPT = 300
+
+
+def _model(dtype: torch.dtype) -> OuroForCausalLM:
+    torch.manual_seed(0)
+    cfg = OuroConfig(vocab_size=257, hidden_size=256, intermediate_size=512, num_hidden_layers=3,
+                     num_attention_heads=4, num_key_value_heads=2, head_dim=128, total_ut_steps=4,
+                     max_position_embeddings=4096, rope_theta=10000.0, eos_token_id=None, pad_token_id=0)
+    return OuroForCausalLM(cfg).to(device="cuda", dtype=dtype).eval()
+
+
+def _plan() -> "loopkv.Plan":
+    grid = [["int2", "int4", "int4"], ["int4", "int2", "int4"], ["share", "share", "int4"], ["int4"] * 3]
+    return loopkv.Plan.from_grid(grid, tau=14.0)
+
+
+def _cache(model: OuroForCausalLM, dtype: torch.dtype) -> "loopkv.LoopKVCache":
+    return loopkv.LoopKVCache(_plan(), config=model.config, max_batch_size=2, max_cache_len=PROMPT + NEW_TOKENS,
+                              dtype=dtype, device="cuda")
+
+
+def test_generate_is_one_cuda_graph_for_1024_steps_and_equals_eager(monkeypatch):
+    model = _model(torch.float32)
+    ids = torch.randint(3, 257, (2, PROMPT), generator=torch.Generator().manual_seed(1)).cuda()
+    gen = dict(max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False, output_logits=True,
+               return_dict_in_generate=True, attention_mask=torch.ones_like(ids))
+    cache = _cache(model, torch.float32)
+    cache.warmup()
+
+    torch._dynamo.reset()
+    counters.clear()
+    monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)
+    config = CompileConfig(fullgraph=True, mode="reduce-overhead")
+    first = model.generate(ids, past_key_values=cache, compile_config=config, **gen)
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert counters["inductor"]["cudagraph_skips"] == 0
+    assert cache.get_seq_length() == PROMPT + NEW_TOKENS - 1  # the last token is returned, not stored
+
+    cache.reset()  # a second request on the same cache: the same graph, nothing recompiled or re-captured
+    second = model.generate(ids, past_key_values=cache, compile_config=config, **gen)
+    assert counters["stats"]["unique_graphs"] == 1
+    assert counters["inductor"]["cudagraph_skips"] == 0
+    assert torch.equal(second.sequences, first.sequences)
+
+    eager = model.generate(ids, past_key_values=_cache(model, torch.float32), disable_compile=True, **gen)
+    assert torch.equal(first.sequences, eager.sequences)
+    got, want = torch.stack(first.logits), torch.stack(eager.logits)
+    torch.testing.assert_close(got, want, atol=LOGITS_FP32_ATOL, rtol=LOGITS_FP32_RTOL)
+
+
+def test_check_compile_reports_one_graph_under_reduce_overhead_in_bf16():
+    model = _model(torch.bfloat16)
+    cache = _cache(model, torch.bfloat16)
+    report = loopkv.check_compile(model, cache, steps=40, prompt_len=PROMPT, mode="reduce-overhead")
+    assert report.ok, str(report)
+    assert report.graphs == 1
+    assert report.cudagraph_skips == 0
