@@ -40,6 +40,7 @@ from torch import Tensor
 from loopkv.ops.cell_attention import cell_attention_reference
 from loopkv.ops.codec import GROUP, PAGE, SINK
 from loopkv.ops.layout import RING
+from loopkv.ops.triton_far import far_cc
 from loopkv.ops.triton_register import counters, warmup  # noqa: F401  (warmup re-exported here)
 
 assert (SINK, PAGE, GROUP, RING) == (32, 32, 32, 288)  # spelled out as literals in the kernels
@@ -307,7 +308,7 @@ def _cell_attn_kernel(
     H, MAXP, NNEAR, NSPLIT, qk_scale, tau,
     G: tl.constexpr, GR: tl.constexpr, GP: tl.constexpr, NGP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
     BITS: tl.constexpr, VPREC: tl.constexpr, BN: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr,
-    UPCAST: tl.constexpr, FIELD: tl.constexpr, NPP: tl.constexpr,
+    UPCAST: tl.constexpr, FIELD: tl.constexpr, NPP: tl.constexpr, FAR: tl.constexpr, PPI: tl.constexpr,
 ):
     """Program (i, b*H + h): near slots (i < NNEAR) or history split i - NNEAR of row b, KV head h."""
     RP: tl.constexpr = GR * NGP
@@ -326,12 +327,12 @@ def _cell_attn_kernel(
     c = tl.arange(0, DP)
     cm = c < D
     q_ptr = q + b.to(tl.int64) * sq_b + (h * G + g_r) * sq_h  # [RP] row starts
-    qx = tl.load(q_ptr[:, None] + c[None, :], mask=rvalid[:, None] & cm[None, :], other=0.0).to(tl.float32)
     bh64 = bh.to(tl.int64)
     m_i = tl.full([RP], float("-inf"), tl.float32)
     l_i = tl.zeros([RP], tl.float32)
     if pid < NNEAR:
         # ---- exact sink + window slots [pid * BN, pid * BN + BN) of [sink 32 | ring 288]
+        qx = tl.load(q_ptr[:, None] + c[None, :], mask=rvalid[:, None] & cm[None, :], other=0.0).to(tl.float32)
         v = pid * BN + tl.arange(0, BN)
         ws = 32 + 32 * npg  # first window position
         count = tl.maximum(length - ws, 0)
@@ -352,6 +353,7 @@ def _cell_attn_kernel(
         p1 = tl.minimum(p0 + chunk, npg)
         t = tl.arange(0, 32)
         if BITS == 16:
+            qx = tl.load(q_ptr[:, None] + c[None, :], mask=rvalid[:, None] & cm[None, :], other=0.0).to(tl.float32)
             acc = tl.zeros([RP, DP], tl.float32)
             for pg in range(p0, p1):
                 page = tl.load(page_table + b.to(tl.int64) * MAXP + pg).to(tl.int64) * H + h
@@ -361,6 +363,11 @@ def _cell_attn_kernel(
                 m_i, alpha, p, l_i = _online(s, m_i, l_i)
                 acc = acc * alpha[:, None] + _exact_values(p, v_hi + off, valid, cm, PREC, UPCAST)
             _store_partial(ws_o, ws_ml, slot, g_r, gr, m_i, l_i, acc, c, GR, DP)
+        elif FAR == 1:  # CUDA-core reader (loopkv/ops/triton_far.py); codes as int32 words
+            far_cc(
+                q, sq_b, sq_h, b, h, H, MAXP, length, p0, p1, page_table, sink_k, k_pages, k_scale, k_zero,
+                v_hi, v_lo, v_scale, v_zero, qk_scale, tau, ws_o, ws_ml, slot, G, GR, GP, D, DP, BITS, VPREC, PPI,
+            )
         elif BITS != 0:
             _far_quant(
                 q, sq_b, sq_h, b, h, H, MAXP, length, p0, p1, page_table, sink_k, k_pages, k_scale, k_zero,
@@ -425,14 +432,34 @@ def choose_splits(rows_heads: int, max_pages: int, device: torch.device) -> int:
     return int(max(1, min(want, max_pages, MAX_SPLITS)))
 
 
-def _config(bits: int, head_dim: int, rows: int) -> dict:
-    """Fixed launch config per shape bucket (no autotuning: the op runs inside CUDA graphs).
+FAR_IMPLS = ("cc", "dot")
+CC_MAX_GROUP = 2  # query heads per KV head up to which the CUDA-core reader is the default
+CC_DEFAULT = False  # the CUDA-core reader is opt-in until measured on the H200
 
-    Measured on the H200 (docs/kernel-notes.md): the code readers are latency-bound and run best as one
-    warp per program with three pipeline stages; exact BF16 pages as four warps."""
+
+def _config(bits: int, far_impl: str) -> dict:
+    """Fixed launch config per reader (no autotuning: the op runs inside CUDA graphs).
+
+    Measured on the H200 (docs/kernel-notes.md): the tensor-core code reader is latency-bound and runs
+    best as one warp per program with three pipeline stages; exact BF16 pages as four warps. The CUDA-core
+    reader (``triton_far``): four warps, one page per iteration (static counts, not yet measured)."""
     if bits in (4, 2):
-        return {"num_warps": 1, "num_stages": 3}
-    return {"num_warps": 4, "num_stages": 2}
+        if far_impl == "cc":
+            return {"num_warps": 4, "num_stages": 1, "pages_per_iter": 1}
+        return {"num_warps": 1, "num_stages": 3, "pages_per_iter": 1}
+    return {"num_warps": 4, "num_stages": 2, "pages_per_iter": 1}
+
+
+def choose_far_impl(bits: int, group: int, far_impl: str | None = None) -> str:
+    """History reader: ``"cc"`` (CUDA cores, ``triton_far``) for code pages read by <= 2 query heads per KV
+    head, ``"dot"`` (tensor cores) otherwise; ``far_impl`` overrides (BF16 pages always use ``"dot"``)."""
+    if far_impl is not None and far_impl not in FAR_IMPLS:
+        raise ValueError(f"far_impl must be one of {FAR_IMPLS} or None (automatic), got {far_impl!r}")
+    if bits not in (4, 2):
+        return "dot"
+    if far_impl is None:
+        return "cc" if group <= CC_MAX_GROUP and CC_DEFAULT else "dot"
+    return far_impl
 
 
 def cell_attention(
@@ -440,12 +467,14 @@ def cell_attention(
     page_table: Tensor, k_pages: Tensor, k_scale: Tensor, k_zero: Tensor, v_hi: Tensor, v_lo: Tensor,
     v_scale: Tensor, v_zero: Tensor, bits: int, tau: float, scale: float, *, splits: int | None = None,
     num_warps: int | None = None, num_stages: int | None = None, field_mode: str | None = None,
+    far_impl: str | None = None, pages_per_iter: int | None = None,
 ) -> Tensor:
     """Triton ``cell_attention``: q [B, Hq, D] -> [B, Hq, D] (shapes: docs/storage-layout.md).
 
     Storage tensors are the cache's contiguous buffers (others fall back to the reference).
-    ``splits`` (history programs per row and KV head), ``num_warps`` and ``num_stages`` override the
-    fixed per-bucket config (benchmarks, tests).
+    ``splits`` (history programs per row and KV head), ``num_warps``, ``num_stages``, ``far_impl``
+    (``"cc"``: CUDA-core history reader, ``"dot"``: tensor-core reader; default by ``choose_far_impl``) and
+    ``pages_per_iter`` (1 or 2, CUDA-core reader only) override the fixed config (benchmarks, tests).
     """
     if bits not in (16, 4, 2, 0):
         raise ValueError(f"bits must be 16, 4, 2 or 0 (no history), got {bits}")
@@ -483,7 +512,14 @@ def cell_attention(
     cnt = counters(q.device, B * H, purpose="attention")
     exact = q.dtype == torch.float32
     vprec = bits == 4 and math.isfinite(tau)
-    cfg = _config(bits, D, B * H)
+    impl = choose_far_impl(bits, G, far_impl)
+    cfg = _config(bits, impl)
+    ppi = pages_per_iter or cfg["pages_per_iter"]
+    if ppi not in (1, 2):
+        raise ValueError(f"pages_per_iter must be 1 or 2, got {pages_per_iter}")
+    if impl == "cc":  # the CUDA-core reader reads codes as int32 words (rows are multiples of 4 bytes)
+        k_pages, v_hi, v_lo = (t.view(torch.int32) if t.numel() else t.new_empty(0, dtype=torch.int32)
+                               for t in (k_pages, v_hi, v_lo))
     _cell_attn_kernel[(nprog, B * H)](
         q, q.stride(0), q.stride(1), sink_k, sink_v, win_k, win_v, lengths, page_table,
         k_pages, k_scale, k_zero, v_hi, v_lo, v_scale, v_zero,
@@ -493,7 +529,7 @@ def cell_attention(
         DT=tl.float32 if exact else tl.float16, PREC="ieee" if exact else "tf32",
         UPCAST=q.device.type != "cuda" and q.dtype == torch.bfloat16,
         FIELD=0 if exact else FIELD_MODE[field_mode or DEFAULT_FIELD_MODE],
-        NPP=max(16, _next_pow2(nprog)),
+        NPP=max(16, _next_pow2(nprog)), FAR=1 if impl == "cc" and nsplit else 0, PPI=ppi,
         num_warps=num_warps or cfg["num_warps"], num_stages=num_stages or cfg["num_stages"],
     )
     return out
