@@ -39,6 +39,7 @@ import json
 import math
 import platform
 import time
+import traceback
 
 import torch
 
@@ -176,7 +177,7 @@ def capture(step, mode: str):
             step()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
         step()
     return graph.replay
 
@@ -270,14 +271,13 @@ def measure(model, cfg, arm, plans, *, ctx, batch, steps, capture_mode, k_scale,
     row = {"arm": arm, "ctx": ctx, "batch": batch, "capture": capture_mode, "cache_bytes": cache_bytes(cache)}
     step = make_step(model, cache, tok, pos, dense=arm == "bf16", capacity=capacity)
     t0 = time.perf_counter()
-    if launches:
-        row["eager"] = count_launches(step)
     replay = capture(step, capture_mode)
     row["capture_s"] = round(time.perf_counter() - t0, 2)
     time_steps(replay, 3)
     ms = time_steps(replay, steps)
-    if launches:
+    if launches:  # after capture and timing: a profiler session before capture can break it
         row["graph"] = count_launches(replay)
+        row["eager"] = count_launches(step)
     row.update(step_ms=round(ms, 3), tok_s=round(batch * 1000.0 / ms, 1),
                ms_per_token=round(ms, 3), max_memory_allocated=torch.cuda.max_memory_allocated(),
                finite=bool(torch.isfinite(tok.float()).all()))
@@ -363,7 +363,7 @@ def main(argv=None) -> None:
     arms = [a for a in args.arms.split(",") if a]
     sweep = [int(b) for b in args.sweep.split(",") if b]
     budget = int(args.kv_budget_gib * GIB)
-    rows, fits = [], {}
+    rows, fits, errors = [], {}, []
     t_start = time.perf_counter()
     for ctx in contexts:
         for arm in arms:
@@ -372,9 +372,16 @@ def main(argv=None) -> None:
             fits[f"{arm}@{ctx}"] = {"bytes_per_row": per_row, "max_batch": peak}
             for b in batches_for(peak, sweep, args.common_batch):
                 model.set_attn_implementation("sdpa" if arm == "bf16" else "loopkv")
-                row = measure(model, cfg, arm, plans, ctx=ctx, batch=b, steps=args.steps,
-                              capture_mode=args.capture, k_scale=args.k_scale, dtype=dtype, device=device,
-                              launches=b == 1)
+                try:
+                    row = measure(model, cfg, arm, plans, ctx=ctx, batch=b, steps=args.steps,
+                                  capture_mode=args.capture, k_scale=args.k_scale, dtype=dtype, device=device,
+                                  launches=b == 1)
+                except Exception as exc:  # record and go on: one broken point must not lose the run
+                    errors.append({"arm": arm, "ctx": ctx, "batch": b, "error": traceback.format_exc()[-3000:]})
+                    print(f"{arm} ctx={ctx} B={b} FAILED: {exc!r}", flush=True)
+                    torch.cuda.synchronize()
+                    torch.cuda.empty_cache()
+                    break
                 rows.append(row)
                 print(f"{arm:9s} ctx={ctx:6d} B={b:3d} step={row['step_ms']:8.3f} ms  tok/s={row['tok_s']:8.1f}  "
                       f"peak mem={row['max_memory_allocated'] / GIB:6.1f} GiB", flush=True)
@@ -385,6 +392,7 @@ def main(argv=None) -> None:
         "model": {"shape": "Ouro-1.4B (random weights)", "params": sum(p.numel() for p in model.parameters())},
         "kv_budget_bytes": budget, "plans_kib_per_token_stored_read": plan_kib,
         "plan_grids": {a: plans[a].grid() for a in plans}, "fits": fits, "rows": rows, "summary": summary,
+        "errors": errors,
         "wall_s": round(time.perf_counter() - t_start, 1),
     }
     if args.out:

@@ -78,9 +78,12 @@ class LoopKVCell(CacheLayerMixin):
         return (self.max_cache_len, 0) if q == 1 else (q, 0)
 
     def get_seq_length(self) -> int:
-        """Tokens of the longest row; a 0-d tensor while compiling (no host sync, no graph break)."""
+        """Tokens of the longest row; a 0-d tensor while compiling or capturing a CUDA graph (no host sync,
+        no graph break; transformers' mask helpers call this every step)."""
         longest = self.storage.lengths.max()
-        return longest if torch.compiler.is_compiling() else int(longest)
+        if torch.compiler.is_compiling() or _capturing(longest.device):
+            return longest
+        return int(longest)
 
     def get_max_length(self) -> int:
         return self.max_cache_len
