@@ -309,6 +309,7 @@ def _cell_attn_kernel(
     G: tl.constexpr, GR: tl.constexpr, GP: tl.constexpr, NGP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
     BITS: tl.constexpr, VPREC: tl.constexpr, BN: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr,
     UPCAST: tl.constexpr, FIELD: tl.constexpr, NPP: tl.constexpr, FAR: tl.constexpr, PPI: tl.constexpr,
+    TS: tl.constexpr,
 ):
     """Program (i, b*H + h): near slots (i < NNEAR) or history split i - NNEAR of row b, KV head h."""
     RP: tl.constexpr = GR * NGP
@@ -367,6 +368,7 @@ def _cell_attn_kernel(
             far_cc(
                 q, sq_b, sq_h, b, h, H, MAXP, length, p0, p1, page_table, sink_k, k_pages, k_scale, k_zero,
                 v_hi, v_lo, v_scale, v_zero, qk_scale, tau, ws_o, ws_ml, slot, G, GR, GP, D, DP, BITS, VPREC, PPI,
+                TS,
             )
         elif BITS != 0:
             _far_quant(
@@ -434,7 +436,7 @@ def choose_splits(rows_heads: int, max_pages: int, device: torch.device) -> int:
 
 FAR_IMPLS = ("cc", "dot")
 CC_MAX_GROUP = 2  # query heads per KV head up to which the CUDA-core reader is the default
-CC_DEFAULT = False  # the CUDA-core reader is opt-in until measured on the H200
+CC_DEFAULT = True  # set False to make the tensor-core reader the default everywhere
 
 
 def _config(bits: int, far_impl: str) -> dict:
@@ -442,12 +444,13 @@ def _config(bits: int, far_impl: str) -> dict:
 
     Measured on the H200 (docs/kernel-notes.md): the tensor-core code reader is latency-bound and runs
     best as one warp per program with three pipeline stages; exact BF16 pages as four warps. The CUDA-core
-    reader (``triton_far``): four warps, one page per iteration (static counts, not yet measured)."""
+    reader (``triton_far``): four warps, 16-token sub-tiles, one page per iteration (chosen from static
+    counts: 110-119 registers, no spills; not yet measured)."""
     if bits in (4, 2):
         if far_impl == "cc":
-            return {"num_warps": 4, "num_stages": 1, "pages_per_iter": 1}
-        return {"num_warps": 1, "num_stages": 3, "pages_per_iter": 1}
-    return {"num_warps": 4, "num_stages": 2, "pages_per_iter": 1}
+            return {"num_warps": 4, "num_stages": 1, "pages_per_iter": 1, "sub_tokens": 16}
+        return {"num_warps": 1, "num_stages": 3, "pages_per_iter": 1, "sub_tokens": 0}
+    return {"num_warps": 4, "num_stages": 2, "pages_per_iter": 1, "sub_tokens": 0}
 
 
 def choose_far_impl(bits: int, group: int, far_impl: str | None = None) -> str:
@@ -467,14 +470,15 @@ def cell_attention(
     page_table: Tensor, k_pages: Tensor, k_scale: Tensor, k_zero: Tensor, v_hi: Tensor, v_lo: Tensor,
     v_scale: Tensor, v_zero: Tensor, bits: int, tau: float, scale: float, *, splits: int | None = None,
     num_warps: int | None = None, num_stages: int | None = None, field_mode: str | None = None,
-    far_impl: str | None = None, pages_per_iter: int | None = None,
+    far_impl: str | None = None, pages_per_iter: int | None = None, sub_tokens: int | None = None,
 ) -> Tensor:
     """Triton ``cell_attention``: q [B, Hq, D] -> [B, Hq, D] (shapes: docs/storage-layout.md).
 
     Storage tensors are the cache's contiguous buffers (others fall back to the reference).
     ``splits`` (history programs per row and KV head), ``num_warps``, ``num_stages``, ``far_impl``
     (``"cc"``: CUDA-core history reader, ``"dot"``: tensor-core reader; default by ``choose_far_impl``) and
-    ``pages_per_iter`` (1 or 2, CUDA-core reader only) override the fixed config (benchmarks, tests).
+    ``pages_per_iter`` (1 or 2) and ``sub_tokens`` (tokens per sub-tile: 4..32, a power of two; CUDA-core
+    reader only) override the fixed config (benchmarks, tests).
     """
     if bits not in (16, 4, 2, 0):
         raise ValueError(f"bits must be 16, 4, 2 or 0 (no history), got {bits}")
@@ -517,6 +521,10 @@ def cell_attention(
     ppi = pages_per_iter or cfg["pages_per_iter"]
     if ppi not in (1, 2):
         raise ValueError(f"pages_per_iter must be 1 or 2, got {pages_per_iter}")
+    nw = num_warps or cfg["num_warps"]
+    ts = sub_tokens or cfg["sub_tokens"]
+    if impl == "cc" and ts not in (4, 8, 16, 32):
+        raise ValueError(f"sub_tokens must be 4, 8, 16 or 32, got {sub_tokens}")
     if impl == "cc":  # the CUDA-core reader reads codes as int32 words (rows are multiples of 4 bytes)
         k_pages, v_hi, v_lo = (t.view(torch.int32) if t.numel() else t.new_empty(0, dtype=torch.int32)
                                for t in (k_pages, v_hi, v_lo))
@@ -529,8 +537,8 @@ def cell_attention(
         DT=tl.float32 if exact else tl.float16, PREC="ieee" if exact else "tf32",
         UPCAST=q.device.type != "cuda" and q.dtype == torch.bfloat16,
         FIELD=0 if exact else FIELD_MODE[field_mode or DEFAULT_FIELD_MODE],
-        NPP=max(16, _next_pow2(nprog)), FAR=1 if impl == "cc" and nsplit else 0, PPI=ppi,
-        num_warps=num_warps or cfg["num_warps"], num_stages=num_stages or cfg["num_stages"],
+        NPP=max(16, _next_pow2(nprog)), FAR=1 if impl == "cc" and nsplit else 0, PPI=ppi, TS=ts if impl == "cc" else 0,
+        num_warps=nw, num_stages=num_stages or cfg["num_stages"],
     )
     return out
 

@@ -38,76 +38,101 @@ UNIT_OUT = 53  # ... give products in units of 2**(96 - 149) = 2**-53
 
 
 @triton.jit
-def _sub(x, SHIFT, WIDTH: tl.constexpr):
+def _sub(x, SHIFT: tl.constexpr, WIDTH: tl.constexpr):
     """Bits ``[SHIFT, SHIFT + WIDTH)`` of int32 ``x`` as fp32 ``2**(SHIFT - 149) * field`` (a subnormal)."""
     return (x & (((1 << WIDTH) - 1) << SHIFT)).to(tl.float32, bitcast=True)
 
 
 @triton.jit
-def _cc_scores(qf, q4, k_words, k_scale, k_zero, page, ok, qk_scale,
-               BITS: tl.constexpr, D: tl.constexpr, DP: tl.constexpr):
-    """Scores [GP, 32] (log2 units) of one page's 32 tokens; qf [GP, 1, KWP, PERW] is the query in field
-    order times ``2**(96 - s_j)``, q4 the plain query in the same order. ``ok`` False -> all -inf."""
+def _k_prep(qf, qd, k_scale, k_zero, page, ok, GP: tl.constexpr, BITS: tl.constexpr, D: tl.constexpr,
+            DP: tl.constexpr):
+    """Per page: ``qk[j]`` [GP, 1, KWP] = qf[j] * k_scale (field j of every word), and ``bias`` [GP, 1] =
+    q . k_zero (qd [GP, DP]: the query in channel order, a compact layout: one reduction, not per field)."""
+    PERW: tl.constexpr = 32 // BITS
+    KW: tl.constexpr = D // PERW
+    KWP: tl.constexpr = DP // PERW
+    w = tl.arange(0, KWP)[None, None, :]
+    wm = w < tl.where(ok, KW, 0)  # (not `& ok`: the interpreter turns a scalar & into int32)
+    qk = ()
+    for j in tl.static_range(PERW):
+        ks = tl.load(k_scale + page * D + w * PERW + j, mask=wm, other=0.0).to(tl.float32)
+        qk = qk + (qf[j] * ks,)
+    c = tl.arange(0, DP)[None, :]
+    kz = tl.load(k_zero + page * D + c, mask=c < tl.where(ok, D, 0), other=0.0).to(tl.float32)
+    return qk, tl.sum(qd * kz, 1)[:, None]
+
+
+@triton.jit
+def _k_sub(qk, bias, k_words, page, sub, ok, qk_scale, GP: tl.constexpr, TS: tl.constexpr, BITS: tl.constexpr,
+           D: tl.constexpr, DP: tl.constexpr):
+    """Scores [GP, TS] (log2 units) of tokens ``sub * TS + [0, TS)`` of a page; ``ok`` False -> -inf;
+    bias [GP, 1] = q . k_zero."""
     PERW: tl.constexpr = 32 // BITS
     HALF: tl.constexpr = PERW // 2
     KW: tl.constexpr = D // PERW
     KWP: tl.constexpr = DP // PERW
-    t = tl.arange(0, 32)[None, :, None, None]
-    w = tl.arange(0, KWP)[None, None, :, None]
-    j = tl.arange(0, PERW)[None, None, None, :]
-    wm = w < tl.where(ok, KW, 0)  # (not `& ok`: the interpreter turns a scalar & into int32)
-    words = tl.load(k_words + page * (32 * KW) + t * KW + w, mask=wm, other=0)  # [1, 32, KWP, 1]
-    ks = tl.load(k_scale + page * D + w * PERW + j, mask=wm, other=0.0).to(tl.float32)  # [1, 1, KWP, PERW]
-    kz = tl.load(k_zero + page * D + w * PERW + j, mask=wm, other=0.0).to(tl.float32)
-    src = tl.where(j >= HALF, words >> 16, words)
-    f = _sub(src, BITS * (j % HALF), BITS)  # [1, 32, KWP, PERW]
-    dot = tl.sum(tl.sum((qf * ks) * f, 3), 2)  # [GP, 32]
-    bias = tl.sum(tl.sum(q4 * kz, 3), 2)  # [GP, 1]
-    s = (dot * 9007199254740992.0 + bias) * qk_scale  # 2**53
+    t = sub * TS + tl.arange(0, TS)[None, :, None]
+    w = tl.arange(0, KWP)[None, None, :]
+    words = tl.load(k_words + page * (32 * KW) + t * KW + w, mask=w < tl.where(ok, KW, 0), other=0)
+    upper = words >> 16
+    part = qk[0] * _sub(words, 0, BITS)
+    for j in tl.static_range(1, PERW):
+        if j < HALF:
+            part += qk[j] * _sub(words, BITS * j, BITS)
+        else:
+            part += qk[j] * _sub(upper, BITS * (j - HALF), BITS)
+    s = (tl.sum(part, 2) * 9007199254740992.0 + bias) * qk_scale  # 2**53
     return tl.where(ok, s, float("-inf"))
 
 
 @triton.jit
-def _cc_values(acc, zacc, p, v_hi, v_lo, v_scale, v_zero, page, ok, cold,
-               BITS: tl.constexpr, VPREC: tl.constexpr, D: tl.constexpr, DP: tl.constexpr):
-    """acc [GP, 32, VWP, 16] += p * v_scale * 2**96 * field (channel 16 w + j), zacc [GP, 32, VWP, 1] +=
-    p * v_zero (+ 1.5 * v_scale for cold tokens); p [GP, 32], cold [32] (VPREC only)."""
+def _v_sub(acc, zacc, p, v_hi, v_lo, v_scale, v_zero, page, sub, ok, cold, TS: tl.constexpr, BITS: tl.constexpr,
+           VPREC: tl.constexpr, D: tl.constexpr, DP: tl.constexpr):
+    """acc[j] [GP, TS, VWP] += p * v_scale * 2**96 * field j (channel 16 w + j) and zacc [GP, TS, VWP] +=
+    p * v_zero (+ 1.5 * v_scale for cold tokens) for tokens ``sub * TS + [0, TS)``; p [GP, TS], cold [TS]."""
     NG: tl.constexpr = D // 32
     VW: tl.constexpr = D // 16
     VWP: tl.constexpr = DP // 16
-    t = tl.arange(0, 32)[None, :, None, None]
-    w = tl.arange(0, VWP)[None, None, :, None]
-    j = tl.arange(0, 16)[None, None, None, :]
+    t = sub * TS + tl.arange(0, TS)[None, :, None]
+    w = tl.arange(0, VWP)[None, None, :]
     wm = w < tl.where(ok, VW, 0)
-    goff = page * (32 * NG) + t * NG + w // 2  # [1, 32, VWP, 1]: the 32-channel group of word w
-    vs = tl.load(v_scale + goff, mask=wm, other=0.0).to(tl.float32)
+    goff = page * (32 * NG) + t * NG + w // 2  # the 32-channel group of word w
+    vs = tl.load(v_scale + goff, mask=wm, other=0.0).to(tl.float32)  # [1, TS, VWP]
     vz = tl.load(v_zero + goff, mask=wm, other=0.0).to(tl.float32)
     voff = page * (32 * VW) + t * VW + w
-    hi = tl.load(v_hi + voff, mask=wm, other=0)  # [1, 32, VWP, 1] int32: crumb c at bits 2c = channel 16 w + c
+    hi = tl.load(v_hi + voff, mask=wm, other=0)  # int32: crumb c at bits 2c is channel 16 w + c
     if BITS == 4:
         if VPREC:
-            cold4 = cold[None, :, None, None]
-            vz += tl.where(cold4, 1.5 * vs, 0.0)
-            lo = tl.load(v_lo + voff, mask=wm & (~cold4), other=0)
+            cold3 = cold[None, :, None]
+            vz += tl.where(cold3, 1.5 * vs, 0.0)
+            lo = tl.load(v_lo + voff, mask=wm & (~cold3), other=0)
         else:
             lo = tl.load(v_lo + voff, mask=wm, other=0)
         # nibble k of `even` is 4 hi + lo of crumb 2k (channel 2k), of `odd` of crumb 2k + 1
         even = ((hi & 0x33333333) << 2) | (lo & 0x33333333)
         odd = (hi & -0x33333334) | ((lo >> 2) & 0x33333333)  # -0x33333334 == 0xCCCCCCCC
-        nib = tl.where(j % 2 == 0, even, odd)
-        k = j // 2
-        f = _sub(tl.where(k >= 4, nib >> 16, nib), 4 * (k % 4), 4)  # [1, 32, VWP, 16]
+        even_u = even >> 16
+        odd_u = odd >> 16
     else:
-        f = _sub(tl.where(j >= 8, hi >> 16, hi), 2 * (j % 8), 2)
-    p4 = p[:, :, None, None]
-    acc += (p4 * (vs * 79228162514264337593543950336.0)) * f  # 2**96
-    zacc += p4 * vz
-    return acc, zacc
+        hi_u = hi >> 16
+    a = p[:, :, None] * (vs * 79228162514264337593543950336.0)  # 2**96
+    new = ()
+    for j in tl.static_range(16):
+        if BITS == 4:
+            if j % 2 == 0:
+                f = _sub(even if j < 8 else even_u, 4 * ((j // 2) % 4), 4)
+            else:
+                f = _sub(odd if j < 8 else odd_u, 4 * ((j // 2) % 4), 4)
+        else:
+            f = _sub(hi if j < 8 else hi_u, 2 * (j % 8), 2)
+        new = new + (acc[j] + a * f,)
+    zacc += p[:, :, None] * vz
+    return new, zacc
 
 
 @triton.jit
 def _cold(s, m_page, sink_max, tau, G: tl.constexpr, GP: tl.constexpr):
-    """[32]: token cold for every query head of the group (s [GP, 32] log2 units, m_page/sink_max [GP])."""
+    """[TS]: token cold for every query head of the group (s [GP, TS] log2 units, m_page/sink_max [GP])."""
     g = tl.arange(0, GP)
     m_ref = tl.maximum(sink_max, m_page)
     cold_r = (s < (m_ref - tau)[:, None]) | (g >= G)[:, None]
@@ -119,20 +144,30 @@ def far_cc(
     q, sq_b, sq_h, b, h, H, MAXP, length, p0, p1, page_table, sink_k, k_words, k_scale, k_zero, v_hi, v_lo,
     v_scale, v_zero, qk_scale, tau, ws_o, ws_ml, slot,
     G: tl.constexpr, GR: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BITS: tl.constexpr,
-    VPREC: tl.constexpr, PPI: tl.constexpr,
+    VPREC: tl.constexpr, PPI: tl.constexpr, TS: tl.constexpr,
 ):
-    """History pages [p0, p1) of row b, KV head h (codes as int32 words) -> partial (m, l, o) at ``slot``."""
+    """History pages [p0, p1) of row b, KV head h (codes as int32 words) -> partial (m, l, o) at ``slot``.
+
+    Each iteration takes ``PPI`` pages, each as ``32 // TS`` sub-tiles of ``TS`` tokens (TS sets how many
+    tokens a thread holds: the per-page scale work is shared by a thread's tokens)."""
     PERW: tl.constexpr = 32 // BITS
     HALF: tl.constexpr = PERW // 2
     KWP: tl.constexpr = DP // PERW
     VWP: tl.constexpr = DP // 16
+    NSUB: tl.constexpr = 32 // TS
+    NC: tl.constexpr = PPI * NSUB
     b64 = b.to(tl.int64)
-    g4 = tl.arange(0, GP)[:, None, None, None]
-    ch = tl.arange(0, KWP)[None, None, :, None] * PERW + tl.arange(0, PERW)[None, None, None, :]
-    q4 = tl.load(q + b64 * sq_b + (h * G + g4) * sq_h + ch, mask=(g4 < G) & (ch < D), other=0.0).to(tl.float32)
-    jq = tl.arange(0, PERW)[None, None, None, :]
-    qf = q4 * tl.exp2((96 - BITS * (jq % HALF)).to(tl.float32))  # [GP, 1, KWP, PERW]
     gq = tl.arange(0, GP)
+    g3 = gq[:, None, None]
+    wq = tl.arange(0, KWP)[None, None, :]
+    qf = ()  # field j of the query, times 2**(96 - s_j)
+    for j in tl.static_range(PERW):
+        qj = tl.load(q + b64 * sq_b + (h * G + g3) * sq_h + wq * PERW + j, mask=(g3 < G) & (wq * PERW + j < D),
+                     other=0.0).to(tl.float32)
+        qf = qf + (qj * (2.0 ** (96 - BITS * (j % HALF))),)
+    cq = tl.arange(0, DP)[None, :]
+    qd = tl.load(q + b64 * sq_b + (h * G + gq[:, None]) * sq_h + cq, mask=(gq[:, None] < G) & (cq < D),
+                 other=0.0).to(tl.float32)  # [GP, DP]
     sink_max = tl.full([GP], float("-inf"), tl.float32)
     if VPREC:
         if p1 > p0:
@@ -146,52 +181,58 @@ def far_cc(
             s_sink = tl.where((ts < tl.minimum(length, 32))[None, :], s_sink, float("-inf"))
             sink_max = tl.max(s_sink, 1)
     m_i = tl.full([GP], float("-inf"), tl.float32)
-    l_t = tl.zeros([GP, 32], tl.float32)
-    acc = tl.zeros([GP, 32, VWP, 16], tl.float32)
-    zacc = tl.zeros([GP, 32, VWP, 1], tl.float32)
-    cold_a = tl.zeros([32], tl.int32) > 0
-    cold_b = cold_a
+    l_t = tl.zeros([GP, TS], tl.float32)
+    zacc = tl.zeros([GP, TS, VWP], tl.float32)
+    acc = ()
+    for _j in tl.static_range(16):
+        acc = acc + (tl.zeros([GP, TS, VWP], tl.float32),)
+    no_cold = tl.zeros([TS], tl.int32) > 0
     for pg in range(p0, p1, PPI):
-        page_a = tl.load(page_table + b64 * MAXP + pg).to(tl.int64) * H + h
-        s_a = _cc_scores(qf, q4, k_words, k_scale, k_zero, page_a, pg < p1, qk_scale, BITS, D, DP)
-        m_a = tl.max(s_a, 1)
-        m_top = m_a
-        if PPI == 2:
-            ok_b = pg + 1 < p1
-            page_b = tl.load(page_table + b64 * MAXP + pg + 1, mask=ok_b, other=0).to(tl.int64) * H + h
-            s_b = _cc_scores(qf, q4, k_words, k_scale, k_zero, page_b, ok_b, qk_scale, BITS, D, DP)
-            m_b = tl.max(s_b, 1)
-            m_top = tl.maximum(m_a, m_b)
+        # ---- scores of every sub-tile of the PPI pages, then one maximum update
+        pages = ()
+        oks = ()
+        ss = ()
+        for pp in tl.static_range(PPI):
+            ok = pg + pp < p1
+            page = tl.load(page_table + b64 * MAXP + pg + pp, mask=ok, other=0).to(tl.int64) * H + h
+            qk, bias = _k_prep(qf, qd, k_scale, k_zero, page, ok, GP, BITS, D, DP)
+            pages = pages + (page,)
+            oks = oks + (ok,)
+            for sb in tl.static_range(NSUB):
+                ss = ss + (_k_sub(qk, bias, k_words, page, sb, ok, qk_scale, GP, TS, BITS, D, DP),)
+        m_pages = ()
+        m_top = m_i
+        for pp in tl.static_range(PPI):
+            m_p = tl.max(ss[pp * NSUB], 1)
+            for sb in tl.static_range(1, NSUB):
+                m_p = tl.maximum(m_p, tl.max(ss[pp * NSUB + sb], 1))
+            m_pages = m_pages + (m_p,)
+            m_top = tl.maximum(m_top, m_p)
         if tl.max(m_top - m_i, 0) > 0:  # rescale only when a running maximum grows
-            m_new = tl.maximum(m_i, m_top)
-            alpha = tl.exp2(m_i - m_new)
+            alpha = tl.exp2(m_i - m_top)
             l_t *= alpha[:, None]
-            acc *= alpha[:, None, None, None]
-            zacc *= alpha[:, None, None, None]
-            m_i = m_new
-        p_a = tl.exp2(s_a - m_i[:, None])
-        l_t += p_a
-        if VPREC:
-            cold_a = _cold(s_a, m_a, sink_max, tau, G, GP)
-        acc, zacc = _cc_values(acc, zacc, p_a, v_hi, v_lo, v_scale, v_zero, page_a, pg < p1, cold_a,
-                               BITS, VPREC, D, DP)
-        if PPI == 2:
-            p_b = tl.exp2(s_b - m_i[:, None])  # 0 where page b is past p1
-            l_t += p_b
+            zacc *= alpha[:, None, None]
+            new = ()
+            for j in tl.static_range(16):
+                new = new + (acc[j] * alpha[:, None, None],)
+            acc = new
+            m_i = m_top
+        # ---- values
+        for cc in tl.static_range(NC):
+            p = tl.exp2(ss[cc] - m_i[:, None])  # 0 for pages past p1
+            l_t += p
+            cold = no_cold
             if VPREC:
-                cold_b = _cold(s_b, m_b, sink_max, tau, G, GP)
-            acc, zacc = _cc_values(acc, zacc, p_b, v_hi, v_lo, v_scale, v_zero, page_b, ok_b, cold_b,
-                                   BITS, VPREC, D, DP)
-    # ---- partial: o[g, 16 w + j] = 2**(53 - s_j) * sum_t acc + sum_t zacc
-    g3 = tl.arange(0, GP)[:, None, None]
-    w3 = tl.arange(0, VWP)[None, :, None]
-    j3 = tl.arange(0, 16)[None, None, :]
-    if BITS == 4:
-        vshift = 4 * ((j3 // 2) % 4)
-    else:
-        vshift = 2 * (j3 % 8)
-    o = tl.sum(acc, 1) * tl.exp2((53 - vshift).to(tl.float32)) + tl.sum(zacc, 1)  # [GP, VWP, 16]
-    tl.store(ws_o + (slot * GR + g3) * DP + 16 * w3 + j3, o, mask=g3 < G)
-    l_i = tl.sum(l_t, 1)
+                cold = _cold(ss[cc], m_pages[cc // NSUB], sink_max, tau, G, GP)
+            acc, zacc = _v_sub(acc, zacc, p, v_hi, v_lo, v_scale, v_zero, pages[cc // NSUB], cc % NSUB,
+                               oks[cc // NSUB], cold, TS, BITS, VPREC, D, DP)
+    # ---- partial: o[g, 16 w + j] = 2**(53 - s_j) * sum_t acc[j] + sum_t zacc
+    g2 = gq[:, None]
+    w2 = tl.arange(0, VWP)[None, :]
+    z = tl.sum(zacc, 1)  # [GP, VWP]
+    obase = ws_o + (slot * GR + g2) * DP + 16 * w2
+    for j in tl.static_range(16):
+        unit = 2.0 ** (53 - (4 * ((j // 2) % 4) if BITS == 4 else 2 * (j % 8)))
+        tl.store(obase + j, tl.sum(acc[j], 1) * unit + z, mask=g2 < G)
     tl.store(ws_ml + (slot * GR + gq) * 2, m_i, mask=gq < G)
-    tl.store(ws_ml + (slot * GR + gq) * 2 + 1, l_i, mask=gq < G)
+    tl.store(ws_ml + (slot * GR + gq) * 2 + 1, tl.sum(l_t, 1), mask=gq < G)

@@ -91,17 +91,53 @@ CASES = [  # bits, tau, query heads per KV head, head_dim, dtype
 ]
 
 
+# history readers: "dot" (tensor cores) and "cc" (CUDA cores, loopkv/ops/triton_far.py); BF16 pages have one
+FAR_CASES = [(*c, far) for c in CASES for far in (("dot", "cc") if c[0] != 16 else ("dot",))]
+
+
 @interpret
 @pytest.mark.interpret
-@pytest.mark.parametrize(("bits", "tau", "group", "head_dim", "dtype"), CASES)
-def test_matches_reference(bits, tau, group, head_dim, dtype):
+@pytest.mark.parametrize(("bits", "tau", "group", "head_dim", "dtype", "far_impl"), FAR_CASES)
+def test_matches_reference(bits, tau, group, head_dim, dtype, far_impl):
     heads, maxp = 2, 4
     st = make_cell(len(LENGTHS), heads, head_dim, maxp, bits, LENGTHS, dtype=dtype, seed=bits + head_dim)
     q = torch.randn(len(LENGTHS), heads * group, head_dim).to(dtype)
     scale = head_dim**-0.5
-    out = ta.cell_attention(q, *st, bits, tau, scale, splits=2)
+    out = ta.cell_attention(q, *st, bits, tau, scale, splits=2, far_impl=far_impl)
     assert_close_to_reference(out, q, st, bits, tau, scale)
     assert torch.equal(out[0], torch.zeros_like(out[0]))  # length 0 -> zeros
+
+
+@interpret
+@pytest.mark.interpret
+@pytest.mark.parametrize(("pages_per_iter", "sub_tokens", "bits", "tau", "group"), [
+    (1, 4, 4, 2.0, 1), (1, 32, 2, INF, 2), (2, 8, 4, 14.0, 2), (2, 16, 4, 2.0, 1)])
+def test_cuda_core_reader_tilings(pages_per_iter, sub_tokens, bits, tau, group):
+    """The CUDA-core reader's tilings (pages per iteration, tokens per sub-tile) over odd page counts (the
+    last iteration of 2 pages has one), 0 pages, V precision with cold tokens (tau = 2), 1 and 2 query heads
+    per KV head, INT2: all match the reference."""
+    lengths = [288 + 32 * 3 + 5, 288 + 32 * 2, 0]
+    st = make_cell(len(lengths), 1, 64, 3, bits, lengths, seed=20 + sub_tokens)
+    q = 2 * torch.randn(len(lengths), group, 64)
+    out = ta.cell_attention(q, *st, bits, tau, 0.125, splits=2, far_impl="cc", pages_per_iter=pages_per_iter,
+                            sub_tokens=sub_tokens)
+    assert_close_to_reference(out, q, st, bits, tau, 0.125)
+
+
+def test_far_impl_choice_and_argument_errors():
+    assert ta.choose_far_impl(4, 1) == ("cc" if ta.CC_DEFAULT else "dot")
+    assert ta.choose_far_impl(2, 2) == ("cc" if ta.CC_DEFAULT else "dot")
+    assert ta.choose_far_impl(4, 4) == "dot"
+    assert ta.choose_far_impl(16, 1, "cc") == "dot"  # BF16 pages: one reader
+    assert ta.choose_far_impl(4, 8, "cc") == "cc"
+    with pytest.raises(ValueError, match="far_impl"):
+        ta.choose_far_impl(4, 1, "tensor")
+    st = make_cell(1, 1, 64, 1, 4, [330], seed=1)
+    q = torch.randn(1, 1, 64)
+    with pytest.raises(ValueError, match="pages_per_iter"):
+        ta.cell_attention(q, *st, 4, INF, 0.125, far_impl="cc", pages_per_iter=3)
+    with pytest.raises(ValueError, match="sub_tokens"):
+        ta.cell_attention(q, *st, 4, INF, 0.125, far_impl="cc", sub_tokens=12)
 
 
 @interpret
@@ -119,53 +155,56 @@ def test_fp16_field_modes(field_mode):
 
 @interpret
 @pytest.mark.interpret
-def test_splits_and_window_only_rows():
+@pytest.mark.parametrize("far_impl", ["dot", "cc"])
+def test_splits_and_window_only_rows(far_impl):
     """1 split, more splits than pages; a row with a window but no history page (300 tokens)."""
     lengths = [300, 288 + 32 * 3, 1]
     st = make_cell(3, 2, 64, 3, 4, lengths, seed=3)
     q = torch.randn(3, 2, 64)
-    outs = [ta.cell_attention(q, *st, 4, 14.0, 0.125, splits=s) for s in (1, 5)]
+    outs = [ta.cell_attention(q, *st, 4, 14.0, 0.125, splits=s, far_impl=far_impl) for s in (1, 5)]
     for out in outs:
         assert_close_to_reference(out, q, st, 4, 14.0, 0.125)
 
 
 @interpret
 @pytest.mark.interpret
-def test_v_precision_reads_cold_tokens_and_huge_tau_is_plain_int4():
+@pytest.mark.parametrize("far_impl", ["dot", "cc"])
+def test_v_precision_reads_cold_tokens_and_huge_tau_is_plain_int4(far_impl):
     """tau = 0 marks tokens cold (the output moves, and still matches the reference); a finite tau no
     token can reach runs the V-precision code path yet gives the plain INT4 reader's bits (tau = inf)."""
     lengths = [288 + 32 * 2 + 3, 288 + 32 * 3]
     st = make_cell(2, 2, 64, 3, 4, lengths, seed=4)
     q = 3 * torch.randn(2, 4, 64)
-    plain = ta.cell_attention(q, *st, 4, INF, 0.125, splits=2)
-    huge = ta.cell_attention(q, *st, 4, 1e30, 0.125, splits=2)
+    plain = ta.cell_attention(q, *st, 4, INF, 0.125, splits=2, far_impl=far_impl)
+    huge = ta.cell_attention(q, *st, 4, 1e30, 0.125, splits=2, far_impl=far_impl)
     assert torch.equal(plain, huge)
-    cold = ta.cell_attention(q, *st, 4, 0.0, 0.125, splits=2)
+    cold = ta.cell_attention(q, *st, 4, 0.0, 0.125, splits=2, far_impl=far_impl)
     assert (cold - plain).abs().max() > 1e-3
     assert_close_to_reference(cold, q, st, 4, 0.0, 0.125)
 
 
 @interpret
 @pytest.mark.interpret
-@pytest.mark.parametrize("bits", [4, 2])
-def test_shared_cell_reads_another_pool(bits):
+@pytest.mark.parametrize(("bits", "far_impl"), [(4, "dot"), (2, "dot"), (4, "cc"), (2, "cc")])
+def test_shared_cell_reads_another_pool(bits, far_impl):
     """A shared cell's page table points into the final loop's pool: pages out of order, two rows on
     the same physical pages, a pool larger than batch * maxp."""
     page_table = torch.tensor([[6, 2, 9], [6, 2, 0], [1, 1, 1]])
     lengths = [288 + 32 * 3 + 7, 288 + 32 * 2 + 1, 288 + 32]
     st = make_cell(3, 2, 64, 3, bits, lengths, pool_pages=10, page_table=page_table, seed=5)
     q = torch.randn(3, 2, 64)
-    out = ta.cell_attention(q, *st, bits, 14.0, 0.125, splits=2)
+    out = ta.cell_attention(q, *st, bits, 14.0, 0.125, splits=2, far_impl=far_impl)
     assert_close_to_reference(out, q, st, bits, 14.0, 0.125)
 
 
 @interpret
 @pytest.mark.interpret
-def test_repeated_calls_reset_the_merge_counters():
+@pytest.mark.parametrize("far_impl", ["dot", "cc"])
+def test_repeated_calls_reset_the_merge_counters(far_impl):
     st = make_cell(2, 2, 64, 2, 4, [288 + 64, 100], seed=6)
     q = torch.randn(2, 2, 64)
-    first = ta.cell_attention(q, *st, 4, INF, 0.125, splits=3)
-    second = ta.cell_attention(q, *st, 4, INF, 0.125, splits=3)
+    first = ta.cell_attention(q, *st, 4, INF, 0.125, splits=3, far_impl=far_impl)
+    second = ta.cell_attention(q, *st, 4, INF, 0.125, splits=3, far_impl=far_impl)
     assert torch.equal(first, second)
     assert int(ta.counters("cpu", 4, purpose="attention")[:4].abs().sum()) == 0
 
@@ -186,7 +225,8 @@ def test_random_shapes(seed):
     lengths = torch.randint(0, layout.capacity(maxp) + 1, (batch,), generator=g).tolist()
     st = make_cell(batch, heads, head_dim, maxp, bits, lengths, seed=seed)
     q = torch.randn(batch, heads * group, head_dim, generator=g)
-    out = ta.cell_attention(q, *st, bits, tau, head_dim**-0.5, splits=pick([1, 2, 4]))
+    kw = {"far_impl": pick(["dot", "cc"]), "pages_per_iter": pick([1, 2]), "sub_tokens": pick([8, 16, 32])}
+    out = ta.cell_attention(q, *st, bits, tau, head_dim**-0.5, splits=pick([1, 2, 4]), **kw)
     assert_close_to_reference(out, q, st, bits, tau, head_dim**-0.5)
 
 
@@ -207,8 +247,11 @@ GPU_CASES = [  # bits, tau, heads, group, head_dim, dtype
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("far_impl", ["dot", "cc"])
 @pytest.mark.parametrize(("bits", "tau", "heads", "group", "head_dim", "dtype"), GPU_CASES)
-def test_gpu_matches_reference(bits, tau, heads, group, head_dim, dtype):
+def test_gpu_matches_reference(bits, tau, heads, group, head_dim, dtype, far_impl):
+    if bits == 16 and far_impl == "cc":
+        pytest.skip("BF16 pages have one reader")
     maxp, batch = 96, 8
     g = torch.Generator().manual_seed(bits * 7 + head_dim)
     lengths = [0, 5, 300, layout.capacity(maxp)] + torch.randint(320, layout.capacity(maxp) + 1, (batch - 4,),
@@ -217,8 +260,30 @@ def test_gpu_matches_reference(bits, tau, heads, group, head_dim, dtype):
     q = torch.randn(batch, heads * group, head_dim, generator=g).to(dtype).cuda()
     scale = head_dim**-0.5
     for splits in (None, 1, 7):
-        out = ta.cell_attention(q, *st, bits, tau, scale, splits=splits)
+        out = ta.cell_attention(q, *st, bits, tau, scale, splits=splits, far_impl=far_impl)
         assert_close_to_reference(out, q, st, bits, tau, scale)
+
+
+CC_CONFIGS = [  # (num_warps, sub_tokens, pages_per_iter): the benchmark's CUDA-core arms
+    (4, 16, 1), (4, 32, 1), (2, 16, 1), (1, 8, 1), (4, 16, 2)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("bits", "tau"), [(4, INF), (4, 14.0), (2, INF)])
+def test_gpu_cuda_core_reader_real_shape(bits, tau):
+    """Ouro-1.4B cell at B = 8 x 16K (16 KV heads x 128, bf16, one query per KV head; also two): every
+    CUDA-core config of the benchmark against a float64 reference computed on the GPU."""
+    batch, heads, head_dim = 8, 16, 128
+    maxp = layout.stored_pages(16384)
+    lengths = [16384, 16384 - 77, 5, 300, 16384 // 2 + 13, 16384, 320, 4000]
+    st = make_cell(batch, heads, head_dim, maxp, bits, lengths, dtype=torch.bfloat16, device="cuda", seed=2)
+    for group, configs in ((1, CC_CONFIGS), (2, CC_CONFIGS[:1])):
+        q = (2 * torch.randn(batch, heads * group, head_dim)).to(torch.bfloat16).cuda()
+        want = reference64(q, st, bits, tau, head_dim**-0.5)
+        for (nw, ts, ppi), splits in zip(configs, (None, 5, None, 3, None), strict=False):
+            out = ta.cell_attention(q, *st, bits, tau, head_dim**-0.5, splits=splits, far_impl="cc",
+                                    num_warps=nw, sub_tokens=ts, pages_per_iter=ppi)
+            torch.testing.assert_close(out.double(), want, atol=ATTN_BF16_ATOL, rtol=ATTN_BF16_RTOL)
 
 
 @pytest.mark.gpu
