@@ -1,21 +1,21 @@
 """Decode attention of one Ouro-1.4B cell (16 KV heads x 128, one query per KV head) on the GPU.
 
-Arms, in the same run and on the same logical context (sink 32 + history pages + window):
-  cudnn_bf16 / flash_bf16   torch SDPA on dense BF16 K/V (``torch.nn.attention.sdpa_kernel``)
-  dequant_sdpa              INT4 codes dequantized to BF16 by torch ops, then cuDNN SDPA (eager)
-  loopkv_int4               the fused kernel, INT4 pages, tau = inf
-  loopkv_int4_vp            INT4 with V precision (tau = 14) on data built so that ~1/6 of the history
-                            tokens are hot (measured fraction reported), with loopkv_int4_vpdata: the
-                            same data at tau = inf, to isolate the V-precision gain
-  loopkv_int2, loopkv_shared (INT4 pages read through another cell's page table), loopkv_bf16 (bits=16)
-  append_exit / append_plain  the decode append with / without every row's page leaving the window
+Default run (``readers``): the history readers of ``loopkv.ops.triton_attention.cell_attention`` against
+cuDNN SDPA on dense BF16 K/V, at B in {1, 8, 32} x context in {8K, 16K, 32K}, for INT4 (tau = inf), INT4
+with V precision (tau = 14, on data built so that ~1/6 of history tokens are hot; the same data at
+tau = inf gives the V-precision gain) and INT2. Reader arms (``READERS``): ``dot`` (tensor cores, the
+session-1 kernel) and ``cc_*`` (CUDA cores, ``loopkv/ops/triton_far.py``) at a few (num_warps, sub-tile
+tokens, pages per iteration, splits) configs. Each arm's output is checked against the ``dot`` arm's.
+
+``--full``: session 1's arm set (cuDNN / flash SDPA, dequantize-then-SDPA, loopkv BF16 pages, INT4, INT4
+with V precision, INT2, a shared cell, the decode append) with the default reader.
 
 Times are medians of ``triton.testing.do_bench`` over CUDA-graph replays; a graph holds one call per
 input set, with enough sets that they do not fit in L2 together (do_bench also flushes L2 before each
 replay). Bytes are those the arm must read (codes, scales, exact sink/window; V precision subtracts the lo
 plane of cold tokens); effective TB/s = bytes / time.
 
-Usage: PYTHONPATH=. python benchmarks/bench_cell_attention.py [--sweep] [--quick] [--out DIR]
+Usage: PYTHONPATH=. python benchmarks/bench_cell_attention.py [--full] [--quick] [--smoke] [--out FILE.json|DIR]
 """
 
 from __future__ import annotations
@@ -161,7 +161,7 @@ def bench_graph(make_call, n_sets: int) -> float:
     with torch.cuda.graph(graph):
         for c in calls:
             c()
-    ms = triton.testing.do_bench(graph.replay, warmup=25, rep=150, return_mode="median")
+    ms = triton.testing.do_bench(graph.replay, warmup=20, rep=100, return_mode="median")
     return ms / n_sets
 
 
@@ -267,50 +267,96 @@ def run_shape(B: int, ctx: int, rows: list, cfg: dict) -> None:
     rows.append(res)
 
 
-def sweep(out_rows: list) -> dict:
-    """Time launch configs of the INT4 reader (field mode, splits, stages) at B=32 x 16K and B=1 x 8K,
-    after checking each field mode against the reference at B=8 x 16K; returns what it chose."""
-    modes = ("offset", "subnormal")
-    errors = {}
-    if DEVICE == "cuda":
-        d = make_dense(8, 16384, seed=7)
-        cell = make_cell(d, 4)
-        ref = cell_attention_reference(d["q"].float(), *[t.float() if t.dtype == torch.bfloat16 else t
-                                                          for t in cell], 4, TAU, D**-0.5)
-        for mode in modes:
-            out = ta.cell_attention(d["q"], *cell, 4, TAU, D**-0.5, splits=1, field_mode=mode).float()
-            errors[mode] = float((out - ref).abs().max())
-        del d, cell, ref
-    good = [m for m in modes if errors.get(m, 0.0) < 2e-2] or ["offset"]
-    best = {}
-    shapes = ((32, 16384, (8, 16, 32), (3,)), (1, 8192, (32, 64), (3,)))
-    if DEVICE == "cpu":
-        shapes = ((1, 288 + 32 * 3, (1, 2), (1,)),)
-    for B, ctx, splits_list, stages in shapes:
-        dense = [make_dense(B, ctx, seed=s) for s in range(n_sets_for(history_bytes(B, ctx, 4)))]
-        cells = [make_cell(d, 4) for d in dense]
-        configs = [dict(num_warps=1, num_stages=ns, splits=sp, field_mode=m)
-                   for m in good for sp in splits_list for ns in stages]
-        if B > 1 and DEVICE == "cuda":
-            configs += [dict(num_warps=2, num_stages=3, splits=16, field_mode=m) for m in good]
-        for kw in configs:
+# reader arms: name -> cell_attention keyword arguments (splits None: the launcher's heuristic)
+READERS = {
+    "dot": {"far_impl": "dot"},
+    "cc_w4_t16": {"far_impl": "cc", "num_warps": 4, "sub_tokens": 16},
+    "cc_w4_t16_s8": {"far_impl": "cc", "num_warps": 4, "sub_tokens": 16, "splits": 8},
+    "cc_w2_t16": {"far_impl": "cc", "num_warps": 2, "sub_tokens": 16},
+    "cc_w4_t16_p2": {"far_impl": "cc", "num_warps": 4, "sub_tokens": 16, "pages_per_iter": 2},
+}
+MODES = (("int4", 4, math.inf, False), ("int4_vpdata", 4, math.inf, True), ("int4_vp", 4, TAU, True),
+         ("int2", 2, math.inf, False))  # name, bits, tau, V-precision data
+
+
+def run_readers(B: int, ctx: int, rows: list) -> None:
+    """cuDNN BF16 and every reader arm in every mode at one shape; outputs checked against ``dot``."""
+    dense_bytes = B * H * ctx * D * 2 * 2
+    sets = n_sets_for(history_bytes(B, ctx, 4))
+    sets_dense = n_sets_for(dense_bytes)
+    scale = D**-0.5
+    res = {"batch": B, "context": ctx, "history_pages": layout.n_pages(ctx), "arms": {}, "check": {}}
+
+    def record(name, ms, nbytes, **extra):
+        res["arms"][name] = {"ms": ms, "bytes": nbytes, "tb_s": nbytes / ms / 1e9, **extra}
+
+    dense = [make_dense(B, ctx, seed=s) for s in range(max(sets, sets_dense))]
+
+    def make_sdpa(i):
+        q4, k, v = dense[i]["q"][:, :, None], dense[i]["k"], dense[i]["v"]
+        if DEVICE == "cpu":
+            return lambda: F.scaled_dot_product_attention(q4, k, v, scale=scale)
+
+        def call():
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                F.scaled_dot_product_attention(q4, k, v, scale=scale)
+        return call
+    record("cudnn_bf16", bench_graph(make_sdpa, sets_dense), dense_bytes)
+    hot = [make_dense(B, ctx, seed=100 + s, hot=True) for s in range(sets)]
+    for mode, bits, tau, vpdata in MODES:
+        data = hot if vpdata else dense[:sets]
+        cells = [make_cell(d, bits) for d in data]
+        qs = [d["q"] for d in data]
+        cold = 0.0
+        if mode == "int4_vp":
+            frac = hot_fraction(qs[0], cells[0], tau)
+            res["hot_fraction"] = frac
+            cold = 1.0 - frac
+        nbytes = history_bytes(B, ctx, bits, cold)
+        base = None
+        for name, kw in READERS.items():
+            arm = f"{mode}_{name}"
             try:
-                ms = bench_graph(lambda i, kw=kw, dense=dense, cells=cells: (lambda: ta.cell_attention(
-                    dense[i]["q"], *cells[i], 4, math.inf, D**-0.5, **kw)), len(cells))
-            except Exception as e:  # noqa: BLE001
-                out_rows.append({"batch": B, "context": ctx, **kw, "error": repr(e)[:200]})
-                continue
-            out_rows.append({"batch": B, "context": ctx, **kw, "ms": ms})
-            if (B, ctx) not in best or ms < best[(B, ctx)]["ms"]:
-                best[(B, ctx)] = {"ms": ms, **kw}
-    chosen = {f"{b}x{c}": v for (b, c), v in best.items()}
-    chosen["field_mode_errors"] = errors
-    big = best.get((32, 16384))
-    if big:  # adopt the winner for the table that follows (the defaults in the code come from these runs)
-        ta.DEFAULT_FIELD_MODE = big["field_mode"]
-        ta.WAVES = math.ceil(big["splits"] * 32 * H / torch.cuda.get_device_properties(0).multi_processor_count)
-        chosen["adopted"] = {"field_mode": ta.DEFAULT_FIELD_MODE, "waves": ta.WAVES}
-    return chosen
+                out = ta.cell_attention(qs[0], *cells[0], bits, tau, scale, **kw).float()
+                if base is None:
+                    base = out
+                res["check"][arm] = float((out - base).abs().max())
+                ms = bench_graph(lambda i, kw=kw, cells=cells, qs=qs, bits=bits, tau=tau: (
+                    lambda: ta.cell_attention(qs[i], *cells[i], bits, tau, scale, **kw)), len(cells))
+                record(arm, ms, nbytes)
+            except Exception as e:  # noqa: BLE001  (keep the other arms' numbers)
+                res["arms"][arm] = {"error": repr(e)[:300]}
+        del cells
+    cudnn = res["arms"]["cudnn_bf16"]["ms"]
+    for val in res["arms"].values():
+        if "ms" in val:
+            val["speedup_vs_cudnn"] = cudnn / val["ms"]
+    rows.append(res)
+
+
+def print_readers(result: dict) -> None:
+    """ms (speedup vs cuDNN BF16) per shape, mode and reader; the V-precision gain vs the same data at tau=inf."""
+    names = list(READERS)
+    print(f"{'B':>3} {'ctx':>6} {'mode':<12} " + " ".join(f"{n:>15}" for n in names) + "   cudnn_bf16 ms")
+    for r in result["rows"]:
+        if "arms" not in r:
+            print(f"{r['batch']:>3} {r['context']:>6} error: {r.get('error', '?')[:100]}")
+            continue
+        arms = r["arms"]
+        for mode, *_ in MODES:
+            cells = []
+            for n in names:
+                v = arms.get(f"{mode}_{n}", {})
+                cells.append(f"{v['ms']:.3f} ({v['speedup_vs_cudnn']:.2f}x)" if "ms" in v else "err")
+            print(f"{r['batch']:>3} {r['context']:>6} {mode:<12} " + " ".join(f"{c:>15}" for c in cells)
+                  + f"   {arms['cudnn_bf16']['ms']:.3f}")
+        gains = []
+        for n in names:
+            a, b = arms.get(f"int4_vp_{n}", {}), arms.get(f"int4_vpdata_{n}", {})
+            gains.append(f"{b['ms'] / a['ms']:.2f}x" if "ms" in a and "ms" in b else "-")
+        worst = max(r["check"].values()) if r["check"] else float("nan")
+        print(f"{'':>11}{'vp gain':<12} " + " ".join(f"{g:>15}" for g in gains)
+              + f"   hot={r.get('hot_fraction', float('nan')):.3f} max|arm-dot|={worst:.1e}")
 
 
 def kernel_resources() -> list:
@@ -330,11 +376,12 @@ def kernel_resources() -> list:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--sweep", action="store_true", help="time launch configs first")
-    ap.add_argument("--quick", action="store_true", help="only B=32 x 16K and B=1 x 8K")
+    ap.add_argument("--full", action="store_true", help="session 1's arm set with the default reader")
+    ap.add_argument("--quick", action="store_true", help="only B=32 x 16K, B=1 x 8K and B=8 x 16K")
     ap.add_argument("--batches", type=int, nargs="*", default=[1, 8, 32])
     ap.add_argument("--contexts", type=int, nargs="*", default=[8192, 16384, 32768])
-    ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
+    ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"),
+                    help="a .json file, or a directory (cell_attention_<date>.json in it)")
     ap.add_argument("--smoke", action="store_true", help="tiny CPU run under TRITON_INTERPRET=1 (script check)")
     args = ap.parse_args()
     if args.smoke:
@@ -347,29 +394,32 @@ def main() -> None:
         "torch": torch.__version__, "triton": triton.__version__,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "shape": {"kv_heads": H, "head_dim": D, "q_heads_per_kv": 1, "dtype": "bfloat16", "tau": TAU},
-        "config": {"waves": ta.WAVES, "max_splits": ta.MAX_SPLITS},
+        "config": {"waves": ta.WAVES, "max_splits": ta.MAX_SPLITS, "mode": "full" if args.full else "readers",
+                   "readers": READERS},
         "rows": [],
     }
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"cell_attention_{datetime.date.today().isoformat()}.json")
+    if args.out.endswith(".json"):
+        path = args.out
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    else:
+        os.makedirs(args.out, exist_ok=True)
+        path = os.path.join(args.out, f"cell_attention_{datetime.date.today().isoformat()}.json")
 
     def save():  # after every stage, so a run cut short still leaves its numbers
         with open(path, "w") as f:
             json.dump(result, f, indent=1)
 
-    if args.sweep:
-        result["sweep"] = []
-        result["sweep_best"] = sweep(result["sweep"])
-        print("sweep best:", result["sweep_best"], flush=True)
-        save()
     shapes = [(b, c) for b in args.batches for c in args.contexts]
     first = [(32, 16384), (1, 8192), (8, 16384)]  # the headline shapes first: a cut-short run keeps them
     shapes = [x for x in first if x in shapes] + [x for x in shapes if x not in first]
     if args.quick:
-        shapes = [(32, 16384), (1, 8192)]
+        shapes = first
     for B, ctx in shapes:
         try:
-            run_shape(B, ctx, result["rows"], {})
+            if args.full:
+                run_shape(B, ctx, result["rows"], {})
+            else:
+                run_readers(B, ctx, result["rows"])
         except torch.OutOfMemoryError as e:
             result["rows"].append({"batch": B, "context": ctx, "error": repr(e)[:200]})
         if DEVICE == "cuda":
@@ -377,9 +427,13 @@ def main() -> None:
         print(f"done B={B} ctx={ctx} at {time.time() - t0:.0f}s", flush=True)
         save()
     result["kernels"] = kernel_resources()
+    result["seconds"] = time.time() - t0
     save()
-    print_table(result)
     print("wrote", path, f"in {time.time() - t0:.0f}s")
+    if args.full:
+        print_table(result)
+    else:
+        print_readers(result)
 
 
 ARMS = ("cudnn_bf16", "flash_bf16", "dequant_sdpa", "loopkv_bf16", "loopkv_int4", "loopkv_int4_vpdata",
