@@ -272,8 +272,9 @@ READERS = {
     "dot": {"far_impl": "dot"},
     "cc_w4_t16": {"far_impl": "cc", "num_warps": 4, "sub_tokens": 16},
     "cc_w4_t16_s8": {"far_impl": "cc", "num_warps": 4, "sub_tokens": 16, "splits": 8},
-    "cc_w2_t16": {"far_impl": "cc", "num_warps": 2, "sub_tokens": 16},
     "cc_w4_t16_p2": {"far_impl": "cc", "num_warps": 4, "sub_tokens": 16, "pages_per_iter": 2},
+    "cc_w4_t32_pf": {"far_impl": "cc", "num_warps": 4, "sub_tokens": 32, "prefetch": True},
+    "cc_w2_t16": {"far_impl": "cc", "num_warps": 2, "sub_tokens": 16},
 }
 MODES = (("int4", 4, math.inf, False), ("int4_vpdata", 4, math.inf, True), ("int4_vp", 4, TAU, True),
          ("int2", 2, math.inf, False))  # name, bits, tau, V-precision data
@@ -337,7 +338,8 @@ def run_readers(B: int, ctx: int, rows: list) -> None:
 def print_readers(result: dict) -> None:
     """ms (speedup vs cuDNN BF16) per shape, mode and reader; the V-precision gain vs the same data at tau=inf."""
     names = list(READERS)
-    print(f"{'B':>3} {'ctx':>6} {'mode':<12} " + " ".join(f"{n:>15}" for n in names) + "   cudnn_bf16 ms")
+    print(f"{'B':>3} {'ctx':>6} {'mode':<12} " + " ".join(f"{n:>15}" for n in names) + "   cudnn_bf16 ms",
+          "(ms, speedup vs cudnn)")
     for r in result["rows"]:
         if "arms" not in r:
             print(f"{r['batch']:>3} {r['context']:>6} error: {r.get('error', '?')[:100]}")

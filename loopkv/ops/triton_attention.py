@@ -309,7 +309,7 @@ def _cell_attn_kernel(
     G: tl.constexpr, GR: tl.constexpr, GP: tl.constexpr, NGP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
     BITS: tl.constexpr, VPREC: tl.constexpr, BN: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr,
     UPCAST: tl.constexpr, FIELD: tl.constexpr, NPP: tl.constexpr, FAR: tl.constexpr, PPI: tl.constexpr,
-    TS: tl.constexpr,
+    TS: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     """Program (i, b*H + h): near slots (i < NNEAR) or history split i - NNEAR of row b, KV head h."""
     RP: tl.constexpr = GR * NGP
@@ -368,7 +368,7 @@ def _cell_attn_kernel(
             far_cc(
                 q, sq_b, sq_h, b, h, H, MAXP, length, p0, p1, page_table, sink_k, k_pages, k_scale, k_zero,
                 v_hi, v_lo, v_scale, v_zero, qk_scale, tau, ws_o, ws_ml, slot, G, GR, GP, D, DP, BITS, VPREC, PPI,
-                TS,
+                TS, PREFETCH,
             )
         elif BITS != 0:
             _far_quant(
@@ -448,9 +448,9 @@ def _config(bits: int, far_impl: str) -> dict:
     counts: 110-119 registers, no spills; not yet measured)."""
     if bits in (4, 2):
         if far_impl == "cc":
-            return {"num_warps": 4, "num_stages": 1, "pages_per_iter": 1, "sub_tokens": 16}
-        return {"num_warps": 1, "num_stages": 3, "pages_per_iter": 1, "sub_tokens": 0}
-    return {"num_warps": 4, "num_stages": 2, "pages_per_iter": 1, "sub_tokens": 0}
+            return {"num_warps": 4, "num_stages": 1, "pages_per_iter": 1, "sub_tokens": 16, "prefetch": False}
+        return {"num_warps": 1, "num_stages": 3, "pages_per_iter": 1, "sub_tokens": 0, "prefetch": False}
+    return {"num_warps": 4, "num_stages": 2, "pages_per_iter": 1, "sub_tokens": 0, "prefetch": False}
 
 
 def choose_far_impl(bits: int, group: int, far_impl: str | None = None) -> str:
@@ -471,14 +471,15 @@ def cell_attention(
     v_scale: Tensor, v_zero: Tensor, bits: int, tau: float, scale: float, *, splits: int | None = None,
     num_warps: int | None = None, num_stages: int | None = None, field_mode: str | None = None,
     far_impl: str | None = None, pages_per_iter: int | None = None, sub_tokens: int | None = None,
+    prefetch: bool | None = None,
 ) -> Tensor:
     """Triton ``cell_attention``: q [B, Hq, D] -> [B, Hq, D] (shapes: docs/storage-layout.md).
 
     Storage tensors are the cache's contiguous buffers (others fall back to the reference).
     ``splits`` (history programs per row and KV head), ``num_warps``, ``num_stages``, ``far_impl``
     (``"cc"``: CUDA-core history reader, ``"dot"``: tensor-core reader; default by ``choose_far_impl``) and
-    ``pages_per_iter`` (1 or 2) and ``sub_tokens`` (tokens per sub-tile: 4..32, a power of two; CUDA-core
-    reader only) override the fixed config (benchmarks, tests).
+    ``pages_per_iter`` (1 or 2), ``sub_tokens`` (tokens per sub-tile: 4..32, a power of two) and
+    ``prefetch`` (loads one iteration ahead) (CUDA-core reader only) override the fixed config.
     """
     if bits not in (16, 4, 2, 0):
         raise ValueError(f"bits must be 16, 4, 2 or 0 (no history), got {bits}")
@@ -538,6 +539,7 @@ def cell_attention(
         UPCAST=q.device.type != "cuda" and q.dtype == torch.bfloat16,
         FIELD=0 if exact else FIELD_MODE[field_mode or DEFAULT_FIELD_MODE],
         NPP=max(16, _next_pow2(nprog)), FAR=1 if impl == "cc" and nsplit else 0, PPI=ppi, TS=ts if impl == "cc" else 0,
+        PREFETCH=bool(cfg["prefetch"] if prefetch is None else prefetch) and impl == "cc",
         num_warps=nw, num_stages=num_stages or cfg["num_stages"],
     )
     return out

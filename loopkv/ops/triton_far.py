@@ -44,36 +44,70 @@ def _sub(x, SHIFT: tl.constexpr, WIDTH: tl.constexpr):
 
 
 @triton.jit
-def _k_prep(qf, qd, k_scale, k_zero, page, ok, GP: tl.constexpr, BITS: tl.constexpr, D: tl.constexpr,
-            DP: tl.constexpr):
-    """Per page: ``qk[j]`` [GP, 1, KWP] = qf[j] * k_scale (field j of every word), and ``bias`` [GP, 1] =
-    q . k_zero (qd [GP, DP]: the query in channel order, a compact layout: one reduction, not per field)."""
+def _fetch(page_table, b64, MAXP, H, h, pg, p1, k_words, k_scale, k_zero, v_hi, v_lo, v_scale, v_zero,
+           TS: tl.constexpr, BITS: tl.constexpr, VPREC: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
+           WITH_V: tl.constexpr):
+    """Issue the loads of history page ``pg`` (masked off past ``p1``): (page, ok, k_scale per field, k_zero,
+    K words per sub-tile, v_scale, v_zero, hi, lo per sub-tile). WITH_V False leaves V to ``_v_sub`` (the
+    tuples hold placeholders); under V precision lo is always loaded there, masked by the cold test."""
     PERW: tl.constexpr = 32 // BITS
     KW: tl.constexpr = D // PERW
     KWP: tl.constexpr = DP // PERW
+    NG: tl.constexpr = D // 32
+    VW: tl.constexpr = D // 16
+    VWP: tl.constexpr = DP // 16
+    ok = pg < p1
+    page = tl.load(page_table + b64 * MAXP + pg, mask=ok, other=0).to(tl.int64) * H + h
     w = tl.arange(0, KWP)[None, None, :]
     wm = w < tl.where(ok, KW, 0)  # (not `& ok`: the interpreter turns a scalar & into int32)
-    qk = ()
+    ks = ()
     for j in tl.static_range(PERW):
-        ks = tl.load(k_scale + page * D + w * PERW + j, mask=wm, other=0.0).to(tl.float32)
-        qk = qk + (qf[j] * ks,)
+        ks = ks + (tl.load(k_scale + page * D + w * PERW + j, mask=wm, other=0.0),)
     c = tl.arange(0, DP)[None, :]
-    kz = tl.load(k_zero + page * D + c, mask=c < tl.where(ok, D, 0), other=0.0).to(tl.float32)
-    return qk, tl.sum(qd * kz, 1)[:, None]
+    kz = tl.load(k_zero + page * D + c, mask=c < tl.where(ok, D, 0), other=0.0)
+    wv = tl.arange(0, VWP)[None, None, :]
+    wvm = wv < tl.where(ok, VW, 0)
+    words = ()
+    vs = ()
+    vz = ()
+    hi = ()
+    lo = ()
+    for sb in tl.static_range(32 // TS):
+        t = sb * TS + tl.arange(0, TS)[None, :, None]
+        words = words + (tl.load(k_words + page * (32 * KW) + t * KW + w, mask=wm, other=0),)
+        if WITH_V:
+            goff = page * (32 * NG) + t * NG + wv // 2  # the 32-channel group of word wv
+            vs = vs + (tl.load(v_scale + goff, mask=wvm, other=0.0),)
+            vz = vz + (tl.load(v_zero + goff, mask=wvm, other=0.0),)
+            voff = page * (32 * VW) + t * VW + wv
+            hi = hi + (tl.load(v_hi + voff, mask=wvm, other=0),)  # int32: crumb c at bits 2c = channel 16 w + c
+            if BITS == 4 and not VPREC:
+                lo = lo + (tl.load(v_lo + voff, mask=wvm, other=0),)
+            else:
+                lo = lo + (hi[sb],)  # placeholder (INT2: no lo plane; V precision: loaded after the cold test)
+        else:
+            vs = vs + (ok,)  # placeholders
+            vz = vz + (ok,)
+            hi = hi + (ok,)
+            lo = lo + (ok,)
+    return page, ok, ks, kz, words, vs, vz, hi, lo
 
 
 @triton.jit
-def _k_sub(qk, bias, k_words, page, sub, ok, qk_scale, GP: tl.constexpr, TS: tl.constexpr, BITS: tl.constexpr,
-           D: tl.constexpr, DP: tl.constexpr):
-    """Scores [GP, TS] (log2 units) of tokens ``sub * TS + [0, TS)`` of a page; ``ok`` False -> -inf;
-    bias [GP, 1] = q . k_zero."""
+def _k_prep(qf, qd, ks, kz, PERW: tl.constexpr):
+    """Per page: ``qk[j]`` [GP, 1, KWP] = qf[j] * k_scale (field j of every word) and ``bias`` [GP, 1] =
+    q . k_zero (qd [GP, DP]: the query in channel order, a compact layout: one reduction, not per field)."""
+    qk = ()
+    for j in tl.static_range(PERW):
+        qk = qk + (qf[j] * ks[j].to(tl.float32),)
+    return qk, tl.sum(qd * kz.to(tl.float32), 1)[:, None]
+
+
+@triton.jit
+def _k_sub(qk, bias, words, ok, qk_scale, BITS: tl.constexpr):
+    """Scores [GP, TS] (log2 units) of a sub-tile's K words [1, TS, KWP]; ``ok`` False -> -inf."""
     PERW: tl.constexpr = 32 // BITS
     HALF: tl.constexpr = PERW // 2
-    KW: tl.constexpr = D // PERW
-    KWP: tl.constexpr = DP // PERW
-    t = sub * TS + tl.arange(0, TS)[None, :, None]
-    w = tl.arange(0, KWP)[None, None, :]
-    words = tl.load(k_words + page * (32 * KW) + t * KW + w, mask=w < tl.where(ok, KW, 0), other=0)
     upper = words >> 16
     part = qk[0] * _sub(words, 0, BITS)
     for j in tl.static_range(1, PERW):
@@ -86,28 +120,32 @@ def _k_sub(qk, bias, k_words, page, sub, ok, qk_scale, GP: tl.constexpr, TS: tl.
 
 
 @triton.jit
-def _v_sub(acc, zacc, p, v_hi, v_lo, v_scale, v_zero, page, sub, ok, cold, TS: tl.constexpr, BITS: tl.constexpr,
-           VPREC: tl.constexpr, D: tl.constexpr, DP: tl.constexpr):
+def _v_sub(acc, zacc, p, hi, lo, vs, vz, v_hi, v_lo, v_scale, v_zero, page, sub, ok, cold, TS: tl.constexpr,
+           BITS: tl.constexpr, VPREC: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, LOAD_V: tl.constexpr):
     """acc[j] [GP, TS, VWP] += p * v_scale * 2**96 * field j (channel 16 w + j) and zacc [GP, TS, VWP] +=
-    p * v_zero (+ 1.5 * v_scale for cold tokens) for tokens ``sub * TS + [0, TS)``; p [GP, TS], cold [TS]."""
+    p * v_zero (+ 1.5 * v_scale for cold tokens) for the sub-tile ``sub``; p [GP, TS], cold [TS]. LOAD_V:
+    load hi, lo, v_scale, v_zero here (else they were prefetched)."""
     NG: tl.constexpr = D // 32
     VW: tl.constexpr = D // 16
     VWP: tl.constexpr = DP // 16
     t = sub * TS + tl.arange(0, TS)[None, :, None]
-    w = tl.arange(0, VWP)[None, None, :]
-    wm = w < tl.where(ok, VW, 0)
-    goff = page * (32 * NG) + t * NG + w // 2  # the 32-channel group of word w
-    vs = tl.load(v_scale + goff, mask=wm, other=0.0).to(tl.float32)  # [1, TS, VWP]
-    vz = tl.load(v_zero + goff, mask=wm, other=0.0).to(tl.float32)
-    voff = page * (32 * VW) + t * VW + w
-    hi = tl.load(v_hi + voff, mask=wm, other=0)  # int32: crumb c at bits 2c is channel 16 w + c
+    wv = tl.arange(0, VWP)[None, None, :]
+    wvm = wv < tl.where(ok, VW, 0)
+    voff = page * (32 * VW) + t * VW + wv
+    if LOAD_V:
+        goff = page * (32 * NG) + t * NG + wv // 2  # the 32-channel group of word wv
+        vs = tl.load(v_scale + goff, mask=wvm, other=0.0)
+        vz = tl.load(v_zero + goff, mask=wvm, other=0.0)
+        hi = tl.load(v_hi + voff, mask=wvm, other=0)  # int32: crumb c at bits 2c is channel 16 w + c
+        if BITS == 4 and not VPREC:
+            lo = tl.load(v_lo + voff, mask=wvm, other=0)
+    vs = vs.to(tl.float32)
+    vz = vz.to(tl.float32)
     if BITS == 4:
         if VPREC:
             cold3 = cold[None, :, None]
             vz += tl.where(cold3, 1.5 * vs, 0.0)
-            lo = tl.load(v_lo + voff, mask=wm & (~cold3), other=0)
-        else:
-            lo = tl.load(v_lo + voff, mask=wm, other=0)
+            lo = tl.load(v_lo + voff, mask=wvm & (~cold3), other=0)
         # nibble k of `even` is 4 hi + lo of crumb 2k (channel 2k), of `odd` of crumb 2k + 1
         even = ((hi & 0x33333333) << 2) | (lo & 0x33333333)
         odd = (hi & -0x33333334) | ((lo >> 2) & 0x33333333)  # -0x33333334 == 0xCCCCCCCC
@@ -144,18 +182,19 @@ def far_cc(
     q, sq_b, sq_h, b, h, H, MAXP, length, p0, p1, page_table, sink_k, k_words, k_scale, k_zero, v_hi, v_lo,
     v_scale, v_zero, qk_scale, tau, ws_o, ws_ml, slot,
     G: tl.constexpr, GR: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BITS: tl.constexpr,
-    VPREC: tl.constexpr, PPI: tl.constexpr, TS: tl.constexpr,
+    VPREC: tl.constexpr, PPI: tl.constexpr, TS: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     """History pages [p0, p1) of row b, KV head h (codes as int32 words) -> partial (m, l, o) at ``slot``.
 
     Each iteration takes ``PPI`` pages, each as ``32 // TS`` sub-tiles of ``TS`` tokens (TS sets how many
-    tokens a thread holds: the per-page scale work is shared by a thread's tokens)."""
+    tokens a thread holds: the per-page scale work is shared by a thread's tokens). PREFETCH: each
+    iteration issues the next iteration's loads before computing (one iteration of loads in flight, more
+    registers)."""
     PERW: tl.constexpr = 32 // BITS
     HALF: tl.constexpr = PERW // 2
     KWP: tl.constexpr = DP // PERW
     VWP: tl.constexpr = DP // 16
     NSUB: tl.constexpr = 32 // TS
-    NC: tl.constexpr = PPI * NSUB
     b64 = b.to(tl.int64)
     gq = tl.arange(0, GP)
     g3 = gq[:, None, None]
@@ -187,25 +226,37 @@ def far_cc(
     for _j in tl.static_range(16):
         acc = acc + (tl.zeros([GP, TS, VWP], tl.float32),)
     no_cold = tl.zeros([TS], tl.int32) > 0
-    for pg in range(p0, p1, PPI):
-        # ---- scores of every sub-tile of the PPI pages, then one maximum update
-        pages = ()
-        oks = ()
-        ss = ()
+    nxt = ()
+    if PREFETCH:
         for pp in tl.static_range(PPI):
-            ok = pg + pp < p1
-            page = tl.load(page_table + b64 * MAXP + pg + pp, mask=ok, other=0).to(tl.int64) * H + h
-            qk, bias = _k_prep(qf, qd, k_scale, k_zero, page, ok, GP, BITS, D, DP)
-            pages = pages + (page,)
-            oks = oks + (ok,)
-            for sb in tl.static_range(NSUB):
-                ss = ss + (_k_sub(qk, bias, k_words, page, sb, ok, qk_scale, GP, TS, BITS, D, DP),)
+            nxt = nxt + (_fetch(page_table, b64, MAXP, H, h, p0 + pp, p1, k_words, k_scale, k_zero, v_hi, v_lo,
+                                v_scale, v_zero, TS, BITS, VPREC, D, DP, True),)
+    for pg in range(p0, p1, PPI):
+        if PREFETCH:  # this iteration's loads were issued by the previous one; issue the next iteration's
+            cur = nxt
+            nxt = ()
+            first = pg + PPI
+        else:
+            cur = ()
+            first = pg
+        for pp in tl.static_range(PPI):
+            fetched = _fetch(page_table, b64, MAXP, H, h, first + pp, p1, k_words, k_scale, k_zero, v_hi, v_lo,
+                             v_scale, v_zero, TS, BITS, VPREC, D, DP, PREFETCH)
+            if PREFETCH:
+                nxt = nxt + (fetched,)
+            else:
+                cur = cur + (fetched,)
+        # ---- scores of every sub-tile of the PPI pages, then one maximum update
+        ss = ()
         m_pages = ()
         m_top = m_i
         for pp in tl.static_range(PPI):
-            m_p = tl.max(ss[pp * NSUB], 1)
-            for sb in tl.static_range(1, NSUB):
-                m_p = tl.maximum(m_p, tl.max(ss[pp * NSUB + sb], 1))
+            qk, bias = _k_prep(qf, qd, cur[pp][2], cur[pp][3], PERW)
+            m_p = tl.full([GP], float("-inf"), tl.float32)
+            for sb in tl.static_range(NSUB):
+                s = _k_sub(qk, bias, cur[pp][4][sb], cur[pp][1], qk_scale, BITS)
+                m_p = tl.maximum(m_p, tl.max(s, 1))
+                ss = ss + (s,)
             m_pages = m_pages + (m_p,)
             m_top = tl.maximum(m_top, m_p)
         if tl.max(m_top - m_i, 0) > 0:  # rescale only when a running maximum grows
@@ -218,14 +269,17 @@ def far_cc(
             acc = new
             m_i = m_top
         # ---- values
-        for cc in tl.static_range(NC):
-            p = tl.exp2(ss[cc] - m_i[:, None])  # 0 for pages past p1
-            l_t += p
-            cold = no_cold
-            if VPREC:
-                cold = _cold(ss[cc], m_pages[cc // NSUB], sink_max, tau, G, GP)
-            acc, zacc = _v_sub(acc, zacc, p, v_hi, v_lo, v_scale, v_zero, pages[cc // NSUB], cc % NSUB,
-                               oks[cc // NSUB], cold, TS, BITS, VPREC, D, DP)
+        for pp in tl.static_range(PPI):
+            for sb in tl.static_range(NSUB):
+                s = ss[pp * NSUB + sb]
+                p = tl.exp2(s - m_i[:, None])  # 0 for pages past p1
+                l_t += p
+                cold = no_cold
+                if VPREC:
+                    cold = _cold(s, m_pages[pp], sink_max, tau, G, GP)
+                acc, zacc = _v_sub(acc, zacc, p, cur[pp][7][sb], cur[pp][8][sb], cur[pp][5][sb], cur[pp][6][sb],
+                                   v_hi, v_lo, v_scale, v_zero, cur[pp][0], sb, cur[pp][1], cold, TS, BITS, VPREC,
+                                   D, DP, not PREFETCH)
     # ---- partial: o[g, 16 w + j] = 2**(53 - s_j) * sum_t acc[j] + sum_t zacc
     g2 = gq[:, None]
     w2 = tl.arange(0, VWP)[None, :]

@@ -110,17 +110,18 @@ def test_matches_reference(bits, tau, group, head_dim, dtype, far_impl):
 
 @interpret
 @pytest.mark.interpret
-@pytest.mark.parametrize(("pages_per_iter", "sub_tokens", "bits", "tau", "group"), [
-    (1, 4, 4, 2.0, 1), (1, 32, 2, INF, 2), (2, 8, 4, 14.0, 2), (2, 16, 4, 2.0, 1)])
-def test_cuda_core_reader_tilings(pages_per_iter, sub_tokens, bits, tau, group):
-    """The CUDA-core reader's tilings (pages per iteration, tokens per sub-tile) over odd page counts (the
-    last iteration of 2 pages has one), 0 pages, V precision with cold tokens (tau = 2), 1 and 2 query heads
-    per KV head, INT2: all match the reference."""
+@pytest.mark.parametrize(("pages_per_iter", "sub_tokens", "prefetch", "bits", "tau", "group"), [
+    (1, 4, False, 4, 2.0, 1), (1, 32, True, 2, INF, 2), (2, 8, True, 4, 14.0, 2), (2, 16, False, 4, 2.0, 1),
+    (1, 16, True, 4, INF, 1)])
+def test_cuda_core_reader_tilings(pages_per_iter, sub_tokens, prefetch, bits, tau, group):
+    """The CUDA-core reader's tilings (pages per iteration, tokens per sub-tile, loads one iteration ahead)
+    over odd page counts (the last iteration of 2 pages has one), 0 pages, V precision with cold tokens
+    (tau = 2), 1 and 2 query heads per KV head, INT2: all match the reference."""
     lengths = [288 + 32 * 3 + 5, 288 + 32 * 2, 0]
     st = make_cell(len(lengths), 1, 64, 3, bits, lengths, seed=20 + sub_tokens)
     q = 2 * torch.randn(len(lengths), group, 64)
     out = ta.cell_attention(q, *st, bits, tau, 0.125, splits=2, far_impl="cc", pages_per_iter=pages_per_iter,
-                            sub_tokens=sub_tokens)
+                            sub_tokens=sub_tokens, prefetch=prefetch)
     assert_close_to_reference(out, q, st, bits, tau, 0.125)
 
 
@@ -225,7 +226,8 @@ def test_random_shapes(seed):
     lengths = torch.randint(0, layout.capacity(maxp) + 1, (batch,), generator=g).tolist()
     st = make_cell(batch, heads, head_dim, maxp, bits, lengths, seed=seed)
     q = torch.randn(batch, heads * group, head_dim, generator=g)
-    kw = {"far_impl": pick(["dot", "cc"]), "pages_per_iter": pick([1, 2]), "sub_tokens": pick([8, 16, 32])}
+    kw = {"far_impl": pick(["dot", "cc"]), "pages_per_iter": pick([1, 2]), "sub_tokens": pick([8, 16, 32]),
+          "prefetch": pick([False, True])}
     out = ta.cell_attention(q, *st, bits, tau, head_dim**-0.5, splits=pick([1, 2, 4]), **kw)
     assert_close_to_reference(out, q, st, bits, tau, head_dim**-0.5)
 
@@ -264,8 +266,8 @@ def test_gpu_matches_reference(bits, tau, heads, group, head_dim, dtype, far_imp
         assert_close_to_reference(out, q, st, bits, tau, scale)
 
 
-CC_CONFIGS = [  # (num_warps, sub_tokens, pages_per_iter): the benchmark's CUDA-core arms
-    (4, 16, 1), (4, 32, 1), (2, 16, 1), (1, 8, 1), (4, 16, 2)]
+CC_CONFIGS = [  # (num_warps, sub_tokens, pages_per_iter, prefetch): the benchmark's CUDA-core arms and more
+    (4, 16, 1, False), (4, 32, 1, True), (2, 16, 1, False), (4, 16, 2, False), (1, 8, 1, True)]
 
 
 @pytest.mark.gpu
@@ -280,9 +282,9 @@ def test_gpu_cuda_core_reader_real_shape(bits, tau):
     for group, configs in ((1, CC_CONFIGS), (2, CC_CONFIGS[:1])):
         q = (2 * torch.randn(batch, heads * group, head_dim)).to(torch.bfloat16).cuda()
         want = reference64(q, st, bits, tau, head_dim**-0.5)
-        for (nw, ts, ppi), splits in zip(configs, (None, 5, None, 3, None), strict=False):
+        for (nw, ts, ppi, pf), splits in zip(configs, (None, 5, None, 3, None), strict=False):
             out = ta.cell_attention(q, *st, bits, tau, head_dim**-0.5, splits=splits, far_impl="cc",
-                                    num_warps=nw, sub_tokens=ts, pages_per_iter=ppi)
+                                    num_warps=nw, sub_tokens=ts, pages_per_iter=ppi, prefetch=pf)
             torch.testing.assert_close(out.double(), want, atol=ATTN_BF16_ATOL, rtol=ATTN_BF16_RTOL)
 
 
