@@ -151,6 +151,7 @@ def make_step(model, cache, tok, pos, *, dense: bool, capacity: int):
     """One decode step over static buffers: tok [B, 1] and pos [B, 1] advance in place (greedy)."""
     slots = torch.arange(capacity, device=tok.device)
 
+    @torch.no_grad()
     def step():
         mask = (slots[None, :] <= pos)[:, None, None, :] if dense else None  # [B, 1, 1, capacity]
         logits = model(input_ids=tok, position_ids=pos, attention_mask=mask, past_key_values=cache,

@@ -20,6 +20,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 NEW_TOKENS = 1024
 PROMPT = 300
+CODE_FLIP_ATOL = 2.5e-3  # see the comment in the first test
 
 
 def _model(dtype: torch.dtype) -> OuroForCausalLM:
@@ -66,8 +67,16 @@ def test_generate_is_one_cuda_graph_for_1024_steps_and_equals_eager(monkeypatch)
 
     eager = model.generate(ids, past_key_values=_cache(model, torch.float32), disable_compile=True, **gen)
     assert torch.equal(first.sequences, eager.sequences)
-    got, want = torch.stack(first.logits), torch.stack(eager.logits)
-    torch.testing.assert_close(got, want, atol=LOGITS_FP32_ATOL, rtol=LOGITS_FP32_RTOL)
+    got, want = torch.stack(first.logits), torch.stack(eager.logits)  # [steps, B, vocab]
+    # Until the first page written in decode is quantized (length 319: step 19), compiled and eager read the
+    # same codes and differ by fp32 rounding only. Afterwards inductor's fused rounding of K/V (ulps) can flip
+    # a code that sits on a rounding boundary by one level, which moves logits by more than ulps: measured on
+    # the H200, 104 of 526,336 logits over 1,024 steps beyond 1e-4, the largest 1.3e-4. Bound: 20x that.
+    first_quantized = 319 - PROMPT
+    torch.testing.assert_close(got[:first_quantized], want[:first_quantized], atol=LOGITS_FP32_ATOL,
+                               rtol=LOGITS_FP32_RTOL)
+    torch.testing.assert_close(got, want, atol=CODE_FLIP_ATOL, rtol=0.0)
+    assert (got - want).abs().gt(LOGITS_FP32_ATOL).float().mean() < 1e-3  # flips are rare
 
 
 def test_check_compile_reports_one_graph_under_reduce_overhead_in_bf16():
