@@ -35,27 +35,28 @@ def make_cell(batch, heads, head_dim, maxp, bits, lengths, *, dtype=torch.float3
     """Storage of one cell in the op's argument order (after q): sink_k, sink_v, win_k, win_v, lengths,
     page_table, k_pages, k_scale, k_zero, v_hi, v_lo, v_scale, v_zero. Pages are real codes of random
     K (per-channel offsets and spreads, like real keys) and V."""
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator(device=device).manual_seed(seed)  # on the device: real shapes build in seconds
     n = batch * maxp if pool_pages is None else pool_pages
 
     def rnd(*shape):
-        return torch.randn(*shape, generator=g)
+        return torch.randn(*shape, generator=g, device=device)
 
     exact = [rnd(batch, heads, 32, head_dim), rnd(batch, heads, 32, head_dim),
              rnd(batch, heads, layout.RING, head_dim), rnd(batch, heads, layout.RING, head_dim)]
     exact[0] += rnd(1, heads, 1, head_dim)  # a shared per-channel offset in the sink keys
     if page_table is None:
         page_table = torch.arange(batch * maxp).view(batch, maxp).flip(1).contiguous()
-    k = rnd(n, heads, 32, head_dim) * (0.5 + 2 * torch.rand(n, heads, 1, head_dim, generator=g))
+    k = rnd(n, heads, 32, head_dim) * (0.5 + 2 * torch.rand(n, heads, 1, head_dim, generator=g, device=device))
     k += rnd(n, heads, 1, head_dim)
     v = rnd(n, heads, 32, head_dim)
     if bits == 16:
-        pool = [k.to(dtype), torch.empty(0, dtype=torch.float16), torch.empty(0, dtype=torch.float16), v.to(dtype),
-                torch.empty(0, dtype=torch.uint8), torch.empty(0, dtype=torch.float16),
-                torch.empty(0, dtype=torch.float16)]
+        f16, u8 = {"dtype": torch.float16, "device": device}, {"dtype": torch.uint8, "device": device}
+        pool = [k.to(dtype), torch.empty(0, **f16), torch.empty(0, **f16), v.to(dtype), torch.empty(0, **u8),
+                torch.empty(0, **f16), torch.empty(0, **f16)]
     else:
         pool = list(codec.encode_pages(k.to(dtype), v.to(dtype), bits))
-    st = [t.to(dtype) for t in exact] + [torch.tensor(lengths, dtype=torch.int32), page_table.int()] + pool
+    st = [t.to(dtype) for t in exact] + [torch.tensor(lengths, dtype=torch.int32, device=device),
+                                         page_table.int().to(device)] + pool
     return [t.to(device) for t in st]
 
 
