@@ -366,39 +366,49 @@ def main(argv=None) -> None:
     budget = int(args.kv_budget_gib * GIB)
     rows, fits, errors = [], {}, []
     t_start = time.perf_counter()
-    for ctx in contexts:
-        for arm in arms:
-            per_row = bytes_per_row(arm, plans, cfg, capacity=ctx + 64, dtype=dtype, device=device)
-            peak = min(budget // per_row, args.max_batch)
-            fits[f"{arm}@{ctx}"] = {"bytes_per_row": per_row, "max_batch": peak}
-            for b in batches_for(peak, sweep, args.common_batch):
-                model.set_attn_implementation("sdpa" if arm == "bf16" else "loopkv")
-                try:
-                    row = measure(model, cfg, arm, plans, ctx=ctx, batch=b, steps=args.steps,
-                                  capture_mode=args.capture, k_scale=args.k_scale, dtype=dtype, device=device,
-                                  launches=b == 1)
-                except Exception as exc:  # record and go on: one broken point must not lose the run
-                    errors.append({"arm": arm, "ctx": ctx, "batch": b, "error": traceback.format_exc()[-3000:]})
-                    print(f"{arm} ctx={ctx} B={b} FAILED: {exc!r}", flush=True)
-                    torch.cuda.synchronize()
-                    torch.cuda.empty_cache()
-                    break
-                rows.append(row)
-                print(f"{arm:9s} ctx={ctx:6d} B={b:3d} step={row['step_ms']:8.3f} ms  tok/s={row['tok_s']:8.1f}  "
-                      f"peak mem={row['max_memory_allocated'] / GIB:6.1f} GiB", flush=True)
-    summary = summarize(rows, contexts)
-    result = {
-        "benchmark": "bench_decode", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-        "device": torch.cuda.get_device_name(), "versions": versions(), "args": vars(args),
-        "model": {"shape": "Ouro-1.4B (random weights)", "params": sum(p.numel() for p in model.parameters())},
-        "kv_budget_bytes": budget, "plans_kib_per_token_stored_read": plan_kib,
-        "plan_grids": {a: plans[a].grid() for a in plans}, "fits": fits, "rows": rows, "summary": summary,
-        "errors": errors,
-        "wall_s": round(time.perf_counter() - t_start, 1),
-    }
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1, default=str)
+
+    def run() -> None:
+        for ctx in contexts:
+            for arm in arms:
+                per_row = bytes_per_row(arm, plans, cfg, capacity=ctx + 64, dtype=dtype, device=device)
+                peak = min(budget // per_row, args.max_batch)
+                fits[f"{arm}@{ctx}"] = {"bytes_per_row": per_row, "max_batch": peak}
+                for b in batches_for(peak, sweep, args.common_batch):
+                    model.set_attn_implementation("sdpa" if arm == "bf16" else "loopkv")
+                    try:
+                        row = measure(model, cfg, arm, plans, ctx=ctx, batch=b, steps=args.steps,
+                                      capture_mode=args.capture, k_scale=args.k_scale, dtype=dtype, device=device,
+                                      launches=b == 1)
+                    except Exception as exc:  # record and go on: one broken point must not lose the run
+                        errors.append({"arm": arm, "ctx": ctx, "batch": b, "error": traceback.format_exc()[-3000:]})
+                        print(f"{arm} ctx={ctx} B={b} FAILED: {exc!r}", flush=True)
+                        torch.cuda.synchronize()
+                        torch.cuda.empty_cache()
+                        break
+                    rows.append(row)
+                    print(f"{arm:9s} ctx={ctx:6d} B={b:3d} step={row['step_ms']:8.3f} ms  tok/s={row['tok_s']:8.1f}  "
+                          f"peak mem={row['max_memory_allocated'] / GIB:6.1f} GiB", flush=True)
+                    write()  # after every point: a run cut short keeps what it measured
+
+    def write() -> dict:
+        result = {
+            "benchmark": "bench_decode", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+            "device": torch.cuda.get_device_name(), "versions": versions(), "args": vars(args),
+            "model": {"shape": "Ouro-1.4B (random weights)", "params": sum(p.numel() for p in model.parameters())},
+            "kv_budget_bytes": budget, "plans_kib_per_token_stored_read": plan_kib,
+            "plan_grids": {a: plans[a].grid() for a in plans}, "fits": fits, "rows": rows,
+            "summary": summarize(rows, contexts), "errors": errors,
+            "complete": done, "wall_s": round(time.perf_counter() - t_start, 1),
+        }
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(result, f, indent=1, default=str)
+        return result
+
+    done = False
+    run()
+    done = True
+    summary = write()["summary"]
     print_table(summary, rows)
 
 
