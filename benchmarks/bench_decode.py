@@ -342,6 +342,8 @@ def main(argv=None) -> None:
     p.add_argument("--capture", choices=("graph", "compile"), default="graph")
     p.add_argument("--k-scale", type=float, default=1.8, help="synthetic K spread (sets V precision's hot share)")
     p.add_argument("--max-batch", type=int, default=128)
+    p.add_argument("--far-impl", choices=("auto", "cc", "dot"), default="auto",
+                   help="history reader of the INT4/INT2 cells (auto: the library's default)")
     p.add_argument("--smoke", action="store_true", help="tiny model, CPU-sized: check the script end to end")
     p.add_argument("--out", default=None, help="JSON path")
     args = p.parse_args(argv)
@@ -351,6 +353,10 @@ def main(argv=None) -> None:
     if not torch.cuda.is_available():
         raise SystemExit("bench_decode needs a CUDA GPU (use --smoke to check the script on the CPU)")
     device, dtype = torch.device("cuda"), torch.bfloat16
+    if args.far_impl != "auto":
+        from loopkv.ops import triton_attention
+
+        triton_attention.CC_DEFAULT = args.far_impl == "cc"  # choose_far_impl's default for small groups
     torch.manual_seed(0)
     cfg = ouro_1p4b_config()
     model = OuroForCausalLM(cfg).to(device=device, dtype=dtype).eval()
