@@ -353,9 +353,9 @@ def main(argv=None) -> None:
     if not torch.cuda.is_available():
         raise SystemExit("bench_decode needs a CUDA GPU (use --smoke to check the script on the CPU)")
     device, dtype = torch.device("cuda"), torch.bfloat16
-    if args.far_impl != "auto":
-        from loopkv.ops import triton_attention
+    from loopkv.ops import triton_attention
 
+    if args.far_impl != "auto":
         triton_attention.CC_DEFAULT = args.far_impl == "cc"  # choose_far_impl's default for small groups
     torch.manual_seed(0)
     cfg = ouro_1p4b_config()
@@ -405,6 +405,7 @@ def main(argv=None) -> None:
             "plan_grids": {a: plans[a].grid() for a in plans}, "fits": fits, "rows": rows,
             "summary": summarize(rows, contexts), "errors": errors,
             "complete": done, "wall_s": round(time.perf_counter() - t_start, 1),
+            "far_reader_small_groups": "cc" if getattr(triton_attention, "CC_DEFAULT", False) else "dot",
         }
         if args.out:
             with open(args.out, "w") as f:
