@@ -270,11 +270,12 @@ def run_shape(B: int, ctx: int, rows: list, cfg: dict) -> None:
 # reader arms: name -> cell_attention keyword arguments (splits None: the launcher's heuristic)
 READERS = {
     "dot": {"far_impl": "dot"},
+    "dot_n32": {"far_impl": "dot", "near_block": 32},
     "cc_w4_t16": {"far_impl": "cc", "num_warps": 4, "sub_tokens": 16},
     "cc_w4_t16_s8": {"far_impl": "cc", "num_warps": 4, "sub_tokens": 16, "splits": 8},
     "cc_w4_t16_p2": {"far_impl": "cc", "num_warps": 4, "sub_tokens": 16, "pages_per_iter": 2},
     "cc_w4_t32_pf": {"far_impl": "cc", "num_warps": 4, "sub_tokens": 32, "prefetch": True},
-    "cc_w2_t16": {"far_impl": "cc", "num_warps": 2, "sub_tokens": 16},
+    "cc_w1_t8": {"far_impl": "cc", "num_warps": 1, "sub_tokens": 8},
 }
 MODES = (("int4", 4, math.inf, False), ("int4_vpdata", 4, math.inf, True), ("int4_vp", 4, TAU, True),
          ("int2", 2, math.inf, False))  # name, bits, tau, V-precision data

@@ -40,12 +40,14 @@ from torch import Tensor
 from loopkv.ops.cell_attention import cell_attention_reference
 from loopkv.ops.codec import GROUP, PAGE, SINK
 from loopkv.ops.layout import RING
-from loopkv.ops.triton_far import far_cc
+from loopkv.ops.triton_far import _dot, _exact_scores, choose_far_impl, far_cc
 from loopkv.ops.triton_register import counters, warmup  # noqa: F401  (warmup re-exported here)
 
 assert (SINK, PAGE, GROUP, RING) == (32, 32, 32, 288)  # spelled out as literals in the kernels
 LOG2E = 1.0 / math.log(2.0)
-NEAR_BLOCK = 64  # near slots per program: the 320 sink + ring slots take 5 programs
+NEAR_BLOCK = 64  # near slots per program (dot reader): the 320 sink + ring slots take 5 programs
+CC_NEAR_BLOCK = 32  # with the cc reader: 10 near programs; the kernel's registers are the max over its
+# branches, and 64-slot near tiles alone set 112 of them (32: 89, sm_90, docs/kernel-notes.md)
 
 
 @triton.jit
@@ -56,23 +58,6 @@ def _online(s, m_i, l_i):
     alpha = tl.exp2(m_i - m_safe)
     p = tl.exp2(s - m_safe[:, None])
     return m_new, alpha, p, l_i * alpha + tl.sum(p, 1)
-
-
-@triton.jit
-def _dot(a, b, PREC: tl.constexpr, UPCAST: tl.constexpr):
-    """``a @ b`` in fp32; UPCAST runs bf16 operands as fp32 (Triton's interpreter mis-multiplies bf16)."""
-    if UPCAST:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-    else:
-        return tl.dot(a, b, input_precision=PREC)
-
-
-@triton.jit
-def _exact_scores(qx, kptr, valid, cm, qk_scale, PREC: tl.constexpr, UPCAST: tl.constexpr):
-    """Scores [RP, BN] (log2 units) of exact keys at ``kptr`` [BN, DP]; invalid slots -> -inf."""
-    k = tl.load(kptr, mask=valid[:, None] & cm[None, :], other=0.0)
-    s = _dot(qx.to(k.dtype), tl.trans(k), PREC, UPCAST) * qk_scale
-    return tl.where(valid[None, :], s, float("-inf"))
 
 
 @triton.jit
@@ -434,35 +419,21 @@ def choose_splits(rows_heads: int, max_pages: int, device: torch.device) -> int:
     return int(max(1, min(want, max_pages, MAX_SPLITS)))
 
 
-FAR_IMPLS = ("cc", "dot")
-CC_MAX_GROUP = 2  # query heads per KV head up to which the CUDA-core reader is the default
-CC_DEFAULT = True  # set False to make the tensor-core reader the default everywhere
-
-
 def _config(bits: int, far_impl: str) -> dict:
     """Fixed launch config per reader (no autotuning: the op runs inside CUDA graphs).
 
     Measured on the H200 (docs/kernel-notes.md): the tensor-core code reader is latency-bound and runs
     best as one warp per program with three pipeline stages; exact BF16 pages as four warps. The CUDA-core
     reader (``triton_far``): four warps, 16-token sub-tiles, one page per iteration (chosen from static
-    counts: 110-119 registers, no spills; not yet measured)."""
+    counts: 89 registers with 32-slot near programs, no spills; not yet measured)."""
     if bits in (4, 2):
         if far_impl == "cc":
-            return {"num_warps": 4, "num_stages": 1, "pages_per_iter": 1, "sub_tokens": 16, "prefetch": False}
-        return {"num_warps": 1, "num_stages": 3, "pages_per_iter": 1, "sub_tokens": 0, "prefetch": False}
-    return {"num_warps": 4, "num_stages": 2, "pages_per_iter": 1, "sub_tokens": 0, "prefetch": False}
-
-
-def choose_far_impl(bits: int, group: int, far_impl: str | None = None) -> str:
-    """History reader: ``"cc"`` (CUDA cores, ``triton_far``) for code pages read by <= 2 query heads per KV
-    head, ``"dot"`` (tensor cores) otherwise; ``far_impl`` overrides (BF16 pages always use ``"dot"``)."""
-    if far_impl is not None and far_impl not in FAR_IMPLS:
-        raise ValueError(f"far_impl must be one of {FAR_IMPLS} or None (automatic), got {far_impl!r}")
-    if bits not in (4, 2):
-        return "dot"
-    if far_impl is None:
-        return "cc" if group <= CC_MAX_GROUP and CC_DEFAULT else "dot"
-    return far_impl
+            return {"num_warps": 4, "num_stages": 1, "pages_per_iter": 1, "sub_tokens": 16, "prefetch": False,
+                    "near_block": CC_NEAR_BLOCK}
+        return {"num_warps": 1, "num_stages": 3, "pages_per_iter": 1, "sub_tokens": 0, "prefetch": False,
+                "near_block": NEAR_BLOCK}
+    return {"num_warps": 4, "num_stages": 2, "pages_per_iter": 1, "sub_tokens": 0, "prefetch": False,
+            "near_block": NEAR_BLOCK}
 
 
 def cell_attention(
@@ -471,7 +442,7 @@ def cell_attention(
     v_scale: Tensor, v_zero: Tensor, bits: int, tau: float, scale: float, *, splits: int | None = None,
     num_warps: int | None = None, num_stages: int | None = None, field_mode: str | None = None,
     far_impl: str | None = None, pages_per_iter: int | None = None, sub_tokens: int | None = None,
-    prefetch: bool | None = None,
+    prefetch: bool | None = None, near_block: int | None = None,
 ) -> Tensor:
     """Triton ``cell_attention``: q [B, Hq, D] -> [B, Hq, D] (shapes: docs/storage-layout.md).
 
@@ -479,7 +450,8 @@ def cell_attention(
     ``splits`` (history programs per row and KV head), ``num_warps``, ``num_stages``, ``far_impl``
     (``"cc"``: CUDA-core history reader, ``"dot"``: tensor-core reader; default by ``choose_far_impl``) and
     ``pages_per_iter`` (1 or 2), ``sub_tokens`` (tokens per sub-tile: 4..32, a power of two) and
-    ``prefetch`` (loads one iteration ahead) (CUDA-core reader only) override the fixed config.
+    ``prefetch`` (loads one iteration ahead) (CUDA-core reader only) and ``near_block`` (sink + window
+    slots per near program: 16, 32 or 64) override the fixed config.
     """
     if bits not in (16, 4, 2, 0):
         raise ValueError(f"bits must be 16, 4, 2 or 0 (no history), got {bits}")
@@ -506,7 +478,12 @@ def cell_attention(
     DP = _next_pow2(D)
     NGP = DP // 32
     GR = max(_next_pow2(G), 16 // NGP)  # query-head rows padded so that RP = GR * NGP >= 16
-    nnear = -(-(SINK + RING) // NEAR_BLOCK)
+    impl = choose_far_impl(bits, G, far_impl)
+    cfg = _config(bits, impl)
+    bn = near_block or cfg["near_block"]
+    if bn not in (16, 32, 64):
+        raise ValueError(f"near_block must be 16, 32 or 64, got {near_block}")
+    nnear = -(-(SINK + RING) // bn)
     if bits == 0 or maxp == 0:
         nsplit = 0
     else:
@@ -517,8 +494,6 @@ def cell_attention(
     cnt = counters(q.device, B * H, purpose="attention")
     exact = q.dtype == torch.float32
     vprec = bits == 4 and math.isfinite(tau)
-    impl = choose_far_impl(bits, G, far_impl)
-    cfg = _config(bits, impl)
     ppi = pages_per_iter or cfg["pages_per_iter"]
     if ppi not in (1, 2):
         raise ValueError(f"pages_per_iter must be 1 or 2, got {pages_per_iter}")
@@ -534,7 +509,7 @@ def cell_attention(
         k_pages, k_scale, k_zero, v_hi, v_lo, v_scale, v_zero,
         ws_o, ws_ml, cnt, out, out.stride(0), out.stride(1),
         H, maxp, nnear, nsplit, scale * LOG2E, float(tau) if vprec else 0.0,
-        G=G, GR=GR, GP=_next_pow2(G), NGP=NGP, D=D, DP=DP, BITS=bits if nsplit else 0, VPREC=vprec, BN=NEAR_BLOCK,
+        G=G, GR=GR, GP=_next_pow2(G), NGP=NGP, D=D, DP=DP, BITS=bits if nsplit else 0, VPREC=vprec, BN=bn,
         DT=tl.float32 if exact else tl.float16, PREC="ieee" if exact else "tf32",
         UPCAST=q.device.type != "cuda" and q.dtype == torch.bfloat16,
         FIELD=0 if exact else FIELD_MODE[field_mode or DEFAULT_FIELD_MODE],

@@ -26,6 +26,9 @@ cores, with every tensor indexed ``(query head g, token t, word w, field j)``:
   group skips its lo-plane load (masked) and gets ``1.5 * v_scale`` in the zero term.
 
 Partials ``(m, l, o)`` are written in the dot path's format (log2 units) for the launcher's merge.
+
+This module also holds the host-side choice between this reader and the tensor-core one (``"dot"``,
+``_far_quant`` in ``loopkv/ops/triton_attention.py``): ``choose_far_impl``; and two helpers both use.
 """
 
 from __future__ import annotations
@@ -35,6 +38,23 @@ import triton.language as tl
 
 UNIT_IN = 96  # fields x 2**(96 - s) ...
 UNIT_OUT = 53  # ... give products in units of 2**(96 - 149) = 2**-53
+
+
+@triton.jit
+def _dot(a, b, PREC: tl.constexpr, UPCAST: tl.constexpr):
+    """``a @ b`` in fp32; UPCAST runs bf16 operands as fp32 (Triton's interpreter mis-multiplies bf16)."""
+    if UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        return tl.dot(a, b, input_precision=PREC)
+
+
+@triton.jit
+def _exact_scores(qx, kptr, valid, cm, qk_scale, PREC: tl.constexpr, UPCAST: tl.constexpr):
+    """Scores [RP, BN] (log2 units) of exact keys at ``kptr`` [BN, DP]; invalid slots -> -inf."""
+    k = tl.load(kptr, mask=valid[:, None] & cm[None, :], other=0.0)
+    s = _dot(qx.to(k.dtype), tl.trans(k), PREC, UPCAST) * qk_scale
+    return tl.where(valid[None, :], s, float("-inf"))
 
 
 @triton.jit
@@ -290,3 +310,20 @@ def far_cc(
         tl.store(obase + j, tl.sum(acc[j], 1) * unit + z, mask=g2 < G)
     tl.store(ws_ml + (slot * GR + gq) * 2, m_i, mask=gq < G)
     tl.store(ws_ml + (slot * GR + gq) * 2 + 1, tl.sum(l_t, 1), mask=gq < G)
+
+
+FAR_IMPLS = ("cc", "dot")
+CC_MAX_GROUP = 2  # query heads per KV head up to which the CUDA-core reader is the default
+CC_DEFAULT = True  # set False to make the tensor-core reader the default everywhere
+
+
+def choose_far_impl(bits: int, group: int, far_impl: str | None = None) -> str:
+    """History reader: ``"cc"`` (CUDA cores, ``triton_far``) for code pages read by <= 2 query heads per KV
+    head, ``"dot"`` (tensor cores) otherwise; ``far_impl`` overrides (BF16 pages always use ``"dot"``)."""
+    if far_impl is not None and far_impl not in FAR_IMPLS:
+        raise ValueError(f"far_impl must be one of {FAR_IMPLS} or None (automatic), got {far_impl!r}")
+    if bits not in (4, 2):
+        return "dot"
+    if far_impl is None:
+        return "cc" if group <= CC_MAX_GROUP and CC_DEFAULT else "dot"
+    return far_impl

@@ -122,13 +122,15 @@ def test_cuda_core_reader_tilings(pages_per_iter, sub_tokens, prefetch, bits, ta
     st = make_cell(len(lengths), 1, 64, 3, bits, lengths, seed=20 + sub_tokens)
     q = 2 * torch.randn(len(lengths), group, 64)
     out = ta.cell_attention(q, *st, bits, tau, 0.125, splits=2, far_impl="cc", pages_per_iter=pages_per_iter,
-                            sub_tokens=sub_tokens, prefetch=prefetch)
+                            sub_tokens=sub_tokens, prefetch=prefetch, near_block=16 if prefetch else 64)
     assert_close_to_reference(out, q, st, bits, tau, 0.125)
 
 
 def test_far_impl_choice_and_argument_errors():
-    assert ta.choose_far_impl(4, 1) == ("cc" if ta.CC_DEFAULT else "dot")
-    assert ta.choose_far_impl(2, 2) == ("cc" if ta.CC_DEFAULT else "dot")
+    from loopkv.ops.triton_far import CC_DEFAULT
+
+    assert ta.choose_far_impl(4, 1) == ("cc" if CC_DEFAULT else "dot")
+    assert ta.choose_far_impl(2, 2) == ("cc" if CC_DEFAULT else "dot")
     assert ta.choose_far_impl(4, 4) == "dot"
     assert ta.choose_far_impl(16, 1, "cc") == "dot"  # BF16 pages: one reader
     assert ta.choose_far_impl(4, 8, "cc") == "cc"
@@ -140,6 +142,8 @@ def test_far_impl_choice_and_argument_errors():
         ta.cell_attention(q, *st, 4, INF, 0.125, far_impl="cc", pages_per_iter=3)
     with pytest.raises(ValueError, match="sub_tokens"):
         ta.cell_attention(q, *st, 4, INF, 0.125, far_impl="cc", sub_tokens=12)
+    with pytest.raises(ValueError, match="near_block"):
+        ta.cell_attention(q, *st, 4, INF, 0.125, near_block=48)
 
 
 @interpret
@@ -228,7 +232,7 @@ def test_random_shapes(seed):
     st = make_cell(batch, heads, head_dim, maxp, bits, lengths, seed=seed)
     q = torch.randn(batch, heads * group, head_dim, generator=g)
     kw = {"far_impl": pick(["dot", "cc"]), "pages_per_iter": pick([1, 2]), "sub_tokens": pick([8, 16, 32]),
-          "prefetch": pick([False, True])}
+          "prefetch": pick([False, True]), "near_block": pick([16, 32, 64])}
     out = ta.cell_attention(q, *st, bits, tau, head_dim**-0.5, splits=pick([1, 2, 4]), **kw)
     assert_close_to_reference(out, q, st, bits, tau, head_dim**-0.5)
 
@@ -268,7 +272,7 @@ def test_gpu_matches_reference(bits, tau, heads, group, head_dim, dtype, far_imp
 
 
 CC_CONFIGS = [  # (num_warps, sub_tokens, pages_per_iter, prefetch): the benchmark's CUDA-core arms and more
-    (4, 16, 1, False), (4, 32, 1, True), (2, 16, 1, False), (4, 16, 2, False), (1, 8, 1, True)]
+    (4, 16, 1, False), (4, 32, 1, True), (1, 8, 1, False), (4, 16, 2, False), (2, 16, 1, True)]
 
 
 @pytest.mark.gpu
@@ -287,6 +291,8 @@ def test_gpu_cuda_core_reader_real_shape(bits, tau):
             out = ta.cell_attention(q, *st, bits, tau, head_dim**-0.5, splits=splits, far_impl="cc",
                                     num_warps=nw, sub_tokens=ts, pages_per_iter=ppi, prefetch=pf)
             torch.testing.assert_close(out.double(), want, atol=ATTN_BF16_ATOL, rtol=ATTN_BF16_RTOL)
+        out = ta.cell_attention(q, *st, bits, tau, head_dim**-0.5, far_impl="dot", near_block=32)
+        torch.testing.assert_close(out.double(), want, atol=ATTN_BF16_ATOL, rtol=ATTN_BF16_RTOL)
 
 
 @pytest.mark.gpu
