@@ -46,6 +46,7 @@ from loopkv.ops.triton_register import counters, warmup  # noqa: F401  (warmup r
 assert (SINK, PAGE, GROUP, RING) == (32, 32, 32, 288)  # spelled out as literals in the kernels
 LOG2E = 1.0 / math.log(2.0)
 NEAR_BLOCK = 64  # near slots per program (dot reader): the 320 sink + ring slots take 5 programs
+CC_DEFAULT = True  # the CUDA-core reader for <= 2 query heads per KV head (False: tensor-core reader always)
 CC_NEAR_BLOCK = 32  # with the cc reader: 10 near programs; the kernel's registers are the max over its
 # branches, and 64-slot near tiles alone set 112 of them (32: 89, sm_90, docs/kernel-notes.md)
 
@@ -478,7 +479,7 @@ def cell_attention(
     DP = _next_pow2(D)
     NGP = DP // 32
     GR = max(_next_pow2(G), 16 // NGP)  # query-head rows padded so that RP = GR * NGP >= 16
-    impl = choose_far_impl(bits, G, far_impl)
+    impl = choose_far_impl(bits, G, far_impl, cc_default=CC_DEFAULT)
     cfg = _config(bits, impl)
     bn = near_block or cfg["near_block"]
     if bn not in (16, 32, 64):

@@ -314,16 +314,16 @@ def far_cc(
 
 FAR_IMPLS = ("cc", "dot")
 CC_MAX_GROUP = 2  # query heads per KV head up to which the CUDA-core reader is the default
-CC_DEFAULT = True  # set False to make the tensor-core reader the default everywhere
 
 
-def choose_far_impl(bits: int, group: int, far_impl: str | None = None) -> str:
+def choose_far_impl(bits: int, group: int, far_impl: str | None = None, *, cc_default: bool = True) -> str:
     """History reader: ``"cc"`` (CUDA cores, ``triton_far``) for code pages read by <= 2 query heads per KV
-    head, ``"dot"`` (tensor cores) otherwise; ``far_impl`` overrides (BF16 pages always use ``"dot"``)."""
+    head (if ``cc_default``: the launcher passes ``triton_attention.CC_DEFAULT``), ``"dot"`` (tensor cores)
+    otherwise; ``far_impl`` overrides (BF16 pages always use ``"dot"``)."""
     if far_impl is not None and far_impl not in FAR_IMPLS:
         raise ValueError(f"far_impl must be one of {FAR_IMPLS} or None (automatic), got {far_impl!r}")
     if bits not in (4, 2):
         return "dot"
     if far_impl is None:
-        return "cc" if group <= CC_MAX_GROUP and CC_DEFAULT else "dot"
+        return "cc" if group <= CC_MAX_GROUP and cc_default else "dot"
     return far_impl

@@ -127,10 +127,9 @@ def test_cuda_core_reader_tilings(pages_per_iter, sub_tokens, prefetch, bits, ta
 
 
 def test_far_impl_choice_and_argument_errors():
-    from loopkv.ops.triton_far import CC_DEFAULT
-
-    assert ta.choose_far_impl(4, 1) == ("cc" if CC_DEFAULT else "dot")
-    assert ta.choose_far_impl(2, 2) == ("cc" if CC_DEFAULT else "dot")
+    assert ta.choose_far_impl(4, 1) == "cc"
+    assert ta.choose_far_impl(2, 2) == "cc"
+    assert ta.choose_far_impl(4, 1, cc_default=False) == "dot"
     assert ta.choose_far_impl(4, 4) == "dot"
     assert ta.choose_far_impl(16, 1, "cc") == "dot"  # BF16 pages: one reader
     assert ta.choose_far_impl(4, 8, "cc") == "cc"
