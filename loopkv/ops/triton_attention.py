@@ -425,11 +425,13 @@ def _config(bits: int, far_impl: str) -> dict:
 
     Measured on the H200 (docs/kernel-notes.md): the tensor-core code reader is latency-bound and runs
     best as one warp per program with three pipeline stages; exact BF16 pages as four warps. The CUDA-core
-    reader (``triton_far``): four warps, 16-token sub-tiles, one page per iteration (chosen from static
-    counts: 89 registers with 32-slot near programs, no spills; not yet measured)."""
+    reader (``triton_far``): one warp, 8-token sub-tiles, one page per iteration, 32-slot near programs: the
+    fastest of the seven reader configs at all 9 shapes of the session-2 H200 sweep (INT4 at B=32 x 16K:
+    0.785 ms vs 0.986 for the tensor-core reader and 0.965 for cuDNN BF16;
+    ``benchmarks/results/cell_attention_2026-11-29_session2.json``)."""
     if bits in (4, 2):
         if far_impl == "cc":
-            return {"num_warps": 4, "num_stages": 1, "pages_per_iter": 1, "sub_tokens": 16, "prefetch": False,
+            return {"num_warps": 1, "num_stages": 1, "pages_per_iter": 1, "sub_tokens": 8, "prefetch": False,
                     "near_block": CC_NEAR_BLOCK}
         return {"num_warps": 1, "num_stages": 3, "pages_per_iter": 1, "sub_tokens": 0, "prefetch": False,
                 "near_block": NEAR_BLOCK}
