@@ -2,7 +2,8 @@
 
     python examples/generate_with_loopkv.py
 
-On a GPU the same code runs the Triton kernels (the cache registers them when built on CUDA).
+On a GPU the same code runs the Triton kernels (the cache registers them when built on CUDA) and compiles the
+decode step into one CUDA graph (``compile_config``; check your own setup with ``loopkv.check_compile``).
 """
 
 import torch
@@ -26,7 +27,15 @@ print(f"history KiB per token: {per_token.stored_kib:.3f} stored, {per_token.rea
 cache = loopkv.LoopKVCache(plan, config=config, max_batch_size=2, max_cache_len=400 + 64,
                            dtype=torch.float32, device=device)
 
-out = model.generate(prompt, attention_mask=mask, past_key_values=cache, max_new_tokens=64, do_sample=False)
+generate_kwargs = {}
+if device == "cuda":
+    # the whole decode step (every cell, window exits included) as one CUDA graph; warm the kernels first
+    from transformers import CompileConfig
+
+    cache.warmup()
+    generate_kwargs["compile_config"] = CompileConfig(fullgraph=True, mode="reduce-overhead")
+out = model.generate(prompt, attention_mask=mask, past_key_values=cache, max_new_tokens=64, do_sample=False,
+                     **generate_kwargs)
 exact = model.generate(prompt, attention_mask=mask, max_new_tokens=64, do_sample=False)  # dense per-cell cache
 agree = (out[:, 400:] == exact[:, 400:]).float().mean().item()
 print(f"greedy tokens equal to the exact cache: {agree:.1%}")
