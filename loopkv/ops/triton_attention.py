@@ -40,7 +40,7 @@ from torch import Tensor
 from loopkv.ops.cell_attention import cell_attention_reference
 from loopkv.ops.codec import GROUP, PAGE, SINK
 from loopkv.ops.layout import RING
-from loopkv.ops.triton_far import _dot, _exact_scores, choose_far_impl, far_cc
+from loopkv.ops.triton_far import _dot, _exact_scores, cc_opt_bits, choose_far_impl, far_cc
 from loopkv.ops.triton_register import counters, warmup  # noqa: F401  (warmup re-exported here)
 
 assert (SINK, PAGE, GROUP, RING) == (32, 32, 32, 288)  # spelled out as literals in the kernels
@@ -295,7 +295,7 @@ def _cell_attn_kernel(
     G: tl.constexpr, GR: tl.constexpr, GP: tl.constexpr, NGP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
     BITS: tl.constexpr, VPREC: tl.constexpr, BN: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr,
     UPCAST: tl.constexpr, FIELD: tl.constexpr, NPP: tl.constexpr, FAR: tl.constexpr, PPI: tl.constexpr,
-    TS: tl.constexpr, PREFETCH: tl.constexpr,
+    TS: tl.constexpr, PREFETCH: tl.constexpr, OPT: tl.constexpr,
 ):
     """Program (i, b*H + h): near slots (i < NNEAR) or history split i - NNEAR of row b, KV head h."""
     RP: tl.constexpr = GR * NGP
@@ -354,7 +354,7 @@ def _cell_attn_kernel(
             far_cc(
                 q, sq_b, sq_h, b, h, H, MAXP, length, p0, p1, page_table, sink_k, k_pages, k_scale, k_zero,
                 v_hi, v_lo, v_scale, v_zero, qk_scale, tau, ws_o, ws_ml, slot, G, GR, GP, D, DP, BITS, VPREC, PPI,
-                TS, PREFETCH,
+                TS, PREFETCH, OPT,
             )
         elif BITS != 0:
             _far_quant(
@@ -445,7 +445,7 @@ def cell_attention(
     v_scale: Tensor, v_zero: Tensor, bits: int, tau: float, scale: float, *, splits: int | None = None,
     num_warps: int | None = None, num_stages: int | None = None, field_mode: str | None = None,
     far_impl: str | None = None, pages_per_iter: int | None = None, sub_tokens: int | None = None,
-    prefetch: bool | None = None, near_block: int | None = None,
+    prefetch: bool | None = None, near_block: int | None = None, cc_opts: tuple = (),
 ) -> Tensor:
     """Triton ``cell_attention``: q [B, Hq, D] -> [B, Hq, D] (shapes: docs/storage-layout.md).
 
@@ -454,7 +454,8 @@ def cell_attention(
     (``"cc"``: CUDA-core history reader, ``"dot"``: tensor-core reader; default by ``choose_far_impl``) and
     ``pages_per_iter`` (1 or 2), ``sub_tokens`` (tokens per sub-tile: 4..32, a power of two) and
     ``prefetch`` (loads one iteration ahead) (CUDA-core reader only) and ``near_block`` (sink + window
-    slots per near program: 16, 32 or 64) override the fixed config.
+    slots per near program: 16, 32 or 64) override the fixed config. ``cc_opts``: opt-in variants of the
+    CUDA-core reader, names of ``triton_far.CC_OPTS`` (unmeasured; empty: the default reader).
     """
     if bits not in (16, 4, 2, 0):
         raise ValueError(f"bits must be 16, 4, 2 or 0 (no history), got {bits}")
@@ -502,6 +503,7 @@ def cell_attention(
         raise ValueError(f"pages_per_iter must be 1 or 2, got {pages_per_iter}")
     nw = num_warps or cfg["num_warps"]
     ts = sub_tokens or cfg["sub_tokens"]
+    opt = cc_opt_bits(cc_opts) if impl == "cc" else 0
     if impl == "cc" and ts not in (4, 8, 16, 32):
         raise ValueError(f"sub_tokens must be 4, 8, 16 or 32, got {sub_tokens}")
     if impl == "cc":  # the CUDA-core reader reads codes as int32 words (rows are multiples of 4 bytes)
@@ -517,7 +519,7 @@ def cell_attention(
         UPCAST=q.device.type != "cuda" and q.dtype == torch.bfloat16,
         FIELD=0 if exact else FIELD_MODE[field_mode or DEFAULT_FIELD_MODE],
         NPP=max(16, _next_pow2(nprog)), FAR=1 if impl == "cc" and nsplit else 0, PPI=ppi, TS=ts if impl == "cc" else 0,
-        PREFETCH=bool(cfg["prefetch"] if prefetch is None else prefetch) and impl == "cc",
+        PREFETCH=bool(cfg["prefetch"] if prefetch is None else prefetch) and impl == "cc", OPT=opt,
         num_warps=nw, num_stages=num_stages or cfg["num_stages"],
     )
     return out

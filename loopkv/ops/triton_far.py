@@ -64,12 +64,42 @@ def _sub(x, SHIFT: tl.constexpr, WIDTH: tl.constexpr):
 
 
 @triton.jit
+def _halves(parts, N: tl.constexpr):
+    """Split each of the N tiles of ``parts`` on its last axis (size 2): (all [..., 0], then all [..., 1])."""
+    lo = ()
+    hi = ()
+    for i in tl.static_range(N):
+        e0, e1 = tl.split(parts[i])
+        lo = lo + (e0,)
+        hi = hi + (e1,)
+    return lo + hi
+
+
+@triton.jit
+def _split_fields(x, GP: tl.constexpr, KWP: tl.constexpr, PERW: tl.constexpr):
+    """x [GP, KWP, PERW] (channel PERW * w + j) -> tuple of PERW tiles [GP, KWP] (field j), by ``tl.split``
+    on register axes (after level l the tuple index is the channel's low l + 1 bits)."""
+    if PERW == 8:
+        parts = _halves((tl.reshape(x, [GP, KWP, 2, 2, 2]),), 1)
+        parts = _halves(parts, 2)
+        parts = _halves(parts, 4)
+    else:
+        parts = _halves((tl.reshape(x, [GP, KWP, 2, 2, 2, 2]),), 1)
+        parts = _halves(parts, 2)
+        parts = _halves(parts, 4)
+        parts = _halves(parts, 8)
+    return parts
+
+
+@triton.jit
 def _fetch(page_table, b64, MAXP, H, h, pg, p1, k_words, k_scale, k_zero, v_hi, v_lo, v_scale, v_zero,
            TS: tl.constexpr, BITS: tl.constexpr, VPREC: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
-           WITH_V: tl.constexpr):
+           WITH_V: tl.constexpr, OPT: tl.constexpr):
     """Issue the loads of history page ``pg`` (masked off past ``p1``): (page, ok, k_scale per field, k_zero,
     K words per sub-tile, v_scale, v_zero, hi, lo per sub-tile). WITH_V False leaves V to ``_v_sub`` (the
-    tuples hold placeholders); under V precision lo is always loaded there, masked by the cold test."""
+    tuples hold placeholders); under V precision lo is always loaded there, masked by the cold test.
+    OPT & OPT_QK: k_scale is one tile [1, KWP, PERW] (16-byte loads); OPT & OPT_VG: v_scale and v_zero are
+    [1, TS, VWP // 2] tiles (one per 32-channel group)."""
     PERW: tl.constexpr = 32 // BITS
     KW: tl.constexpr = D // PERW
     KWP: tl.constexpr = DP // PERW
@@ -81,8 +111,13 @@ def _fetch(page_table, b64, MAXP, H, h, pg, p1, k_words, k_scale, k_zero, v_hi, 
     w = tl.arange(0, KWP)[None, None, :]
     wm = w < tl.where(ok, KW, 0)  # (not `& ok`: the interpreter turns a scalar & into int32)
     ks = ()
-    for j in tl.static_range(PERW):
-        ks = ks + (tl.load(k_scale + page * D + w * PERW + j, mask=wm, other=0.0),)
+    if OPT & 1:
+        w2 = tl.arange(0, KWP)[None, :, None]
+        j2 = tl.arange(0, PERW)[None, None, :]
+        ks = (tl.load(k_scale + page * D + w2 * PERW + j2, mask=w2 < tl.where(ok, KW, 0), other=0.0),)
+    else:
+        for j in tl.static_range(PERW):
+            ks = ks + (tl.load(k_scale + page * D + w * PERW + j, mask=wm, other=0.0),)
     c = tl.arange(0, DP)[None, :]
     kz = tl.load(k_zero + page * D + c, mask=c < tl.where(ok, D, 0), other=0.0)
     wv = tl.arange(0, VWP)[None, None, :]
@@ -96,9 +131,15 @@ def _fetch(page_table, b64, MAXP, H, h, pg, p1, k_words, k_scale, k_zero, v_hi, 
         t = sb * TS + tl.arange(0, TS)[None, :, None]
         words = words + (tl.load(k_words + page * (32 * KW) + t * KW + w, mask=wm, other=0),)
         if WITH_V:
-            goff = page * (32 * NG) + t * NG + wv // 2  # the 32-channel group of word wv
-            vs = vs + (tl.load(v_scale + goff, mask=wvm, other=0.0),)
-            vz = vz + (tl.load(v_zero + goff, mask=wvm, other=0.0),)
+            if OPT & 2:
+                gv = tl.arange(0, VWP // 2)[None, None, :]
+                goff = page * (32 * NG) + t * NG + gv
+                gvm = gv < tl.where(ok, NG, 0)
+            else:
+                goff = page * (32 * NG) + t * NG + wv // 2  # the 32-channel group of word wv
+                gvm = wvm
+            vs = vs + (tl.load(v_scale + goff, mask=gvm, other=0.0),)
+            vz = vz + (tl.load(v_zero + goff, mask=gvm, other=0.0),)
             voff = page * (32 * VW) + t * VW + wv
             hi = hi + (tl.load(v_hi + voff, mask=wvm, other=0),)  # int32: crumb c at bits 2c = channel 16 w + c
             if BITS == 4 and not VPREC:
@@ -114,37 +155,47 @@ def _fetch(page_table, b64, MAXP, H, h, pg, p1, k_words, k_scale, k_zero, v_hi, 
 
 
 @triton.jit
-def _k_prep(qf, qd, ks, kz, PERW: tl.constexpr):
+def _k_prep(qf, qd, ks, kz, GP: tl.constexpr, KWP: tl.constexpr, PERW: tl.constexpr, OPT: tl.constexpr):
     """Per page: ``qk[j]`` [GP, 1, KWP] = qf[j] * k_scale (field j of every word) and ``bias`` [GP, 1] =
-    q . k_zero (qd [GP, DP]: the query in channel order, a compact layout: one reduction, not per field)."""
+    q . k_zero (qd [GP, DP]: the query in channel order, a compact layout: one reduction, not per field).
+    OPT & OPT_QK: qf is one tile [GP, KWP, PERW] and ks[0] [1, KWP, PERW]: one product per channel, then
+    split into fields."""
     qk = ()
-    for j in tl.static_range(PERW):
-        qk = qk + (qf[j] * ks[j].to(tl.float32),)
+    if OPT & 1:
+        parts = _split_fields(qf * ks[0].to(tl.float32), GP, KWP, PERW)
+        for j in tl.static_range(PERW):
+            qk = qk + (parts[j][:, None, :],)
+    else:
+        for j in tl.static_range(PERW):
+            qk = qk + (qf[j] * ks[j].to(tl.float32),)
     return qk, tl.sum(qd * kz.to(tl.float32), 1)[:, None]
 
 
 @triton.jit
-def _k_sub(qk, bias, words, ok, qk_scale, BITS: tl.constexpr):
-    """Scores [GP, TS] (log2 units) of a sub-tile's K words [1, TS, KWP]; ``ok`` False -> -inf."""
+def _k_sub(qk, bias, words, ok, qk_scale, BITS: tl.constexpr, LIM: tl.constexpr):
+    """Scores [GP, TS] (log2 units) of a sub-tile's K words [1, TS, KWP]; ``ok`` False -> -inf. Fields
+    ``j < LIM`` are read in place, the others from ``words >> 16`` (shift ``BITS * j - 16``)."""
     PERW: tl.constexpr = 32 // BITS
-    HALF: tl.constexpr = PERW // 2
     upper = words >> 16
     part = qk[0] * _sub(words, 0, BITS)
     for j in tl.static_range(1, PERW):
-        if j < HALF:
+        if j < LIM:
             part += qk[j] * _sub(words, BITS * j, BITS)
         else:
-            part += qk[j] * _sub(upper, BITS * (j - HALF), BITS)
+            part += qk[j] * _sub(upper, BITS * j - 16, BITS)
     s = (tl.sum(part, 2) * 9007199254740992.0 + bias) * qk_scale  # 2**53
     return tl.where(ok, s, float("-inf"))
 
 
 @triton.jit
-def _v_sub(acc, zacc, p, hi, lo, vs, vz, v_hi, v_lo, v_scale, v_zero, page, sub, ok, cold, TS: tl.constexpr,
-           BITS: tl.constexpr, VPREC: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, LOAD_V: tl.constexpr):
+def _v_sub(acc, zacc, p, hi, lo, vs, vz, v_hi, v_lo, v_scale, v_zero, page, sub, ok, cold, GP: tl.constexpr,
+           TS: tl.constexpr, BITS: tl.constexpr, VPREC: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
+           LOAD_V: tl.constexpr, OPT: tl.constexpr):
     """acc[j] [GP, TS, VWP] += p * v_scale * 2**96 * field j (channel 16 w + j) and zacc [GP, TS, VWP] +=
     p * v_zero (+ 1.5 * v_scale for cold tokens) for the sub-tile ``sub``; p [GP, TS], cold [TS]. LOAD_V:
-    load hi, lo, v_scale, v_zero here (else they were prefetched)."""
+    load hi, lo, v_scale, v_zero here (else they were prefetched). OPT & OPT_VG: v_scale, v_zero and zacc
+    are per 32-channel group ([.., VWP // 2]); the weights reach the word tile by ``join`` + ``reshape``
+    (each thread's two words of a group are in its registers: no gather, no duplicate loads)."""
     NG: tl.constexpr = D // 32
     VW: tl.constexpr = D // 16
     VWP: tl.constexpr = DP // 16
@@ -153,9 +204,15 @@ def _v_sub(acc, zacc, p, hi, lo, vs, vz, v_hi, v_lo, v_scale, v_zero, page, sub,
     wvm = wv < tl.where(ok, VW, 0)
     voff = page * (32 * VW) + t * VW + wv
     if LOAD_V:
-        goff = page * (32 * NG) + t * NG + wv // 2  # the 32-channel group of word wv
-        vs = tl.load(v_scale + goff, mask=wvm, other=0.0)
-        vz = tl.load(v_zero + goff, mask=wvm, other=0.0)
+        if OPT & 2:
+            gv = tl.arange(0, VWP // 2)[None, None, :]
+            goff = page * (32 * NG) + t * NG + gv
+            gvm = gv < tl.where(ok, NG, 0)
+        else:
+            goff = page * (32 * NG) + t * NG + wv // 2  # the 32-channel group of word wv
+            gvm = wvm
+        vs = tl.load(v_scale + goff, mask=gvm, other=0.0)
+        vz = tl.load(v_zero + goff, mask=gvm, other=0.0)
         hi = tl.load(v_hi + voff, mask=wvm, other=0)  # int32: crumb c at bits 2c is channel 16 w + c
         if BITS == 4 and not VPREC:
             lo = tl.load(v_lo + voff, mask=wvm, other=0)
@@ -173,16 +230,24 @@ def _v_sub(acc, zacc, p, hi, lo, vs, vz, v_hi, v_lo, v_scale, v_zero, page, sub,
         odd_u = odd >> 16
     else:
         hi_u = hi >> 16
-    a = p[:, :, None] * (vs * 79228162514264337593543950336.0)  # 2**96
+    if OPT & 2:
+        ag = p[:, :, None] * (vs * 79228162514264337593543950336.0)  # 2**96, per group
+        a = tl.reshape(tl.join(ag, ag), [GP, TS, VWP])  # word w: group w // 2
+    else:
+        a = p[:, :, None] * (vs * 79228162514264337593543950336.0)  # 2**96
+    VLIM: tl.constexpr = (32 // BITS) // 2 + ((OPT >> 2) & 1) * (24 // BITS - (32 // BITS) // 2)  # see far_cc
     new = ()
     for j in tl.static_range(16):
-        if BITS == 4:
-            if j % 2 == 0:
-                f = _sub(even if j < 8 else even_u, 4 * ((j // 2) % 4), 4)
+        if BITS == 4:  # nibble j // 2 of `even` (j even) or `odd`
+            if j // 2 < VLIM:
+                f = _sub(even if j % 2 == 0 else odd, 4 * (j // 2), 4)
             else:
-                f = _sub(odd if j < 8 else odd_u, 4 * ((j // 2) % 4), 4)
+                f = _sub(even_u if j % 2 == 0 else odd_u, 4 * (j // 2) - 16, 4)
         else:
-            f = _sub(hi if j < 8 else hi_u, 2 * (j % 8), 2)
+            if j < VLIM:
+                f = _sub(hi, 2 * j, 2)
+            else:
+                f = _sub(hi_u, 2 * j - 16, 2)
         new = new + (acc[j] + a * f,)
     zacc += p[:, :, None] * vz
     return new, zacc
@@ -202,16 +267,19 @@ def far_cc(
     q, sq_b, sq_h, b, h, H, MAXP, length, p0, p1, page_table, sink_k, k_words, k_scale, k_zero, v_hi, v_lo,
     v_scale, v_zero, qk_scale, tau, ws_o, ws_ml, slot,
     G: tl.constexpr, GR: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BITS: tl.constexpr,
-    VPREC: tl.constexpr, PPI: tl.constexpr, TS: tl.constexpr, PREFETCH: tl.constexpr,
+    VPREC: tl.constexpr, PPI: tl.constexpr, TS: tl.constexpr, PREFETCH: tl.constexpr, OPT: tl.constexpr,
 ):
     """History pages [p0, p1) of row b, KV head h (codes as int32 words) -> partial (m, l, o) at ``slot``.
 
     Each iteration takes ``PPI`` pages, each as ``32 // TS`` sub-tiles of ``TS`` tokens (TS sets how many
     tokens a thread holds: the per-page scale work is shared by a thread's tokens). PREFETCH: each
     iteration issues the next iteration's loads before computing (one iteration of loads in flight, more
-    registers)."""
+    registers). OPT: bit set of the opt-in variants (``CC_OPTS``; 0 is the default reader)."""
     PERW: tl.constexpr = 32 // BITS
-    HALF: tl.constexpr = PERW // 2
+    # fields j < LIM of a word are read in place, the rest from the word >> 16. A masked field below bit 24
+    # read as fp32 is still exactly 2**-149 * bits (exponent field 0 or 1), so OPT & OPT_F24 reads 24 // BITS
+    # fields in place (the default: the lower half)
+    LIM: tl.constexpr = PERW // 2 + ((OPT >> 2) & 1) * (24 // BITS - PERW // 2)
     KWP: tl.constexpr = DP // PERW
     VWP: tl.constexpr = DP // 16
     NSUB: tl.constexpr = 32 // TS
@@ -219,11 +287,19 @@ def far_cc(
     gq = tl.arange(0, GP)
     g3 = gq[:, None, None]
     wq = tl.arange(0, KWP)[None, None, :]
-    qf = ()  # field j of the query, times 2**(96 - s_j)
-    for j in tl.static_range(PERW):
-        qj = tl.load(q + b64 * sq_b + (h * G + g3) * sq_h + wq * PERW + j, mask=(g3 < G) & (wq * PERW + j < D),
-                     other=0.0).to(tl.float32)
-        qf = qf + (qj * (2.0 ** (96 - BITS * (j % HALF))),)
+    if OPT & 1:  # one tile [GP, KWP, PERW] (channel PERW * w + j), times 2**(96 - s_j) (exact: built bitwise)
+        w3 = tl.arange(0, KWP)[None, :, None]
+        j3 = tl.arange(0, PERW)[None, None, :]
+        q3k = tl.load(q + b64 * sq_b + (h * G + g3) * sq_h + w3 * PERW + j3, mask=(g3 < G) & (w3 * PERW + j3 < D),
+                      other=0.0).to(tl.float32)
+        s3 = tl.where(j3 < LIM, BITS * j3, BITS * j3 - 16)
+        qf = q3k * ((127 + 96 - s3) << 23).to(tl.float32, bitcast=True)
+    else:
+        qf = ()  # field j of the query, times 2**(96 - s_j)
+        for j in tl.static_range(PERW):
+            qj = tl.load(q + b64 * sq_b + (h * G + g3) * sq_h + wq * PERW + j,
+                         mask=(g3 < G) & (wq * PERW + j < D), other=0.0).to(tl.float32)
+            qf = qf + (qj * (2.0 ** (96 - (BITS * j if j < LIM else BITS * j - 16))),)
     cq = tl.arange(0, DP)[None, :]
     qd = tl.load(q + b64 * sq_b + (h * G + gq[:, None]) * sq_h + cq, mask=(gq[:, None] < G) & (cq < D),
                  other=0.0).to(tl.float32)  # [GP, DP]
@@ -241,7 +317,10 @@ def far_cc(
             sink_max = tl.max(s_sink, 1)
     m_i = tl.full([GP], float("-inf"), tl.float32)
     l_t = tl.zeros([GP, TS], tl.float32)
-    zacc = tl.zeros([GP, TS, VWP], tl.float32)
+    if OPT & 2:
+        zacc = tl.zeros([GP, TS, VWP // 2], tl.float32)  # per 32-channel group
+    else:
+        zacc = tl.zeros([GP, TS, VWP], tl.float32)
     acc = ()
     for _j in tl.static_range(16):
         acc = acc + (tl.zeros([GP, TS, VWP], tl.float32),)
@@ -250,7 +329,7 @@ def far_cc(
     if PREFETCH:
         for pp in tl.static_range(PPI):
             nxt = nxt + (_fetch(page_table, b64, MAXP, H, h, p0 + pp, p1, k_words, k_scale, k_zero, v_hi, v_lo,
-                                v_scale, v_zero, TS, BITS, VPREC, D, DP, True),)
+                                v_scale, v_zero, TS, BITS, VPREC, D, DP, True, OPT),)
     for pg in range(p0, p1, PPI):
         if PREFETCH:  # this iteration's loads were issued by the previous one; issue the next iteration's
             cur = nxt
@@ -261,7 +340,7 @@ def far_cc(
             first = pg
         for pp in tl.static_range(PPI):
             fetched = _fetch(page_table, b64, MAXP, H, h, first + pp, p1, k_words, k_scale, k_zero, v_hi, v_lo,
-                             v_scale, v_zero, TS, BITS, VPREC, D, DP, PREFETCH)
+                             v_scale, v_zero, TS, BITS, VPREC, D, DP, PREFETCH, OPT)
             if PREFETCH:
                 nxt = nxt + (fetched,)
             else:
@@ -271,10 +350,10 @@ def far_cc(
         m_pages = ()
         m_top = m_i
         for pp in tl.static_range(PPI):
-            qk, bias = _k_prep(qf, qd, cur[pp][2], cur[pp][3], PERW)
+            qk, bias = _k_prep(qf, qd, cur[pp][2], cur[pp][3], GP, KWP, PERW, OPT)
             m_p = tl.full([GP], float("-inf"), tl.float32)
             for sb in tl.static_range(NSUB):
-                s = _k_sub(qk, bias, cur[pp][4][sb], cur[pp][1], qk_scale, BITS)
+                s = _k_sub(qk, bias, cur[pp][4][sb], cur[pp][1], qk_scale, BITS, LIM)
                 m_p = tl.maximum(m_p, tl.max(s, 1))
                 ss = ss + (s,)
             m_pages = m_pages + (m_p,)
@@ -298,21 +377,43 @@ def far_cc(
                 if VPREC:
                     cold = _cold(s, m_pages[pp], sink_max, tau, G, GP)
                 acc, zacc = _v_sub(acc, zacc, p, cur[pp][7][sb], cur[pp][8][sb], cur[pp][5][sb], cur[pp][6][sb],
-                                   v_hi, v_lo, v_scale, v_zero, cur[pp][0], sb, cur[pp][1], cold, TS, BITS, VPREC,
-                                   D, DP, not PREFETCH)
+                                   v_hi, v_lo, v_scale, v_zero, cur[pp][0], sb, cur[pp][1], cold, GP, TS, BITS,
+                                   VPREC, D, DP, not PREFETCH, OPT)
     # ---- partial: o[g, 16 w + j] = 2**(53 - s_j) * sum_t acc[j] + sum_t zacc
     g2 = gq[:, None]
     w2 = tl.arange(0, VWP)[None, :]
     z = tl.sum(zacc, 1)  # [GP, VWP]
+    if OPT & 2:  # [GP, VWP // 2] per group -> per word
+        z = tl.reshape(tl.join(z, z), [GP, VWP])
     obase = ws_o + (slot * GR + g2) * DP + 16 * w2
     for j in tl.static_range(16):
-        unit = 2.0 ** (53 - (4 * ((j // 2) % 4) if BITS == 4 else 2 * (j % 8)))
+        if BITS == 4:  # the shift of nibble j // 2 (as in _v_sub)
+            unit = 2.0 ** (53 - (4 * (j // 2) if j // 2 < LIM else 4 * (j // 2) - 16))
+        else:
+            unit = 2.0 ** (53 - (2 * j if j < LIM else 2 * j - 16))
         tl.store(obase + j, tl.sum(acc[j], 1) * unit + z, mask=g2 < G)
     tl.store(ws_ml + (slot * GR + gq) * 2, m_i, mask=gq < G)
     tl.store(ws_ml + (slot * GR + gq) * 2 + 1, tl.sum(l_t, 1), mask=gq < G)
 
 
 FAR_IMPLS = ("cc", "dot")
+# opt-in variants of the CUDA-core reader (not measured yet; docs/kernel-notes.md, "next variants"):
+# "qk": q * k_scale once per channel and page on one [G, D/PERW, PERW] tile (16-byte k_scale loads), split into
+# fields on register axes; "vg": V scale and zero per 32-channel group (one load each per token and group,
+# the zero term per group, the weights widened to words by join + reshape, no layout conversion).
+# "f24": fields below bit 24 read in place (6 of 8 nibbles, 12 of 16 crumbs; the default shifts half the
+# fields of a word down by 16), which also spares the compiler's extra unsigned shift + SGXT per word
+CC_OPTS = {"qk": 1, "vg": 2, "f24": 4}
+
+
+def cc_opt_bits(cc_opts) -> int:
+    """The kernel's OPT bit set for a collection of ``CC_OPTS`` names (empty: the default reader)."""
+    bits = 0
+    for name in cc_opts or ():
+        if name not in CC_OPTS:
+            raise ValueError(f"cc_opts: unknown option {name!r}; choose from {sorted(CC_OPTS)}")
+        bits |= CC_OPTS[name]
+    return bits
 CC_MAX_GROUP = 2  # query heads per KV head up to which the CUDA-core reader is the default
 
 
