@@ -218,11 +218,9 @@ def time_steps(replay, steps: int) -> float:
 
 # ---- V precision: how many history tokens are hot on these queries -----------------------------------------
 @torch.no_grad()
-def hot_fraction(model, cache, tok, pos, *, cells: int = 8) -> float | None:
-    """Fraction of row 0's history tokens whose V lo plane a V-precision read fetches (paper §3.3),
-    on the queries of one eager step, over the first ``cells`` INT4-reading cells (reference math)."""
-    if not isinstance(cache, loopkv.LoopKVCache) or math.isinf(cache.tau):
-        return None
+def capture_queries(model, cache, tok, pos, *, cells: int = 8) -> list[tuple[int, torch.Tensor, float]]:
+    """(cell index, row 0's query [1, Hq, D] fp32, softmax scale) of the first ``cells`` INT4-reading cells
+    in one eager decode step (which appends one token to the cache)."""
     seen: list[tuple[int, torch.Tensor, float]] = []
     original = cache.read_cell
 
@@ -236,11 +234,16 @@ def hot_fraction(model, cache, tok, pos, *, cells: int = 8) -> float | None:
         make_step(model, cache, tok.clone(), pos.clone(), dense=False, capacity=cache.max_cache_len)()
     finally:
         del cache.read_cell
+    return seen
+
+
+def hot_share(cache, seen) -> float | None:
+    """Fraction of row 0's history tokens whose V lo plane a V-precision read fetches (paper §3.3): hot for
+    at least one query head of the group, ``s >= max(sink max, page max) - tau ln 2`` (reference math)."""
     hot = total = 0
     for idx, q, scale in seen:
         st = cache.layers[idx].storage
-        n = int(st.lengths[0])
-        npg = int(n_pages(torch.tensor(n)))
+        npg = int(n_pages(torch.tensor(int(st.lengths[0]))))
         if npg == 0:
             continue
         phys = st.page_table[0, :npg].long()
@@ -254,6 +257,13 @@ def hot_fraction(model, cache, tok, pos, *, cells: int = 8) -> float | None:
         hot += int(hot_tok.sum())
         total += hot_tok.numel()
     return hot / total if total else None
+
+
+def hot_fraction(model, cache, tok, pos, *, cells: int = 8) -> float | None:
+    """:func:`hot_share` on the queries of one eager step; None for caches without V precision."""
+    if not isinstance(cache, loopkv.LoopKVCache) or math.isinf(cache.tau):
+        return None
+    return hot_share(cache, capture_queries(model, cache, tok, pos, cells=cells))
 
 
 # ---- one measurement -----------------------------------------------------------------------------------------

@@ -1,0 +1,112 @@
+"""The decode benchmark's CPU-checkable parts: the paper's plan composition, the synthetic fill, the step,
+the hot-fraction measurement against an independent count, and the table/plot script on committed results."""
+
+import importlib.util
+import json
+import math
+import pathlib
+import sys
+
+import pytest
+import torch
+
+from loopkv.ops import codec
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _load(name):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def bench():
+    return _load("bench_decode")
+
+
+def test_paper_plans_have_the_papers_bytes_on_ouro_1p4b(bench):
+    cfg = bench.ouro_1p4b_config()
+    plans = bench.paper_plans(cfg.total_ut_steps, cfg.num_hidden_layers)
+    got = {a: plans[a].bytes_per_token(cfg) for a in plans}
+    assert (got["kivi4"].stored_kib, got["kivi4"].read_kib) == (240.0, 240.0)
+    assert (got["loopkv-r"].stored_kib, got["loopkv-r"].read_kib) == (215.0, 215.0)  # paper Table 8
+    assert (got["loopkv-m"].stored_kib, got["loopkv-m"].read_kib) == (155.0, 220.0)
+    m = plans["loopkv-m"]
+    assert m.options.count("share") == 26
+    assert m.options.count("int2") == 20
+    assert sum(o == "share" for o in m.grid()[2]) == 20  # 20 of the shared cells in loop 3 (0-based 2)
+    r = plans["loopkv-r"]
+    edge = set(range(6)) | set(range(18, 24))
+    assert r.options.count("int2") == 25
+    assert "share" not in r.options
+    assert all(i in edge for row in r.grid() for i, o in enumerate(row) if o == "int2")
+    assert math.isinf(plans["kivi4"].tau)
+    assert plans["loopkv-m"].tau == 14.0
+
+
+def test_fill_holds_length_tokens_and_a_step_decodes_finite(bench):
+    cfg = bench.smoke_config()
+    torch.manual_seed(0)
+    model = bench.OuroForCausalLM(cfg).eval()
+    plans = bench.paper_plans(cfg.total_ut_steps, cfg.num_hidden_layers)
+    bench.register()
+    for arm in ("bf16", "loopkv-m"):
+        model.set_attn_implementation("sdpa" if arm == "bf16" else "loopkv")
+        cache = bench.build_cache(arm, plans, cfg, batch=2, capacity=420, dtype=torch.float32, device="cpu")
+        bench.fill(cache, 400, k_scale=1.0)
+        if arm == "bf16":
+            assert all(int(layer.cumulative_length) == 400 for layer in cache.layers)
+        else:
+            assert cache.get_seq_length() == 400
+        tok, pos = torch.randint(3, cfg.vocab_size, (2, 1)), torch.full((2, 1), 400)
+        bench.make_step(model, cache, tok, pos, dense=arm == "bf16", capacity=420)()
+        assert pos.tolist() == [[401], [401]]
+        assert 0 <= int(tok.min())
+        assert int(tok.max()) < cfg.vocab_size
+
+
+def test_hot_share_matches_a_token_by_token_count(bench):
+    """The benchmark's hot share against a brute-force float64 count over every page, head and token."""
+    cfg = bench.smoke_config()
+    torch.manual_seed(1)
+    model = bench.OuroForCausalLM(cfg).eval()
+    plans = bench.paper_plans(cfg.total_ut_steps, cfg.num_hidden_layers)
+    bench.register()
+    model.set_attn_implementation("loopkv")
+    cache = bench.build_cache("kivi4v", plans, cfg, batch=1, capacity=460, dtype=torch.float32, device="cpu")
+    bench.fill(cache, 450, k_scale=8.0)  # spread keys: about a third of the tokens hot, so the rule matters
+    seen = bench.capture_queries(model, cache, torch.tensor([[5]]), torch.tensor([[450]]), cells=3)
+    assert len(seen) == 3
+    got = bench.hot_share(cache, seen)
+    hot = total = 0
+    for idx, q, scale in seen:
+        st = cache.layers[idx].storage
+        npg = (int(st.lengths[0]) - 288) // 32  # n_pages, written out
+        for p in range(npg):
+            pages = codec.PageCodes(*(t[int(st.page_table[0, p])] for t in st.pool()))
+            k = codec.decode_k(pages, 4).double()  # [H, PAGE, D]
+            for h in range(k.shape[0]):
+                qh = q[0, h].double()
+                s = (k[h] @ qh) * scale
+                m_ref = max(float((st.sink_k[0, h].double() @ qh).max()) * scale, float(s.max()))
+                hot += int((s >= m_ref - 14.0 * math.log(2.0)).sum())
+                total += s.numel()
+    assert total > 0
+    assert 0.05 < hot / total < 0.95
+    assert got == pytest.approx(hot / total, abs=1e-6)
+    assert bench.hot_fraction(model, cache, torch.tensor([[5]]), torch.tensor([[451]])) is not None
+
+
+def test_plot_decode_table_from_the_committed_results():
+    plot = _load("plot_decode")
+    result = json.loads((ROOT / "benchmarks/results/decode_2026-11-29.json").read_text())
+    table = plot.table(result)
+    rows = [line for line in table.splitlines() if line.startswith("| loopkv-m | 16384")]
+    assert len(rows) == 1
+    s = next(s for s in result["summary"] if s["arm"] == "loopkv-m" and s["ctx"] == 16384)
+    assert f"{s['peak_tok_s']:.1f}" in rows[0]
+    assert str(s["peak_batch"]) in rows[0]
