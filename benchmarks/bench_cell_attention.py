@@ -5,7 +5,8 @@ cuDNN SDPA on dense BF16 K/V, at B in {1, 8, 32} x context in {8K, 16K, 32K}, fo
 with V precision (tau = 14, on data built so that ~1/6 of history tokens are hot; the same data at
 tau = inf gives the V-precision gain) and INT2. Reader arms (``READERS``): ``dot`` (tensor cores, the
 session-1 kernel) and ``cc_*`` (CUDA cores, ``loopkv/ops/triton_far.py``) at a few (num_warps, sub-tile
-tokens, pages per iteration, splits) configs. Each arm's output is checked against the ``dot`` arm's.
+tokens, pages per iteration, splits, opt-in variants ``cc_opts``) configs. Each arm's output is checked
+against the ``dot`` arm's.
 
 ``--full``: session 1's arm set (cuDNN / flash SDPA, dequantize-then-SDPA, loopkv BF16 pages, INT4, INT4
 with V precision, INT2, a shared cell, the decode append) with the default reader.
@@ -269,13 +270,15 @@ def run_shape(B: int, ctx: int, rows: list, cfg: dict) -> None:
 
 # reader arms: name -> cell_attention keyword arguments (splits None: the launcher's heuristic)
 READERS = {
-    "dot": {"far_impl": "dot"},
-    "dot_n32": {"far_impl": "dot", "near_block": 32},
-    "cc_w4_t16": {"far_impl": "cc", "num_warps": 4, "sub_tokens": 16},
-    "cc_w4_t16_s8": {"far_impl": "cc", "num_warps": 4, "sub_tokens": 16, "splits": 8},
-    "cc_w4_t16_p2": {"far_impl": "cc", "num_warps": 4, "sub_tokens": 16, "pages_per_iter": 2},
-    "cc_w4_t32_pf": {"far_impl": "cc", "num_warps": 4, "sub_tokens": 32, "prefetch": True},
-    "cc_w1_t8": {"far_impl": "cc", "num_warps": 1, "sub_tokens": 8},
+    "dot": {"far_impl": "dot"},  # session 1's tensor-core reader (comparison point)
+    "cc_w4_t16": {"far_impl": "cc", "num_warps": 4, "sub_tokens": 16},  # session 2's first cc default (comparison)
+    "cc_w1_t8": {"far_impl": "cc", "num_warps": 1, "sub_tokens": 8},  # the default since session 2
+    # opt-in variants (``cc_opts``, loopkv/ops/triton_far.py; static counts in docs/kernel-notes.md, unmeasured)
+    "cc_w1_t8_vg": {"far_impl": "cc", "num_warps": 1, "sub_tokens": 8, "cc_opts": ("vg",)},
+    "cc_w1_t8_f24": {"far_impl": "cc", "num_warps": 1, "sub_tokens": 8, "cc_opts": ("f24",)},
+    "cc_w1_t8_vg_f24": {"far_impl": "cc", "num_warps": 1, "sub_tokens": 8, "cc_opts": ("vg", "f24")},
+    "cc_w1_t8_qk_vg_f24": {"far_impl": "cc", "num_warps": 1, "sub_tokens": 8, "cc_opts": ("qk", "vg", "f24")},
+    "cc_w1_t16_qk_vg_f24": {"far_impl": "cc", "num_warps": 1, "sub_tokens": 16, "cc_opts": ("qk", "vg", "f24")},
 }
 MODES = (("int4", 4, math.inf, False), ("int4_vpdata", 4, math.inf, True), ("int4_vp", 4, TAU, True),
          ("int2", 2, math.inf, False))  # name, bits, tau, V-precision data
@@ -339,7 +342,7 @@ def run_readers(B: int, ctx: int, rows: list) -> None:
 def print_readers(result: dict) -> None:
     """ms (speedup vs cuDNN BF16) per shape, mode and reader; the V-precision gain vs the same data at tau=inf."""
     names = list(READERS)
-    print(f"{'B':>3} {'ctx':>6} {'mode':<12} " + " ".join(f"{n:>15}" for n in names) + "   cudnn_bf16 ms",
+    print(f"{'B':>3} {'ctx':>6} {'mode':<12} " + " ".join(f"{n:>19}" for n in names) + "   cudnn_bf16 ms",
           "(ms, speedup vs cudnn)")
     for r in result["rows"]:
         if "arms" not in r:
@@ -351,14 +354,14 @@ def print_readers(result: dict) -> None:
             for n in names:
                 v = arms.get(f"{mode}_{n}", {})
                 cells.append(f"{v['ms']:.3f} ({v['speedup_vs_cudnn']:.2f}x)" if "ms" in v else "err")
-            print(f"{r['batch']:>3} {r['context']:>6} {mode:<12} " + " ".join(f"{c:>15}" for c in cells)
+            print(f"{r['batch']:>3} {r['context']:>6} {mode:<12} " + " ".join(f"{c:>19}" for c in cells)
                   + f"   {arms['cudnn_bf16']['ms']:.3f}")
         gains = []
         for n in names:
             a, b = arms.get(f"int4_vp_{n}", {}), arms.get(f"int4_vpdata_{n}", {})
             gains.append(f"{b['ms'] / a['ms']:.2f}x" if "ms" in a and "ms" in b else "-")
         worst = max(r["check"].values()) if r["check"] else float("nan")
-        print(f"{'':>11}{'vp gain':<12} " + " ".join(f"{g:>15}" for g in gains)
+        print(f"{'':>11}{'vp gain':<12} " + " ".join(f"{g:>19}" for g in gains)
               + f"   hot={r.get('hot_fraction', float('nan')):.3f} max|arm-dot|={worst:.1e}")
 
 

@@ -126,6 +126,58 @@ def test_cuda_core_reader_tilings(pages_per_iter, sub_tokens, prefetch, bits, ta
     assert_close_to_reference(out, q, st, bits, tau, 0.125)
 
 
+CC_OPT_CASES = [  # cc_opts, bits, tau, query heads per KV head, head_dim, dtype
+    (("qk", "vg", "f24"), 4, INF, 1, 128, torch.bfloat16),
+    (("qk", "vg", "f24"), 4, 2.0, 2, 64, torch.float32),
+    (("qk", "vg", "f24"), 2, INF, 2, 96, torch.bfloat16),
+    pytest.param(("vg",), 4, 14.0, 1, 64, torch.float32, marks=pytest.mark.slow),  # single options: slow set
+    pytest.param(("f24",), 2, INF, 1, 64, torch.float32, marks=pytest.mark.slow),
+    pytest.param(("qk",), 4, 14.0, 2, 64, torch.bfloat16, marks=pytest.mark.slow),
+]
+
+
+@interpret
+@pytest.mark.interpret
+@pytest.mark.parametrize(("cc_opts", "bits", "tau", "group", "head_dim", "dtype"), CC_OPT_CASES)
+def test_cuda_core_reader_opt_in_variants(cc_opts, bits, tau, group, head_dim, dtype):
+    """The opt-in variants of the CUDA-core reader (``cc_opts``) over ragged rows (3 pages + a partial one,
+    2 pages, 0 pages with and without a window, empty): they match the reference and, being the same
+    products up to exact powers of two in another order of loads, give the default reader's bits under
+    the interpreter."""
+    lengths = [288 + 32 * 3 + 5, 288 + 32 * 2, 300, 17, 0]
+    st = make_cell(len(lengths), 2, head_dim, 4, bits, lengths, dtype=dtype, seed=30 + bits + head_dim)
+    q = (2 * torch.randn(len(lengths), 2 * group, head_dim)).to(dtype)
+    scale = head_dim**-0.5
+    kw = {"splits": 2, "far_impl": "cc", "num_warps": 1, "sub_tokens": 8}
+    out = ta.cell_attention(q, *st, bits, tau, scale, cc_opts=cc_opts, **kw)
+    assert_close_to_reference(out, q, st, bits, tau, scale)
+    assert torch.equal(out, ta.cell_attention(q, *st, bits, tau, scale, **kw))
+
+
+@pytest.mark.slow
+@interpret
+@pytest.mark.interpret
+@pytest.mark.parametrize("seed", range(4))
+def test_cuda_core_reader_opt_in_variants_random(seed):
+    """Random subsets of ``cc_opts`` with random tilings, page counts and shapes against the reference."""
+    g = torch.Generator().manual_seed(100 + seed)
+
+    def pick(xs):
+        return xs[int(torch.randint(len(xs), (1,), generator=g))]
+
+    bits, group, head_dim = pick([4, 2]), pick([1, 2]), pick([64, 96, 128])
+    tau = pick([INF, 14.0, 0.0]) if bits == 4 else INF
+    maxp, batch = pick([1, 3, 5]), pick([1, 3])
+    lengths = torch.randint(0, layout.capacity(maxp) + 1, (batch,), generator=g).tolist()
+    st = make_cell(batch, 2, head_dim, maxp, bits, lengths, seed=seed)
+    q = torch.randn(batch, 2 * group, head_dim, generator=g)
+    opts = tuple(o for o in ("qk", "vg", "f24") if pick([False, True]))
+    kw = {"pages_per_iter": pick([1, 2]), "sub_tokens": pick([4, 8, 16, 32]), "prefetch": pick([False, True])}
+    out = ta.cell_attention(q, *st, bits, tau, head_dim**-0.5, splits=pick([1, 2, 4]), far_impl="cc",
+                            cc_opts=opts, **kw)
+    assert_close_to_reference(out, q, st, bits, tau, head_dim**-0.5)
+
+
 def test_far_impl_choice_and_argument_errors():
     assert ta.choose_far_impl(4, 1) == "cc"
     assert ta.choose_far_impl(2, 2) == "cc"
@@ -143,6 +195,8 @@ def test_far_impl_choice_and_argument_errors():
         ta.cell_attention(q, *st, 4, INF, 0.125, far_impl="cc", sub_tokens=12)
     with pytest.raises(ValueError, match="near_block"):
         ta.cell_attention(q, *st, 4, INF, 0.125, near_block=48)
+    with pytest.raises(ValueError, match="cc_opts"):
+        ta.cell_attention(q, *st, 4, INF, 0.125, far_impl="cc", cc_opts=("fast",))
 
 
 @interpret
@@ -289,6 +343,9 @@ def test_gpu_cuda_core_reader_real_shape(bits, tau):
         for (nw, ts, ppi, pf), splits in zip(configs, (None, 5, None, 3, None), strict=False):
             out = ta.cell_attention(q, *st, bits, tau, head_dim**-0.5, splits=splits, far_impl="cc",
                                     num_warps=nw, sub_tokens=ts, pages_per_iter=ppi, prefetch=pf)
+            torch.testing.assert_close(out.double(), want, atol=ATTN_BF16_ATOL, rtol=ATTN_BF16_RTOL)
+        for opts in (("vg", "f24"), ("qk", "vg", "f24")):  # the opt-in variants (bench arms cc_w1_t8_*)
+            out = ta.cell_attention(q, *st, bits, tau, head_dim**-0.5, far_impl="cc", cc_opts=opts)
             torch.testing.assert_close(out.double(), want, atol=ATTN_BF16_ATOL, rtol=ATTN_BF16_RTOL)
         out = ta.cell_attention(q, *st, bits, tau, head_dim**-0.5, far_impl="dot", near_block=32)
         torch.testing.assert_close(out.double(), want, atol=ATTN_BF16_ATOL, rtol=ATTN_BF16_RTOL)
