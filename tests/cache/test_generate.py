@@ -174,3 +174,25 @@ def test_reorder_cache_gathers_rows_exactly(model):
     want = model(input_ids=nxt, past_key_values=swapped, position_ids=pos).logits
     assert torch.equal(got, want)  # an exact gather of codes and scales: nothing re-quantized
     assert cache.get_seq_length() == 351
+
+
+def test_no_host_sync_while_a_cuda_graph_is_captured(model, monkeypatch):
+    """Under capture (simulated: the capture query answers True) the cache neither syncs for its length
+    (a 0-d tensor comes back, as while compiling) nor runs the eager overflow check; outside capture the
+    length is an int and the check refuses a full row (the H200 capture failed on that int in session 2)."""
+    from loopkv.cache import loop_cache
+
+    cache = _cache(model, loopkv.Plan.uniform(loops=LOOPS, layers=LAYERS), 1, 12)
+    ids = torch.randint(3, 97, (1, 12))
+    model(input_ids=ids, past_key_values=cache)
+    assert cache.get_seq_length() == 12
+    assert isinstance(cache.get_seq_length(), int)
+    monkeypatch.setattr(loop_cache, "_capturing", lambda device: True)
+    held = cache.get_seq_length()
+    assert isinstance(held, torch.Tensor)
+    assert int(held) == 12
+    k = torch.zeros(1, 2, 1, 32)
+    cache.update(k, k, 0)  # no eager check (no sync) under capture; generate() refuses overlong requests up front
+    monkeypatch.setattr(loop_cache, "_capturing", lambda device: False)
+    with pytest.raises(ValueError, match="max_cache_len=12"):
+        cache.update(k, k, 0)
