@@ -243,7 +243,7 @@ def hot_share(cache, seen) -> float | None:
     hot = total = 0
     for idx, q, scale in seen:
         st = cache.layers[idx].storage
-        npg = int(n_pages(torch.tensor(int(st.lengths[0]))))
+        npg = n_pages(int(st.lengths[0]))
         if npg == 0:
             continue
         phys = st.page_table[0, :npg].long()

@@ -48,35 +48,45 @@ def test_paper_plans_have_the_papers_bytes_on_ouro_1p4b(bench):
     assert plans["loopkv-m"].tau == 14.0
 
 
-def test_fill_holds_length_tokens_and_a_step_decodes_finite(bench):
+@pytest.fixture(scope="module")
+def tiny(bench):
+    """(config, model, plans) of the benchmark's CPU-sized Ouro, with the "loopkv" attention registered."""
     cfg = bench.smoke_config()
     torch.manual_seed(0)
     model = bench.OuroForCausalLM(cfg).eval()
-    plans = bench.paper_plans(cfg.total_ut_steps, cfg.num_hidden_layers)
     bench.register()
-    for arm in ("bf16", "loopkv-m"):
-        model.set_attn_implementation("sdpa" if arm == "bf16" else "loopkv")
+    return cfg, model, bench.paper_plans(cfg.total_ut_steps, cfg.num_hidden_layers)
+
+
+@pytest.mark.parametrize("arm", ["bf16", "loopkv-m"])
+def test_fill_and_one_step_equal_a_direct_forward(bench, tiny, arm):
+    """The captured step (mask from the position, greedy token and position written back) decodes what a
+    direct forward on an identically filled cache gives."""
+    cfg, model, plans = tiny
+    model.set_attn_implementation("sdpa" if arm == "bf16" else "loopkv")
+    caches = []
+    for _ in range(2):
         cache = bench.build_cache(arm, plans, cfg, batch=2, capacity=420, dtype=torch.float32, device="cpu")
+        torch.manual_seed(3)
         bench.fill(cache, 400, k_scale=1.0)
-        if arm == "bf16":
-            assert all(int(layer.cumulative_length) == 400 for layer in cache.layers)
-        else:
-            assert cache.get_seq_length() == 400
-        tok, pos = torch.randint(3, cfg.vocab_size, (2, 1)), torch.full((2, 1), 400)
-        bench.make_step(model, cache, tok, pos, dense=arm == "bf16", capacity=420)()
-        assert pos.tolist() == [[401], [401]]
-        assert 0 <= int(tok.min())
-        assert int(tok.max()) < cfg.vocab_size
+        caches.append(cache)
+    lengths = [int(layer.cumulative_length) if arm == "bf16" else int(layer.storage.lengths.max())
+               for layer in caches[0].layers]
+    assert lengths == [400] * len(caches[0].layers)
+    tok, pos = torch.tensor([[7], [11]]), torch.full((2, 1), 400)
+    mask = (torch.arange(420)[None, :] <= pos)[:, None, None, :] if arm == "bf16" else None
+    with torch.no_grad():
+        want = model(input_ids=tok, position_ids=pos, attention_mask=mask, past_key_values=caches[1]).logits
+    bench.make_step(model, caches[0], tok, pos, dense=arm == "bf16", capacity=420)()
+    assert pos.tolist() == [[401], [401]]
+    assert torch.equal(tok, want[:, -1].argmax(-1, keepdim=True))
 
 
-def test_hot_share_matches_a_token_by_token_count(bench):
+def test_hot_share_matches_a_token_by_token_count(bench, tiny):
     """The benchmark's hot share against a brute-force float64 count over every page, head and token."""
-    cfg = bench.smoke_config()
-    torch.manual_seed(1)
-    model = bench.OuroForCausalLM(cfg).eval()
-    plans = bench.paper_plans(cfg.total_ut_steps, cfg.num_hidden_layers)
-    bench.register()
+    cfg, model, plans = tiny
     model.set_attn_implementation("loopkv")
+    torch.manual_seed(1)
     cache = bench.build_cache("kivi4v", plans, cfg, batch=1, capacity=460, dtype=torch.float32, device="cpu")
     bench.fill(cache, 450, k_scale=8.0)  # spread keys: about a third of the tokens hot, so the rule matters
     seen = bench.capture_queries(model, cache, torch.tensor([[5]]), torch.tensor([[450]]), cells=3)

@@ -37,6 +37,11 @@ def _capturing(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
+def _no_host_sync(device: torch.device) -> bool:
+    """While compiling or capturing a CUDA graph a host sync would break the graph: read no device value."""
+    return torch.compiler.is_compiling() or _capturing(device)
+
+
 class LoopKVHandle:
     """What ``LoopKVCache.update`` returns in place of dense K/V: the cache, the cell and new tokens.
 
@@ -81,7 +86,7 @@ class LoopKVCell(CacheLayerMixin):
         """Tokens of the longest row; a 0-d tensor while compiling or capturing a CUDA graph (no host sync,
         no graph break; transformers' mask helpers call this every step)."""
         longest = self.storage.lengths.max()
-        if torch.compiler.is_compiling() or _capturing(longest.device):
+        if _no_host_sync(longest.device):
             return longest
         return int(longest)
 
@@ -203,7 +208,7 @@ class LoopKVCache(Cache):
             return (LoopKVHandle(self, layer_idx, key_states, value_states),) * 2
         st = self._rows(layer_idx, B)
         # one host check per step (cell 0; every cell holds as many tokens), none when compiling/capturing
-        checks = layer_idx == 0 and not (torch.compiler.is_compiling() or _capturing(self.device))
+        checks = layer_idx == 0 and not _no_host_sync(self.device)
         if checks and int(st.lengths.max()) >= self.max_cache_len:
             raise ValueError(f"a row already holds max_cache_len={self.max_cache_len} tokens; build the "
                              "LoopKVCache with a larger max_cache_len")

@@ -39,7 +39,6 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
 from loopkv.cells import CellLayout
 
 __all__ = [
-    "static_dense_cache",
     "OuroConfig",
     "OuroForCausalLM",
     "OuroModel",
@@ -48,6 +47,7 @@ __all__ = [
     "dense_cache",
     "register",
     "register_ouro",
+    "static_dense_cache",
 ]
 
 # The name CausalLMOutputWithPast gives the cache: "past_key_values" up to ~5.2x, "cache" afterwards.

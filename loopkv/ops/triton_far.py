@@ -92,6 +92,16 @@ def _split_fields(x, GP: tl.constexpr, KWP: tl.constexpr, PERW: tl.constexpr):
 
 
 @triton.jit
+def _v_groups(page, t, wv, wvm, ok, NG: tl.constexpr, VWP: tl.constexpr, OPT: tl.constexpr):
+    """Offsets and mask of V's per-token scale/zero for tokens t [1, TS, 1]: one per 32-channel group
+    (OPT & OPT_VG: [.., VWP // 2]) or one per V word wv [1, 1, VWP] (the group of word wv)."""
+    if OPT & 2:
+        gv = tl.arange(0, VWP // 2)[None, None, :]
+        return page * (32 * NG) + t * NG + gv, gv < tl.where(ok, NG, 0)
+    return page * (32 * NG) + t * NG + wv // 2, wvm
+
+
+@triton.jit
 def _fetch(page_table, b64, MAXP, H, h, pg, p1, k_words, k_scale, k_zero, v_hi, v_lo, v_scale, v_zero,
            TS: tl.constexpr, BITS: tl.constexpr, VPREC: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
            WITH_V: tl.constexpr, OPT: tl.constexpr):
@@ -131,13 +141,7 @@ def _fetch(page_table, b64, MAXP, H, h, pg, p1, k_words, k_scale, k_zero, v_hi, 
         t = sb * TS + tl.arange(0, TS)[None, :, None]
         words = words + (tl.load(k_words + page * (32 * KW) + t * KW + w, mask=wm, other=0),)
         if WITH_V:
-            if OPT & 2:
-                gv = tl.arange(0, VWP // 2)[None, None, :]
-                goff = page * (32 * NG) + t * NG + gv
-                gvm = gv < tl.where(ok, NG, 0)
-            else:
-                goff = page * (32 * NG) + t * NG + wv // 2  # the 32-channel group of word wv
-                gvm = wvm
+            goff, gvm = _v_groups(page, t, wv, wvm, ok, NG, VWP, OPT)
             vs = vs + (tl.load(v_scale + goff, mask=gvm, other=0.0),)
             vz = vz + (tl.load(v_zero + goff, mask=gvm, other=0.0),)
             voff = page * (32 * VW) + t * VW + wv
@@ -204,13 +208,7 @@ def _v_sub(acc, zacc, p, hi, lo, vs, vz, v_hi, v_lo, v_scale, v_zero, page, sub,
     wvm = wv < tl.where(ok, VW, 0)
     voff = page * (32 * VW) + t * VW + wv
     if LOAD_V:
-        if OPT & 2:
-            gv = tl.arange(0, VWP // 2)[None, None, :]
-            goff = page * (32 * NG) + t * NG + gv
-            gvm = gv < tl.where(ok, NG, 0)
-        else:
-            goff = page * (32 * NG) + t * NG + wv // 2  # the 32-channel group of word wv
-            gvm = wvm
+        goff, gvm = _v_groups(page, t, wv, wvm, ok, NG, VWP, OPT)
         vs = tl.load(v_scale + goff, mask=gvm, other=0.0)
         vz = tl.load(v_zero + goff, mask=gvm, other=0.0)
         hi = tl.load(v_hi + voff, mask=wvm, other=0)  # int32: crumb c at bits 2c is channel 16 w + c
