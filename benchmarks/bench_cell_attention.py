@@ -279,6 +279,10 @@ READERS = {
     "cc_w1_t8_vg_f24": {"far_impl": "cc", "num_warps": 1, "sub_tokens": 8, "cc_opts": ("vg", "f24")},
     "cc_w1_t8_qk_vg_f24": {"far_impl": "cc", "num_warps": 1, "sub_tokens": 8, "cc_opts": ("qk", "vg", "f24")},
     "cc_w1_t16_qk_vg_f24": {"far_impl": "cc", "num_warps": 1, "sub_tokens": 16, "cc_opts": ("qk", "vg", "f24")},
+    # session 3: two warps (127 registers, 16 warps/SM, 1,038 instructions per page-head) and twice the splits
+    "cc_w2_t16_qk_vg_f24": {"far_impl": "cc", "num_warps": 2, "sub_tokens": 16, "cc_opts": ("qk", "vg", "f24")},
+    "cc_w1_t8_qk_vg_f24_s64": {"far_impl": "cc", "num_warps": 1, "sub_tokens": 8, "cc_opts": ("qk", "vg", "f24"),
+                               "splits": 64},
 }
 MODES = (("int4", 4, math.inf, False), ("int4_vpdata", 4, math.inf, True), ("int4_vp", 4, TAU, True),
          ("int2", 2, math.inf, False))  # name, bits, tau, V-precision data

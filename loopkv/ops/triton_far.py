@@ -95,10 +95,15 @@ def _split_fields(x, GP: tl.constexpr, KWP: tl.constexpr, PERW: tl.constexpr):
 def _v_groups(page, t, wv, wvm, ok, NG: tl.constexpr, VWP: tl.constexpr, OPT: tl.constexpr):
     """Offsets and mask of V's per-token scale/zero for tokens t [1, TS, 1]: one per 32-channel group
     (OPT & OPT_VG: [.., VWP // 2]) or one per V word wv [1, 1, VWP] (the group of word wv)."""
+    # one return after a constexpr if: Triton 3.6 rejects returns of different shapes in the two branches
     if OPT & 2:
         gv = tl.arange(0, VWP // 2)[None, None, :]
-        return page * (32 * NG) + t * NG + gv, gv < tl.where(ok, NG, 0)
-    return page * (32 * NG) + t * NG + wv // 2, wvm
+        off = page * (32 * NG) + t * NG + gv
+        mask = gv < tl.where(ok, NG, 0)
+    else:
+        off = page * (32 * NG) + t * NG + wv // 2
+        mask = wvm
+    return off, mask
 
 
 @triton.jit
