@@ -271,18 +271,18 @@ def run_shape(B: int, ctx: int, rows: list, cfg: dict) -> None:
 # reader arms: name -> cell_attention keyword arguments (splits None: the launcher's heuristic)
 READERS = {
     "dot": {"far_impl": "dot"},  # session 1's tensor-core reader (comparison point)
-    "cc_w4_t16": {"far_impl": "cc", "num_warps": 4, "sub_tokens": 16},  # session 2's first cc default (comparison)
-    "cc_w1_t8": {"far_impl": "cc", "num_warps": 1, "sub_tokens": 8},  # the default since session 2
-    # opt-in variants (``cc_opts``, loopkv/ops/triton_far.py; static counts in docs/kernel-notes.md, unmeasured)
-    "cc_w1_t8_vg": {"far_impl": "cc", "num_warps": 1, "sub_tokens": 8, "cc_opts": ("vg",)},
-    "cc_w1_t8_f24": {"far_impl": "cc", "num_warps": 1, "sub_tokens": 8, "cc_opts": ("f24",)},
-    "cc_w1_t8_vg_f24": {"far_impl": "cc", "num_warps": 1, "sub_tokens": 8, "cc_opts": ("vg", "f24")},
+    "cc_w1_t8": {"far_impl": "cc", "num_warps": 1, "sub_tokens": 8, "cc_opts": ()},  # session 2's default
+    "default": {},  # the launcher's choice (session 3: cc, 1 warp, cc_opts qk,vg,f24; INT2 at B x H >= 64: 16 tokens)
+    # measured in session 3 (cell_attention_2026-11-29_session3.json; the single options' arms are dropped)
     "cc_w1_t8_qk_vg_f24": {"far_impl": "cc", "num_warps": 1, "sub_tokens": 8, "cc_opts": ("qk", "vg", "f24")},
     "cc_w1_t16_qk_vg_f24": {"far_impl": "cc", "num_warps": 1, "sub_tokens": 16, "cc_opts": ("qk", "vg", "f24")},
-    # session 3: two warps (127 registers, 16 warps/SM, 1,038 instructions per page-head) and twice the splits
     "cc_w2_t16_qk_vg_f24": {"far_impl": "cc", "num_warps": 2, "sub_tokens": 16, "cc_opts": ("qk", "vg", "f24")},
-    "cc_w1_t8_qk_vg_f24_s64": {"far_impl": "cc", "num_warps": 1, "sub_tokens": 8, "cc_opts": ("qk", "vg", "f24"),
-                               "splits": 64},
+    # session 3: the default with a register cap (ptxas, sm_90, Triton 3.6: 183 registers uncapped = 11 warps per
+    # SM; 168 -> 12, no spills, +25 instructions per page; 128 -> 16, 200 B stack, no spill in the page loop;
+    # 112 -> 18, 7 spill loads per page)
+    "r168": {"maxnreg": 168},
+    "r128": {"maxnreg": 128},
+    "r112": {"maxnreg": 112},
 }
 MODES = (("int4", 4, math.inf, False), ("int4_vpdata", 4, math.inf, True), ("int4_vp", 4, TAU, True),
          ("int2", 2, math.inf, False))  # name, bits, tau, V-precision data

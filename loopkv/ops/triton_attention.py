@@ -420,23 +420,31 @@ def choose_splits(rows_heads: int, max_pages: int, device: torch.device) -> int:
     return int(max(1, min(want, max_pages, MAX_SPLITS)))
 
 
-def _config(bits: int, far_impl: str) -> dict:
+# The CUDA-core reader's variants on by default (``triton_far.CC_OPTS``). Session 3 on the H200
+# (benchmarks/results/cell_attention_2026-11-29_session3.json): with all three the one-warp reader ran INT4 at
+# B=32 x 16K in 0.597 ms (1.61x cuDNN BF16; 0.785 without them) and beat cuDNN at all 9 shapes, batch 1 included.
+CC_DEFAULT_OPTS = ("qk", "vg", "f24")
+
+
+def _config(bits: int, far_impl: str, rows_heads: int = 1) -> dict:
     """Fixed launch config per reader (no autotuning: the op runs inside CUDA graphs).
 
     Measured on the H200 (docs/kernel-notes.md): the tensor-core code reader is latency-bound and runs
     best as one warp per program with three pipeline stages; exact BF16 pages as four warps. The CUDA-core
-    reader (``triton_far``): one warp, 8-token sub-tiles, one page per iteration, 32-slot near programs: the
-    fastest of the seven reader configs at all 9 shapes of the session-2 H200 sweep (INT4 at B=32 x 16K:
-    0.785 ms vs 0.986 for the tensor-core reader and 0.965 for cuDNN BF16;
-    ``benchmarks/results/cell_attention_2026-11-29_session2.json``)."""
+    reader (``triton_far``): one warp, 8-token sub-tiles, one page per iteration, 32-slot near programs and
+    the ``CC_DEFAULT_OPTS`` variants: the fastest of the ten reader configs at every INT4 shape of the
+    session-3 sweep. INT2 with 16-token sub-tiles was faster from batch 8 up (B=32 x 16K: 0.468 vs 0.546
+    ms) and slower at batch 1 (B=1 x 8K: 0.022 vs 0.020 ms), hence 16 from ``rows_heads`` (B x KV heads)
+    >= 64 on."""
     if bits in (4, 2):
         if far_impl == "cc":
-            return {"num_warps": 1, "num_stages": 1, "pages_per_iter": 1, "sub_tokens": 8, "prefetch": False,
-                    "near_block": CC_NEAR_BLOCK}
+            ts = 16 if bits == 2 and rows_heads >= 64 else 8
+            return {"num_warps": 1, "num_stages": 1, "pages_per_iter": 1, "sub_tokens": ts, "prefetch": False,
+                    "near_block": CC_NEAR_BLOCK, "cc_opts": CC_DEFAULT_OPTS}
         return {"num_warps": 1, "num_stages": 3, "pages_per_iter": 1, "sub_tokens": 0, "prefetch": False,
-                "near_block": NEAR_BLOCK}
+                "near_block": NEAR_BLOCK, "cc_opts": ()}
     return {"num_warps": 4, "num_stages": 2, "pages_per_iter": 1, "sub_tokens": 0, "prefetch": False,
-            "near_block": NEAR_BLOCK}
+            "near_block": NEAR_BLOCK, "cc_opts": ()}
 
 
 def cell_attention(
@@ -445,7 +453,8 @@ def cell_attention(
     v_scale: Tensor, v_zero: Tensor, bits: int, tau: float, scale: float, *, splits: int | None = None,
     num_warps: int | None = None, num_stages: int | None = None, field_mode: str | None = None,
     far_impl: str | None = None, pages_per_iter: int | None = None, sub_tokens: int | None = None,
-    prefetch: bool | None = None, near_block: int | None = None, cc_opts: tuple = (),
+    prefetch: bool | None = None, near_block: int | None = None, cc_opts: tuple | None = None,
+    maxnreg: int | None = None,
 ) -> Tensor:
     """Triton ``cell_attention``: q [B, Hq, D] -> [B, Hq, D] (shapes: docs/storage-layout.md).
 
@@ -454,8 +463,9 @@ def cell_attention(
     (``"cc"``: CUDA-core history reader, ``"dot"``: tensor-core reader; default by ``choose_far_impl``) and
     ``pages_per_iter`` (1 or 2), ``sub_tokens`` (tokens per sub-tile: 4..32, a power of two) and
     ``prefetch`` (loads one iteration ahead) (CUDA-core reader only) and ``near_block`` (sink + window
-    slots per near program: 16, 32 or 64) override the fixed config. ``cc_opts``: opt-in variants of the
-    CUDA-core reader, names of ``triton_far.CC_OPTS`` (unmeasured; empty: the default reader).
+    slots per near program: 16, 32 or 64) override the fixed config. ``cc_opts``: variants of the
+    CUDA-core reader, names of ``triton_far.CC_OPTS`` (None: ``CC_DEFAULT_OPTS``; ``()``: session 2's reader).
+    ``maxnreg``: register cap per thread handed to ``ptxas`` (more programs per SM; CUDA only).
     """
     if bits not in (16, 4, 2, 0):
         raise ValueError(f"bits must be 16, 4, 2 or 0 (no history), got {bits}")
@@ -483,7 +493,7 @@ def cell_attention(
     NGP = DP // 32
     GR = max(_next_pow2(G), 16 // NGP)  # query-head rows padded so that RP = GR * NGP >= 16
     impl = choose_far_impl(bits, G, far_impl, cc_default=CC_DEFAULT)
-    cfg = _config(bits, impl)
+    cfg = _config(bits, impl, B * H)
     bn = near_block or cfg["near_block"]
     if bn not in (16, 32, 64):
         raise ValueError(f"near_block must be 16, 32 or 64, got {near_block}")
@@ -503,9 +513,11 @@ def cell_attention(
         raise ValueError(f"pages_per_iter must be 1 or 2, got {pages_per_iter}")
     nw = num_warps or cfg["num_warps"]
     ts = sub_tokens or cfg["sub_tokens"]
-    opt = cc_opt_bits(cc_opts) if impl == "cc" else 0
+    opt = cc_opt_bits(cfg["cc_opts"] if cc_opts is None else cc_opts) if impl == "cc" else 0
     if impl == "cc" and ts not in (4, 8, 16, 32):
         raise ValueError(f"sub_tokens must be 4, 8, 16 or 32, got {sub_tokens}")
+    reg_cap = cfg.get("maxnreg") if maxnreg is None else maxnreg
+    launch = {"maxnreg": int(reg_cap)} if reg_cap and q.device.type == "cuda" else {}
     if impl == "cc":  # the CUDA-core reader reads codes as int32 words (rows are multiples of 4 bytes)
         k_pages, v_hi, v_lo = (t.view(torch.int32) if t.numel() else t.new_empty(0, dtype=torch.int32)
                                for t in (k_pages, v_hi, v_lo))
@@ -520,7 +532,7 @@ def cell_attention(
         FIELD=0 if exact else FIELD_MODE[field_mode or DEFAULT_FIELD_MODE],
         NPP=max(16, _next_pow2(nprog)), FAR=1 if impl == "cc" and nsplit else 0, PPI=ppi, TS=ts if impl == "cc" else 0,
         PREFETCH=bool(cfg["prefetch"] if prefetch is None else prefetch) and impl == "cc", OPT=opt,
-        num_warps=nw, num_stages=num_stages or cfg["num_stages"],
+        num_warps=nw, num_stages=num_stages or cfg["num_stages"], **launch,
     )
     return out
 

@@ -277,7 +277,7 @@ def far_cc(
     Each iteration takes ``PPI`` pages, each as ``32 // TS`` sub-tiles of ``TS`` tokens (TS sets how many
     tokens a thread holds: the per-page scale work is shared by a thread's tokens). PREFETCH: each
     iteration issues the next iteration's loads before computing (one iteration of loads in flight, more
-    registers). OPT: bit set of the opt-in variants (``CC_OPTS``; 0 is the default reader)."""
+    registers). OPT: bit set of the variants (``CC_OPTS``; 0 is session 2's reader)."""
     PERW: tl.constexpr = 32 // BITS
     # fields j < LIM of a word are read in place, the rest from the word >> 16. A masked field below bit 24
     # read as fp32 is still exactly 2**-149 * bits (exponent field 0 or 1), so OPT & OPT_F24 reads 24 // BITS
@@ -400,7 +400,8 @@ def far_cc(
 
 
 FAR_IMPLS = ("cc", "dot")
-# opt-in variants of the CUDA-core reader (not measured yet; docs/kernel-notes.md, "next variants"):
+# variants of the CUDA-core reader, all three on by default since session 3 (``triton_attention.CC_DEFAULT_OPTS``;
+# measured in docs/kernel-notes.md; ``cc_opts=()`` gives session 2's reader):
 # "qk": q * k_scale once per channel and page on one [G, D/PERW, PERW] tile (16-byte k_scale loads), split into
 # fields on register axes; "vg": V scale and zero per 32-channel group (one load each per token and group,
 # the zero term per group, the weights widened to words by join + reshape, no layout conversion).

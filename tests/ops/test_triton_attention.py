@@ -140,10 +140,10 @@ CC_OPT_CASES = [  # cc_opts, bits, tau, query heads per KV head, head_dim, dtype
 @pytest.mark.interpret
 @pytest.mark.parametrize(("cc_opts", "bits", "tau", "group", "head_dim", "dtype"), CC_OPT_CASES)
 def test_cuda_core_reader_opt_in_variants(cc_opts, bits, tau, group, head_dim, dtype):
-    """The opt-in variants of the CUDA-core reader (``cc_opts``) over ragged rows (3 pages + a partial one,
-    2 pages, 0 pages with and without a window, empty): they match the reference and, being the same
-    products up to exact powers of two in another order of loads, give the default reader's bits under
-    the interpreter."""
+    """The variants of the CUDA-core reader (``cc_opts``; all three are the default) over ragged rows (3 pages
+    + a partial one, 2 pages, 0 pages with and without a window, empty): they match the reference and, being
+    the same products up to exact powers of two in another order of loads, give session 2's reader's bits
+    (``cc_opts=()``) under the interpreter."""
     lengths = [288 + 32 * 3 + 5, 288 + 32 * 2, 300, 17, 0]
     st = make_cell(len(lengths), 2, head_dim, 4, bits, lengths, dtype=dtype, seed=30 + bits + head_dim)
     q = (2 * torch.randn(len(lengths), 2 * group, head_dim)).to(dtype)
@@ -151,7 +151,9 @@ def test_cuda_core_reader_opt_in_variants(cc_opts, bits, tau, group, head_dim, d
     kw = {"splits": 2, "far_impl": "cc", "num_warps": 1, "sub_tokens": 8}
     out = ta.cell_attention(q, *st, bits, tau, scale, cc_opts=cc_opts, **kw)
     assert_close_to_reference(out, q, st, bits, tau, scale)
-    assert torch.equal(out, ta.cell_attention(q, *st, bits, tau, scale, **kw))
+    assert torch.equal(out, ta.cell_attention(q, *st, bits, tau, scale, cc_opts=(), **kw))
+    if cc_opts == ta.CC_DEFAULT_OPTS:  # what the launcher runs when not told
+        assert torch.equal(out, ta.cell_attention(q, *st, bits, tau, scale, splits=2))
 
 
 @pytest.mark.slow
@@ -344,7 +346,7 @@ def test_gpu_cuda_core_reader_real_shape(bits, tau):
             out = ta.cell_attention(q, *st, bits, tau, head_dim**-0.5, splits=splits, far_impl="cc",
                                     num_warps=nw, sub_tokens=ts, pages_per_iter=ppi, prefetch=pf)
             torch.testing.assert_close(out.double(), want, atol=ATTN_BF16_ATOL, rtol=ATTN_BF16_RTOL)
-        for opts in (("vg", "f24"), ("qk", "vg", "f24")):  # the opt-in variants (bench arms cc_w1_t8_*)
+        for opts in ((), ("vg", "f24"), None):  # session 2's reader, one variant, the default (bench arms)
             out = ta.cell_attention(q, *st, bits, tau, head_dim**-0.5, far_impl="cc", cc_opts=opts)
             torch.testing.assert_close(out.double(), want, atol=ATTN_BF16_ATOL, rtol=ATTN_BF16_RTOL)
         out = ta.cell_attention(q, *st, bits, tau, head_dim**-0.5, far_impl="dot", near_block=32)
