@@ -435,12 +435,15 @@ def _config(bits: int, far_impl: str, rows_heads: int = 1) -> dict:
     the ``CC_DEFAULT_OPTS`` variants: the fastest of the ten reader configs at every INT4 shape of the
     session-3 sweep. INT2 with 16-token sub-tiles was faster from batch 8 up (B=32 x 16K: 0.468 vs 0.546
     ms) and slower at batch 1 (B=1 x 8K: 0.022 vs 0.020 ms), hence 16 from ``rows_heads`` (B x KV heads)
-    >= 64 on."""
+    >= 64 on. INT4 runs with ``maxnreg=128`` (``ptxas`` fits the uncapped 183 registers into 128 with a 200-byte
+    stack and no spill in the page loop: 16 one-warp programs per SM instead of 11): B=32 x 16K 0.437 ms (2.15x
+    cuDNN; 0.601 uncapped), B=8 x 16K 1.87x, B=1 x 8K 1.18x (uncapped 1.21x); INT2 gained nothing from the cap
+    (``cell_attention_2026-11-29_session3_regs.json``)."""
     if bits in (4, 2):
         if far_impl == "cc":
             ts = 16 if bits == 2 and rows_heads >= 64 else 8
             return {"num_warps": 1, "num_stages": 1, "pages_per_iter": 1, "sub_tokens": ts, "prefetch": False,
-                    "near_block": CC_NEAR_BLOCK, "cc_opts": CC_DEFAULT_OPTS}
+                    "near_block": CC_NEAR_BLOCK, "cc_opts": CC_DEFAULT_OPTS, "maxnreg": 128 if bits == 4 else None}
         return {"num_warps": 1, "num_stages": 3, "pages_per_iter": 1, "sub_tokens": 0, "prefetch": False,
                 "near_block": NEAR_BLOCK, "cc_opts": ()}
     return {"num_warps": 4, "num_stages": 2, "pages_per_iter": 1, "sub_tokens": 0, "prefetch": False,
