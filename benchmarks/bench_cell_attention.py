@@ -269,22 +269,24 @@ def run_shape(B: int, ctx: int, rows: list, cfg: dict) -> None:
 
 
 # reader arms: name -> cell_attention keyword arguments (splits None: the launcher's heuristic)
+CC3 = ("qk", "vg", "f24")
 READERS = {
     "dot": {"far_impl": "dot"},  # session 1's tensor-core reader (comparison point)
-    "cc_w1_t8": {"far_impl": "cc", "num_warps": 1, "sub_tokens": 8, "cc_opts": ()},  # session 2's default
-    "default": {},  # the launcher's choice (session 3: cc, 1 warp, cc_opts qk,vg,f24, INT4 maxnreg 128; INT2 at B x H >= 64:
-    # 16 tokens)
-    # measured in session 3 (cell_attention_2026-11-29_session3.json; the single options' arms are dropped)
-    "cc_w1_t8_qk_vg_f24": {"far_impl": "cc", "num_warps": 1, "sub_tokens": 8, "cc_opts": ("qk", "vg", "f24")},
-    "cc_w1_t16_qk_vg_f24": {"far_impl": "cc", "num_warps": 1, "sub_tokens": 16, "cc_opts": ("qk", "vg", "f24")},
-    "cc_w2_t16_qk_vg_f24": {"far_impl": "cc", "num_warps": 2, "sub_tokens": 16, "cc_opts": ("qk", "vg", "f24")},
+    "cc_w1_t8": {"far_impl": "cc", "num_warps": 1, "sub_tokens": 8, "cc_opts": (), "maxnreg": 0},  # session 2's
+    # the launcher's choice (session 3: cc, 1 warp, cc_opts qk,vg,f24, INT4 maxnreg 128; INT2 from B x H >= 64:
+    # 16-token sub-tiles)
+    "default": {},
+    # measured in session 3 without a register cap (cell_attention_2026-11-29_session3.json; the single options'
+    # arms are dropped)
+    "cc_w1_t8_qk_vg_f24": {"far_impl": "cc", "num_warps": 1, "sub_tokens": 8, "cc_opts": CC3, "maxnreg": 0},
+    "cc_w1_t16_qk_vg_f24": {"far_impl": "cc", "num_warps": 1, "sub_tokens": 16, "cc_opts": CC3, "maxnreg": 0},
+    "cc_w2_t16_qk_vg_f24": {"far_impl": "cc", "num_warps": 2, "sub_tokens": 16, "cc_opts": CC3, "maxnreg": 0},
     # session 3: the default with a register cap (ptxas, sm_90, Triton 3.6: 183 registers uncapped = 11 warps per
     # SM; 168 -> 12, no spills, +25 instructions per page; 128 -> 16, 200 B stack, no spill in the page loop;
     # 112 -> 18, 7 spill loads per page)
     "r168": {"maxnreg": 168},
-    "r128": {"maxnreg": 128},  # the INT4 default since (INT2: measured no gain)
+    "r128": {"maxnreg": 128},  # INT4's default since this measurement (INT2: no gain measured, stays uncapped)
     "r112": {"maxnreg": 112},
-    "r_off": {"maxnreg": 0},  # no cap (the session-3 default before the cap)
 }
 MODES = (("int4", 4, math.inf, False), ("int4_vpdata", 4, math.inf, True), ("int4_vp", 4, TAU, True),
          ("int2", 2, math.inf, False))  # name, bits, tau, V-precision data
