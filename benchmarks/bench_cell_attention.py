@@ -287,6 +287,9 @@ READERS = {
     "r168": {"maxnreg": 168},
     "r128": {"maxnreg": 128},  # INT4's default since this measurement (INT2: no gain measured, stays uncapped)
     "r112": {"maxnreg": 112},
+    # V precision with the lo plane one page ahead (not measured; static: 1,028 instructions per page-head at
+    # maxnreg 128 with 15 spill loads, vs 935 for the default's V precision loop; tau = inf: the default)
+    "la": {"cc_opts": ("qk", "vg", "f24", "la")},
 }
 MODES = (("int4", 4, math.inf, False), ("int4_vpdata", 4, math.inf, True), ("int4_vp", 4, TAU, True),
          ("int2", 2, math.inf, False))  # name, bits, tau, V-precision data
