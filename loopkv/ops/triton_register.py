@@ -88,7 +88,8 @@ def warmup(
     from loopkv.ops import triton_quant
     from loopkv.ops.codec import PAGE, SINK
     from loopkv.ops.layout import RING
-    from loopkv.ops.triton_attention import cell_attention, choose_splits
+    from loopkv.ops.triton_attention import cell_attention
+    from loopkv.ops.triton_config import choose_splits
 
     device = torch.device(device)
     H, D = kv_heads, head_dim

@@ -1,0 +1,66 @@
+"""Fixed launch configs of the fused cell attention (``triton_attention.cell_attention``).
+
+No autotuning: the op runs inside CUDA graphs, so every choice here is a function of static shapes, and
+every number was measured on the H200 (docs/kernels.md, docs/kernel-notes.md).
+"""
+
+from __future__ import annotations
+
+import torch
+
+NEAR_BLOCK = 64  # near slots per program (dot reader): the 320 sink + ring slots take 5 programs
+CC_NEAR_BLOCK = 32  # with the cc reader: 10 near programs; the kernel's registers are the max over its
+# branches, and 64-slot near tiles alone set 112 of them (32: 89, sm_90, docs/kernel-notes.md)
+
+# Measured on the H200 (benchmarks/results/cell_attention_2026-11-29.json, docs/kernel-notes.md): the
+# reader is latency-bound, so it wants many far programs: 32 splits at batch 32 (B*H = 512) and at batch 1.
+WAVES = 125  # far programs per SM the split heuristic aims for
+MAX_SPLITS = 32
+_SM_COUNT: dict[int, int] = {}
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4  # the interpreter: any small number
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SM_COUNT:
+        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SM_COUNT[idx]
+
+
+def choose_splits(rows_heads: int, max_pages: int, device: torch.device) -> int:
+    """History splits per (row, KV head): enough far programs for ``WAVES`` per SM, at most one per page."""
+    if max_pages == 0:
+        return 0
+    want = -(-_num_sms(device) * WAVES // max(rows_heads, 1))
+    return int(max(1, min(want, max_pages, MAX_SPLITS)))
+
+
+# The CUDA-core reader's variants on by default (``triton_far.CC_OPTS``). Session 3 on the H200
+# (benchmarks/results/cell_attention_2026-11-29_session3.json): with all three the one-warp reader ran INT4 at
+# B=32 x 16K in 0.597 ms (1.61x cuDNN BF16; 0.785 without them) and beat cuDNN at all 9 shapes, batch 1 included.
+CC_DEFAULT_OPTS = ("qk", "vg", "f24")
+
+
+def _config(bits: int, far_impl: str, rows_heads: int = 1) -> dict:
+    """Fixed launch config per reader (no autotuning: the op runs inside CUDA graphs).
+
+    Measured on the H200 (docs/kernel-notes.md): the tensor-core code reader is latency-bound and runs
+    best as one warp per program with three pipeline stages; exact BF16 pages as four warps. The CUDA-core
+    reader (``triton_far``): one warp, 8-token sub-tiles, one page per iteration, 32-slot near programs and
+    the ``CC_DEFAULT_OPTS`` variants: the fastest of the ten reader configs at every INT4 shape of the
+    session-3 sweep. INT2 with 16-token sub-tiles was faster from batch 8 up (B=32 x 16K: 0.468 vs 0.546
+    ms) and slower at batch 1 (B=1 x 8K: 0.022 vs 0.020 ms), hence 16 from ``rows_heads`` (B x KV heads)
+    >= 64 on. INT4 runs with ``maxnreg=128`` (``ptxas`` fits the uncapped 183 registers into 128 with a 200-byte
+    stack and no spill in the page loop: 16 one-warp programs per SM instead of 11): B=32 x 16K 0.437 ms (2.15x
+    cuDNN; 0.601 uncapped), B=8 x 16K 1.87x, B=1 x 8K 1.18x (uncapped 1.21x); INT2 gained nothing from the cap
+    (``cell_attention_2026-11-29_session3_regs.json``)."""
+    if bits in (4, 2):
+        if far_impl == "cc":
+            ts = 16 if bits == 2 and rows_heads >= 64 else 8
+            return {"num_warps": 1, "num_stages": 1, "pages_per_iter": 1, "sub_tokens": ts, "prefetch": False,
+                    "near_block": CC_NEAR_BLOCK, "cc_opts": CC_DEFAULT_OPTS, "maxnreg": 128 if bits == 4 else None}
+        return {"num_warps": 1, "num_stages": 3, "pages_per_iter": 1, "sub_tokens": 0, "prefetch": False,
+                "near_block": NEAR_BLOCK, "cc_opts": ()}
+    return {"num_warps": 4, "num_stages": 2, "pages_per_iter": 1, "sub_tokens": 0, "prefetch": False,
+            "near_block": NEAR_BLOCK, "cc_opts": ()}
