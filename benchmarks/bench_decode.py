@@ -162,12 +162,41 @@ def make_step(model, cache, tok, pos, *, dense: bool, capacity: int):
     return step
 
 
-def capture(step, mode: str):
-    """Returns ``replay()``: one call = one whole decode step."""
+def prepare_compile(recompile_limit: int = 64) -> None:
+    """Before each (context, arm) of ``--capture compile``: forget compiled frames and allow many recompiles.
+
+    Every point compiles the same ``step`` code object with another cache, batch or attention function, so
+    Dynamo recompiles it; past the recompile limit (8 by default) it stops compiling that code (with
+    ``fullgraph=True`` the point fails; measured on CPU with torch 2.13, tests/test_bench_decode.py).
+    The on-disk inductor and Triton caches survive ``reset``, so an identical graph compiles faster again."""
+    global _GRAPHS_AT_RESET
+    torch._dynamo.reset()
+    cfg = torch._dynamo.config
+    setattr(cfg, "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit", recompile_limit)
+    _GRAPHS_AT_RESET = _graphs_total()
+
+
+def _graphs_total() -> int:
+    from torch._dynamo.utils import counters  # process-wide; ``reset`` does not clear it
+
+    return int(counters["stats"].get("unique_graphs", 0))
+
+
+_GRAPHS_AT_RESET = 0
+
+
+def compiled_graphs() -> int:
+    """Graphs Dynamo compiled since ``prepare_compile`` (recorded per point: a fallback to eager adds none)."""
+    return _graphs_total() - _GRAPHS_AT_RESET
+
+
+def capture(step, mode: str, *, dynamic: bool | None = None):
+    """Returns ``replay()``: one call = one whole decode step. ``dynamic``: ``torch.compile``'s (compile mode;
+    True compiles one graph for every batch size after batch 1, which is always specialized)."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     if mode == "compile":
-        compiled = torch.compile(step, mode="reduce-overhead", fullgraph=True)
+        compiled = torch.compile(step, mode="reduce-overhead", fullgraph=True, dynamic=dynamic)
         with torch.cuda.stream(side):
             for _ in range(3):
                 compiled()
@@ -267,7 +296,8 @@ def hot_fraction(model, cache, tok, pos, *, cells: int = 8) -> float | None:
 
 
 # ---- one measurement -----------------------------------------------------------------------------------------
-def measure(model, cfg, arm, plans, *, ctx, batch, steps, capture_mode, k_scale, dtype, device, launches):
+def measure(model, cfg, arm, plans, *, ctx, batch, steps, capture_mode, k_scale, dtype, device, launches,
+            dynamic=None):
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     capacity = ctx + 64
@@ -282,8 +312,10 @@ def measure(model, cfg, arm, plans, *, ctx, batch, steps, capture_mode, k_scale,
     row = {"arm": arm, "ctx": ctx, "batch": batch, "capture": capture_mode, "cache_bytes": cache_bytes(cache)}
     step = make_step(model, cache, tok, pos, dense=arm == "bf16", capacity=capacity)
     t0 = time.perf_counter()
-    replay = capture(step, capture_mode)
+    replay = capture(step, capture_mode, dynamic=dynamic)
     row["capture_s"] = round(time.perf_counter() - t0, 2)
+    if capture_mode == "compile":
+        row["compiled_graphs_since_reset"] = compiled_graphs()
     time_steps(replay, 3)
     ms = time_steps(replay, steps)
     if launches:  # after capture and timing: a profiler session before capture can break it
@@ -350,6 +382,8 @@ def main(argv=None) -> None:
     p.add_argument("--common-batch", type=int, default=8, help="batch every arm is measured at (if it fits)")
     p.add_argument("--steps", type=int, default=20, help="timed decode steps per point")
     p.add_argument("--capture", choices=("graph", "compile"), default="graph")
+    p.add_argument("--dynamic", action="store_true",
+                   help="compile mode: symbolic shapes (one compile per arm for every batch > 1)")
     p.add_argument("--k-scale", type=float, default=1.8, help="synthetic K spread (sets V precision's hot share)")
     p.add_argument("--max-batch", type=int, default=128)
     p.add_argument("--far-impl", choices=("auto", "cc", "dot"), default="auto",
@@ -386,6 +420,8 @@ def main(argv=None) -> None:
     def run() -> None:
         for ctx in contexts:
             for arm in arms:
+                if args.capture == "compile":
+                    prepare_compile()
                 per_row = bytes_per_row(arm, plans, cfg, capacity=ctx + 64, dtype=dtype, device=device)
                 peak = min(budget // per_row, args.max_batch)
                 fits[f"{arm}@{ctx}"] = {"bytes_per_row": per_row, "max_batch": peak}
@@ -394,7 +430,7 @@ def main(argv=None) -> None:
                     try:
                         row = measure(model, cfg, arm, plans, ctx=ctx, batch=b, steps=args.steps,
                                       capture_mode=args.capture, k_scale=args.k_scale, dtype=dtype, device=device,
-                                      launches=b == 1)
+                                      launches=b == 1, dynamic=True if args.dynamic else None)
                     except Exception as exc:  # record and go on: one broken point must not lose the run
                         errors.append({"arm": arm, "ctx": ctx, "batch": b, "error": traceback.format_exc()[-3000:]})
                         print(f"{arm} ctx={ctx} B={b} FAILED: {exc!r}", flush=True)

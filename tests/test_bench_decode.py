@@ -120,3 +120,27 @@ def test_plot_decode_table_from_the_committed_results():
     s = next(s for s in result["summary"] if s["arm"] == "loopkv-m" and s["ctx"] == 16384)
     assert f"{s['peak_tok_s']:.1f}" in rows[0]
     assert str(s["peak_batch"]) in rows[0]
+
+
+def test_compile_mode_resets_and_counts_graphs(bench):
+    """``--capture compile`` compiles one step code object many times (arms, batches); each (context, arm)
+    starts from a reset with a raised recompile limit (at the default 8 the 9th compile below fails), and each
+    point records how many graphs were compiled since."""
+
+    def make(n):
+        x = torch.ones(n)
+
+        def step():
+            return (x * 2).sum()
+
+        return step
+
+    bench.prepare_compile(recompile_limit=64)
+    cfg = torch._dynamo.config
+    assert getattr(cfg, "recompile_limit", getattr(cfg, "cache_size_limit", None)) == 64
+    assert bench.compiled_graphs() == 0
+    for n in range(1, 11):  # ten shapes: more than Dynamo's default limit of 8 recompiles
+        assert torch.compile(make(n), backend="eager", fullgraph=True, dynamic=False)() == 2 * n
+    assert bench.compiled_graphs() == 10
+    bench.prepare_compile()
+    assert bench.compiled_graphs() == 0
