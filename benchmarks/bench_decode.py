@@ -221,14 +221,36 @@ def count_launches(fn) -> dict:
         fn()
         torch.cuda.synchronize()
     host = {}
-    kernels = 0
     for e in prof.events():
         if e.name in LAUNCH_EVENTS:
             host[e.name] = host.get(e.name, 0) + 1
-        if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA:
-            kernels += 1
     return {"host_launches": sum(v for k, v in host.items() if "Memcpy" not in k and "Memset" not in k),
-            "host_calls": host, "gpu_kernels": kernels}
+            "host_calls": host, **kernel_times(prof.events())}
+
+
+# Triton kernels of loopkv by role (loopkv/ops/triton_quant.py, triton_attention.py)
+KERNEL_ROLES = {"quantizer": ("_append_kernel", "_write_pages_kernel"), "attention": ("_cell_attn_kernel",)}
+
+
+def kernel_times(events) -> dict:
+    """GPU kernels of a profile: how many, their summed durations (us; one stream, so no overlap) and the
+    sums per ``KERNEL_ROLES`` role (the quantizer's share of a step is issue 6's "< 2% of a decode step")."""
+    kernels, total = 0, 0.0
+    roles = dict.fromkeys(KERNEL_ROLES, 0.0)
+    for e in events:
+        if getattr(e, "device_type", None) != torch.autograd.DeviceType.CUDA:
+            continue
+        kernels += 1
+        us = e.time_range.elapsed_us()
+        total += us
+        for role, names in KERNEL_ROLES.items():
+            if any(n in e.name for n in names):
+                roles[role] += us
+    out = {"gpu_kernels": kernels, "gpu_us": round(total, 1)}
+    for role, us in roles.items():
+        out[f"{role}_us"] = round(us, 1)
+        out[f"{role}_share"] = round(us / total, 4) if total else None
+    return out
 
 
 def time_steps(replay, steps: int) -> float:
@@ -318,8 +340,10 @@ def measure(model, cfg, arm, plans, *, ctx, batch, steps, capture_mode, k_scale,
         row["compiled_graphs_since_reset"] = compiled_graphs()
     time_steps(replay, 3)
     ms = time_steps(replay, steps)
-    if launches:  # after capture and timing: a profiler session before capture can break it
-        row["graph"] = count_launches(replay)
+    # after capture and timing: a profiler session before capture can break it. The replay is profiled at
+    # every batch (GPU time per kernel role), the eager step only at batch 1 (its launch count)
+    row["graph"] = count_launches(replay)
+    if launches:
         row["eager"] = count_launches(step)
     row.update(step_ms=round(ms, 3), tok_s=round(batch * 1000.0 / ms, 1),
                ms_per_token=round(ms, 3), max_memory_allocated=torch.cuda.max_memory_allocated(),
@@ -369,6 +393,9 @@ def summarize(rows: list[dict], contexts: list[int]) -> list[dict]:
                     s[f"x_{base}"] = round(peak[a]["tok_s"] / peak[base]["tok_s"], 3)
             if one[a] and one.get("bf16") and one["bf16"]:
                 s["batch1_vs_bf16"] = round(one["bf16"]["step_ms"] / one[a]["step_ms"], 3)
+            for key, r in (("batch1", one[a]), ("peak", peak[a])):  # GPU time share of the quantizer kernels
+                if r and r.get("graph", {}).get("quantizer_share") is not None:
+                    s[f"quantizer_share_{key}"] = r["graph"]["quantizer_share"]
             out.append(s)
     return out
 
@@ -466,16 +493,18 @@ def main(argv=None) -> None:
 
 
 def print_table(summary: list[dict], rows: list[dict]) -> None:
-    launches = {r["arm"]: r for r in rows if "graph" in r}
+    launches = {r["arm"]: r for r in rows if "eager" in r}
     print(f"{'arm':9s} {'ctx':>6s} {'peak B':>6s} {'tok/s':>8s} {'x bf16':>7s} {'x kivi4':>7s} {'B1 ms':>7s} "
-          f"{'B1 vs bf16':>10s} {'launch eager/graph':>18s} {'hot':>5s}")
+          f"{'B1 vs bf16':>10s} {'launch eager/graph':>18s} {'hot':>5s} {'quant% B1/peak':>14s}")
     for s in summary:
         r = launches.get(s["arm"], {})
         lg = f"{r.get('eager', {}).get('host_launches', '-')}/{r.get('graph', {}).get('host_launches', '-')}"
         hot = r.get("hot_fraction")
+        qs = "/".join("-" if s.get(f"quantizer_share_{k}") is None else f"{100 * s[f'quantizer_share_{k}']:.1f}"
+                      for k in ("batch1", "peak"))
         print(f"{s['arm']:9s} {s['ctx']:6d} {s['peak_batch']:6d} {s['peak_tok_s']:8.1f} {s.get('x_bf16', 0):7.2f} "
               f"{s.get('x_kivi4', 0):7.2f} {s['batch1_step_ms'] or 0:7.2f} {s.get('batch1_vs_bf16', 0):10.2f} "
-              f"{lg:>18s} {'-' if hot is None else f'{hot:.2f}':>5s}")
+              f"{lg:>18s} {'-' if hot is None else f'{hot:.2f}':>5s} {qs:>14s}")
 
 
 def smoke() -> None:

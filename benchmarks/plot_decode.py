@@ -18,7 +18,7 @@ STYLE = {"bf16": ("k", "o"), "kivi4": ("tab:blue", "s"), "kivi4v": ("tab:cyan", 
 
 def table(result: dict) -> str:
     rows = result["rows"]
-    launches = {r["arm"]: r for r in rows if "graph" in r}
+    launches = {r["arm"]: r for r in rows if "eager" in r}
     lines = ["| arm | ctx | KV/row GiB | peak batch | peak tok/s | x BF16 | x KIVI-4 | step ms at peak | "
              "B=1 step ms | B=1 vs BF16 | launches/step eager -> graph | V hot share |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]

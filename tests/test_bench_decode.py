@@ -144,3 +144,22 @@ def test_compile_mode_resets_and_counts_graphs(bench):
     assert bench.compiled_graphs() == 10
     bench.prepare_compile()
     assert bench.compiled_graphs() == 0
+
+
+def test_kernel_times_sums_gpu_kernels_by_role(bench):
+    """The quantizer's share of a step: GPU kernel events summed per role, CPU events ignored."""
+    from types import SimpleNamespace
+
+    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+
+    def ev(name, us, dev=cuda):
+        return SimpleNamespace(name=name, device_type=dev, time_range=SimpleNamespace(elapsed_us=lambda: us))
+
+    events = [ev("_append_kernel", 3.0), ev("_cell_attn_kernel", 40.0), ev("_write_pages_kernel", 7.0),
+              ev("void at::native::elementwise_kernel<...>", 50.0), ev("_append_kernel", 999.0, cpu)]
+    got = bench.kernel_times(events)
+    assert got["gpu_kernels"] == 4
+    assert got["gpu_us"] == 100.0
+    assert (got["quantizer_us"], got["quantizer_share"]) == (10.0, 0.1)
+    assert (got["attention_us"], got["attention_share"]) == (40.0, 0.4)
+    assert bench.kernel_times([])["quantizer_share"] is None
