@@ -413,8 +413,6 @@ def _store_partial_cc(acc, zacc, l_t, m_i, ws_o, ws_ml, slot, gq, G: tl.constexp
     tl.store(ws_ml + (slot * GR + gq) * 2 + 1, tl.sum(l_t, 1), mask=gq < G)
 
 
-
-
 @triton.jit
 def _la_scores(qf, qd, page_table, b64, MAXP, H, h, pg, p1, k_words, k_scale, k_zero, v_hi, v_lo, v_scale,
                v_zero, sink_max, qk_scale, tau, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
@@ -485,7 +483,7 @@ def _la_loop(acc, zacc, l_t, m_i, qf, qd, sink_max, p0, p1, page_table, b64, MAX
 
 
 FAR_IMPLS = ("cc", "dot")
-# variants of the CUDA-core reader, all three on by default since session 3 (``triton_attention.CC_DEFAULT_OPTS``;
+# variants of the CUDA-core reader; qk, vg, f24 are on by default since session 3 (``triton_config.CC_DEFAULT_OPTS``;
 # measured in docs/kernel-notes.md; ``cc_opts=()`` gives session 2's reader):
 # "qk": q * k_scale once per channel and page on one [G, D/PERW, PERW] tile (16-byte k_scale loads), split into
 # fields on register axes; "vg": V scale and zero per 32-channel group (one load each per token and group,
