@@ -13,7 +13,7 @@ import argparse
 import json
 
 STYLE = {"bf16": ("k", "o"), "kivi4": ("tab:blue", "s"), "kivi4v": ("tab:cyan", "D"),
-         "loopkv-r": ("tab:orange", "^"), "loopkv-m": ("tab:red", "v")}
+         "loopkv-r": ("tab:orange", "^"), "loopkv-m": ("tab:red", "v"), "loopkv-m-notau": ("tab:purple", "<")}
 
 
 def table(result: dict) -> str:
