@@ -450,7 +450,7 @@ def cell_attention(
     NGP = DP // 32
     GR = max(_next_pow2(G), 16 // NGP)  # query-head rows padded so that RP = GR * NGP >= 16
     impl = choose_far_impl(bits, G, far_impl, cc_default=CC_DEFAULT)
-    cfg = _config(bits, impl, B * H)
+    cfg = _config(bits, impl, B * H, G)
     bn = near_block or cfg["near_block"]
     if bn not in (16, 32, 64):
         raise ValueError(f"near_block must be 16, 32 or 64, got {near_block}")

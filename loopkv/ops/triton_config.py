@@ -42,7 +42,7 @@ def choose_splits(rows_heads: int, max_pages: int, device: torch.device) -> int:
 CC_DEFAULT_OPTS = ("qk", "vg", "f24")
 
 
-def _config(bits: int, far_impl: str, rows_heads: int = 1) -> dict:
+def _config(bits: int, far_impl: str, rows_heads: int = 1, group: int = 1) -> dict:
     """Fixed launch config per reader (no autotuning: the op runs inside CUDA graphs).
 
     Measured on the H200 (docs/kernel-notes.md): the tensor-core code reader is latency-bound and runs
@@ -54,12 +54,15 @@ def _config(bits: int, far_impl: str, rows_heads: int = 1) -> dict:
     >= 64 on. INT4 runs with ``maxnreg=128`` (``ptxas`` fits the uncapped 183 registers into 128 with a 200-byte
     stack and no spill in the page loop: 16 one-warp programs per SM instead of 11): B=32 x 16K 0.437 ms (2.15x
     cuDNN; 0.601 uncapped), B=8 x 16K 1.87x, B=1 x 8K 1.18x (uncapped 1.21x); INT2 gained nothing from the cap
-    (``cell_attention_2026-11-29_session3_regs.json``)."""
+    (``cell_attention_2026-11-29_session3_regs.json``). Measured with one query head per KV head only: with two
+    (``group``) the reader needs 255 registers and the cap would put 152 spill operations into the page loop
+    (static, sm_90), so groups > 1 stay uncapped until measured."""
     if bits in (4, 2):
         if far_impl == "cc":
             ts = 16 if bits == 2 and rows_heads >= 64 else 8
+            cap = 128 if bits == 4 and group == 1 else None
             return {"num_warps": 1, "num_stages": 1, "pages_per_iter": 1, "sub_tokens": ts, "prefetch": False,
-                    "near_block": CC_NEAR_BLOCK, "cc_opts": CC_DEFAULT_OPTS, "maxnreg": 128 if bits == 4 else None}
+                    "near_block": CC_NEAR_BLOCK, "cc_opts": CC_DEFAULT_OPTS, "maxnreg": cap}
         return {"num_warps": 1, "num_stages": 3, "pages_per_iter": 1, "sub_tokens": 0, "prefetch": False,
                 "near_block": NEAR_BLOCK, "cc_opts": ()}
     return {"num_warps": 4, "num_stages": 2, "pages_per_iter": 1, "sub_tokens": 0, "prefetch": False,

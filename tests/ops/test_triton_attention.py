@@ -184,6 +184,21 @@ def test_cuda_core_reader_opt_in_variants_random(seed):
     assert_close_to_reference(out, q, st, bits, tau, head_dim**-0.5)
 
 
+def test_launch_config_follows_the_measurements():
+    """docs/kernels.md, Session 3: INT4 with one query per KV head is register-capped (measured); two query heads
+    per KV head stay uncapped (the cap would spill inside the page loop; not measured); INT2 is uncapped and
+    uses 16-token sub-tiles from B x H >= 64; the tensor-core reader and BF16 pages have neither."""
+    from loopkv.ops import triton_config as tc
+
+    assert tc._config(4, "cc", 512, 1)["maxnreg"] == 128
+    assert tc._config(4, "cc", 512, 2)["maxnreg"] is None
+    assert tc._config(2, "cc", 512, 1)["maxnreg"] is None
+    assert [tc._config(2, "cc", bh)["sub_tokens"] for bh in (16, 63, 64, 512)] == [8, 8, 16, 16]
+    assert tc._config(4, "cc", 512)["cc_opts"] == ("qk", "vg", "f24")
+    assert tc._config(4, "dot", 512).get("maxnreg") is None
+    assert tc._config(16, "dot").get("maxnreg") is None
+
+
 def test_far_impl_choice_and_argument_errors():
     assert ta.choose_far_impl(4, 1) == "cc"
     assert ta.choose_far_impl(2, 2) == "cc"
