@@ -26,3 +26,13 @@ def _seed():
 
 def interpret_enabled() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@pytest.fixture
+def error_on_recompile():
+    """Dynamo raises on any recompile while the test runs. Through ``config.patch``, not ``monkeypatch``:
+    pytest >= 9.2's monkeypatch restores an attribute missing from the instance ``__dict__`` by deleting it,
+    and deleting a torch config entry hides it, so every later recompile in the session failed with
+    "torch._dynamo.config.error_on_recompile does not exist"."""
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        yield

@@ -11,7 +11,7 @@ from tests.tolerances import LOGITS_FP32_ATOL, LOGITS_FP32_RTOL
 
 
 @pytest.mark.parametrize("backend", ["inductor"])
-def test_decode_step_is_one_graph_across_exits_and_reset(backend, monkeypatch):
+def test_decode_step_is_one_graph_across_exits_and_reset(backend, error_on_recompile):
     torch.manual_seed(0)
     cfg = OuroConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                      num_key_value_heads=2, head_dim=32, total_ut_steps=2, max_position_embeddings=4096,
@@ -29,7 +29,6 @@ def test_decode_step_is_one_graph_across_exits_and_reset(backend, monkeypatch):
     torch._dynamo.reset()
     compiled = torch.compile(step, fullgraph=True, backend=backend)
     counters.clear()
-    monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for run, prompt in enumerate((280, 250)):  # two "generate calls" on the same cache objects

@@ -41,7 +41,7 @@ def _cache(model: OuroForCausalLM, dtype: torch.dtype) -> "loopkv.LoopKVCache":
                               dtype=dtype, device="cuda")
 
 
-def test_generate_is_one_cuda_graph_for_1024_steps_and_equals_eager(monkeypatch):
+def test_generate_is_one_cuda_graph_for_1024_steps_and_equals_eager(error_on_recompile):
     model = _model(torch.float32)
     ids = torch.randint(3, 257, (2, PROMPT), generator=torch.Generator().manual_seed(1)).cuda()
     gen = dict(max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False, output_logits=True,
@@ -51,7 +51,6 @@ def test_generate_is_one_cuda_graph_for_1024_steps_and_equals_eager(monkeypatch)
 
     torch._dynamo.reset()
     counters.clear()
-    monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)
     config = CompileConfig(fullgraph=True, mode="reduce-overhead")
     first = model.generate(ids, past_key_values=cache, compile_config=config, **gen)
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
