@@ -259,6 +259,35 @@ def _v_sub(acc, zacc, p, hi, lo, vs, vz, v_hi, v_lo, v_scale, v_zero, page, sub,
 
 
 @triton.jit
+def _page_scores(qf, qd, ks, kz, words, ok, qk_scale, GP: tl.constexpr, KWP: tl.constexpr, BITS: tl.constexpr,
+                 LIM: tl.constexpr, NSUB: tl.constexpr, OPT: tl.constexpr):
+    """Scores of a page's ``NSUB`` sub-tiles (a tuple of [GP, TS], log2 units) and the page maximum [GP]."""
+    qk, bias = _k_prep(qf, qd, ks, kz, GP, KWP, 32 // BITS, OPT)
+    m_p = tl.full([GP], float("-inf"), tl.float32)
+    ss = ()
+    for sb in tl.static_range(NSUB):
+        s = _k_sub(qk, bias, words[sb], ok, qk_scale, BITS, LIM)
+        m_p = tl.maximum(m_p, tl.max(s, 1))
+        ss = ss + (s,)
+    return ss, m_p
+
+
+@triton.jit
+def _rescale(acc, zacc, l_t, m_i, m_top):
+    """Online softmax, lazily: rescale the accumulators to ``m_top`` only when a running maximum grows."""
+    if tl.max(m_top - m_i, 0) > 0:
+        alpha = tl.exp2(m_i - m_top)
+        l_t *= alpha[:, None]
+        zacc *= alpha[:, None, None]
+        new = ()
+        for j in tl.static_range(16):
+            new = new + (acc[j] * alpha[:, None, None],)
+        acc = new
+        m_i = m_top
+    return acc, zacc, l_t, m_i
+
+
+@triton.jit
 def _cold(s, m_page, sink_max, tau, G: tl.constexpr, GP: tl.constexpr):
     """[TS]: token cold for every query head of the group (s [GP, TS] log2 units, m_page/sink_max [GP])."""
     g = tl.arange(0, GP)
@@ -360,23 +389,12 @@ def far_cc(
         m_pages = ()
         m_top = m_i
         for pp in tl.static_range(PPI):
-            qk, bias = _k_prep(qf, qd, cur[pp][2], cur[pp][3], GP, KWP, PERW, OPT)
-            m_p = tl.full([GP], float("-inf"), tl.float32)
-            for sb in tl.static_range(NSUB):
-                s = _k_sub(qk, bias, cur[pp][4][sb], cur[pp][1], qk_scale, BITS, LIM)
-                m_p = tl.maximum(m_p, tl.max(s, 1))
-                ss = ss + (s,)
+            s_pp, m_p = _page_scores(qf, qd, cur[pp][2], cur[pp][3], cur[pp][4], cur[pp][1], qk_scale, GP, KWP,
+                                     BITS, LIM, NSUB, OPT)
+            ss = ss + s_pp
             m_pages = m_pages + (m_p,)
             m_top = tl.maximum(m_top, m_p)
-        if tl.max(m_top - m_i, 0) > 0:  # rescale only when a running maximum grows
-            alpha = tl.exp2(m_i - m_top)
-            l_t *= alpha[:, None]
-            zacc *= alpha[:, None, None]
-            new = ()
-            for j in tl.static_range(16):
-                new = new + (acc[j] * alpha[:, None, None],)
-            acc = new
-            m_i = m_top
+        acc, zacc, l_t, m_i = _rescale(acc, zacc, l_t, m_i, m_top)
         # ---- values
         for pp in tl.static_range(PPI):
             for sb in tl.static_range(NSUB):
@@ -428,13 +446,7 @@ def _la_scores(qf, qd, page_table, b64, MAXP, H, h, pg, p1, k_words, k_scale, k_
     page, ok, ks, kz, words, _vs, _vz, _hi, _lo = _fetch(page_table, b64, MAXP, H, h, pg, p1, k_words, k_scale,
                                                          k_zero, v_hi, v_lo, v_scale, v_zero, TS, BITS, True, D, DP,
                                                          False, OPT)
-    qk, bias = _k_prep(qf, qd, ks, kz, GP, KWP, PERW, OPT)
-    m_p = tl.full([GP], float("-inf"), tl.float32)
-    ss = ()
-    for sb in tl.static_range(NSUB):
-        sc = _k_sub(qk, bias, words[sb], ok, qk_scale, BITS, LIM)
-        m_p = tl.maximum(m_p, tl.max(sc, 1))
-        ss = ss + (sc,)
+    ss, m_p = _page_scores(qf, qd, ks, kz, words, ok, qk_scale, GP, KWP, BITS, LIM, NSUB, OPT)
     wv = tl.arange(0, VWP)[None, None, :]
     wvm = wv < tl.where(ok, VW, 0)
     colds = ()
@@ -462,16 +474,7 @@ def _la_loop(acc, zacc, l_t, m_i, qf, qd, sink_max, p0, p1, page_table, b64, MAX
     for pg in range(p0, p1):
         nxt = _la_scores(qf, qd, page_table, b64, MAXP, H, h, pg + 1, p1, k_words, k_scale, k_zero, v_hi, v_lo,
                          v_scale, v_zero, sink_max, qk_scale, tau, G, GP, D, DP, BITS, TS, OPT, LIM)
-        m_top = tl.maximum(m_i, cur[3])
-        if tl.max(m_top - m_i, 0) > 0:  # rescale only when a running maximum grows
-            alpha = tl.exp2(m_i - m_top)
-            l_t *= alpha[:, None]
-            zacc *= alpha[:, None, None]
-            new = ()
-            for j in tl.static_range(16):
-                new = new + (acc[j] * alpha[:, None, None],)
-            acc = new
-            m_i = m_top
+        acc, zacc, l_t, m_i = _rescale(acc, zacc, l_t, m_i, tl.maximum(m_i, cur[3]))
         for sb in tl.static_range(NSUB):
             p = tl.exp2(cur[2][sb] - m_i[:, None])  # 0 for pages past p1
             l_t += p
