@@ -405,7 +405,18 @@ def main() -> None:
     ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"),
                     help="a .json file, or a directory (cell_attention_<date>.json in it)")
     ap.add_argument("--smoke", action="store_true", help="tiny CPU run under TRITON_INTERPRET=1 (script check)")
+    ap.add_argument("--readers", default=None,
+                    help="comma-separated reader arms to run (default: all of READERS; 'dot' is always run, as the "
+                         "reference every arm is checked against)")
     args = ap.parse_args()
+    if args.readers is not None:
+        names = ["dot"] + [r for r in args.readers.split(",") if r and r != "dot"]
+        unknown = [r for r in names if r not in READERS]
+        if unknown:
+            ap.error(f"--readers: unknown arm(s) {unknown}; choose from {sorted(READERS)}")
+        for r in list(READERS):
+            if r not in names:
+                del READERS[r]
     if args.smoke:
         global DEVICE, H
         DEVICE, H = "cpu", 2
