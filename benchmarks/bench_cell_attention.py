@@ -288,13 +288,11 @@ READERS = {
     "r128": {"maxnreg": 128},  # INT4's default since this measurement (INT2: no gain measured, stays uncapped)
     "r112": {"maxnreg": 112},
     # INT2 with 8-token sub-tiles under the cap (static: 128 registers, 804 instructions per page-head and no
-    # spill in the page loop, vs 16-token sub-tiles capped: 850 with 45 spill operations, measured 0.458 ms at
-    # B=32 x 16K); predicted 0.38-0.42 ms there (the cap's INT4 gain applied to INT2's uncapped 0.546). INT4: the
-    # default
+    # spill in the page loop); measured in session 4: B=32 x 16K 0.399 ms vs 0.472 for the 16-token default of
+    # then, and the INT2 default from B x H >= 64 since (cell_attention_2026-11-29_session4_quick.json). INT4: the
+    # default. (Session 4 also ran "la", V precision's lo plane one page ahead: 0.74x of the default's V
+    # precision speed; removed.)
     "t8_r128": {"sub_tokens": 8, "maxnreg": 128},
-    # V precision with the lo plane one page ahead (not measured; static: 1,028 instructions per page-head at
-    # maxnreg 128 with 15 spill loads, vs 935 for the default's V precision loop; tau = inf: the default)
-    "la": {"cc_opts": ("qk", "vg", "f24", "la")},
 }
 MODES = (("int4", 4, math.inf, False), ("int4_vpdata", 4, math.inf, True), ("int4_vp", 4, TAU, True),
          ("int2", 2, math.inf, False))  # name, bits, tau, V-precision data

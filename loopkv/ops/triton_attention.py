@@ -49,7 +49,7 @@ from loopkv.ops.triton_config import (  # noqa: F401  (constants re-exported for
     _config,
     choose_splits,
 )
-from loopkv.ops.triton_far import CC_OPTS, _dot, _exact_scores, cc_opt_bits, choose_far_impl, far_cc
+from loopkv.ops.triton_far import _dot, _exact_scores, cc_opt_bits, choose_far_impl, far_cc
 from loopkv.ops.triton_register import counters, warmup  # noqa: F401  (warmup re-exported here)
 
 assert (SINK, PAGE, GROUP, RING) == (32, 32, 32, 288)  # spelled out as literals in the kernels
@@ -471,9 +471,6 @@ def cell_attention(
     nw = num_warps or cfg["num_warps"]
     ts = sub_tokens or cfg["sub_tokens"]
     opt = cc_opt_bits(cfg["cc_opts"] if cc_opts is None else cc_opts) if impl == "cc" else 0
-    if opt & CC_OPTS["la"] and (ppi != 1 or (prefetch if prefetch is not None else cfg["prefetch"])):
-        raise ValueError("cc_opts 'la' (lo plane one page ahead) runs one page per iteration without prefetch: "
-                         "drop pages_per_iter / prefetch or the option")
     if impl == "cc" and ts not in (4, 8, 16, 32):
         raise ValueError(f"sub_tokens must be 4, 8, 16 or 32, got {sub_tokens}")
     reg_cap = cfg.get("maxnreg") if maxnreg is None else maxnreg

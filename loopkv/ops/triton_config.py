@@ -49,19 +49,20 @@ def _config(bits: int, far_impl: str, rows_heads: int = 1, group: int = 1) -> di
     best as one warp per program with three pipeline stages; exact BF16 pages as four warps. The CUDA-core
     reader (``triton_far``): one warp, 8-token sub-tiles, one page per iteration, 32-slot near programs and
     the ``CC_DEFAULT_OPTS`` variants: the fastest of the ten reader configs at every INT4 shape of the
-    session-3 sweep. INT2 with 16-token sub-tiles was faster from batch 8 up (B=32 x 16K: 0.468 vs 0.546
-    ms) and slower at batch 1 (B=1 x 8K: 0.022 vs 0.020 ms), hence 16 from ``rows_heads`` (B x KV heads)
-    >= 64 on. INT4 runs with ``maxnreg=128`` (``ptxas`` fits the uncapped 183 registers into 128 with a 200-byte
-    stack and no spill in the page loop: 16 one-warp programs per SM instead of 11): B=32 x 16K 0.437 ms (2.15x
-    cuDNN; 0.601 uncapped), B=8 x 16K 1.87x, B=1 x 8K 1.18x (uncapped 1.21x); INT2 gained nothing from the cap
-    (``cell_attention_2026-11-29_session3_regs.json``). Measured with one query head per KV head only: with two
-    (``group``) the reader needs 255 registers and the cap would put 152 spill operations into the page loop
-    (static, sm_90), so groups > 1 stay uncapped until measured."""
+    session-3 sweep. INT4 runs with ``maxnreg=128`` (``ptxas`` fits the uncapped 183 registers into 128 with a
+    200-byte stack and no spill in the page loop: 16 one-warp programs per SM instead of 11): B=32 x 16K 0.437 ms
+    (2.15x cuDNN; 0.601 uncapped), B=8 x 16K 1.87x, B=1 x 8K 1.18x (uncapped 1.21x)
+    (``cell_attention_2026-11-29_session3_regs.json``). INT2 runs with the same cap from ``rows_heads`` (B x KV
+    heads) >= 64 on (with 8-token sub-tiles: 128 registers, no spill in the page loop): B=32 x 16K 0.399 ms
+    (2.36x; 0.472 with the uncapped 16-token sub-tiles it replaced), B=8 x 16K 0.123 (0.134); at B=1 x 8K the cap
+    cost 0.001 ms (0.022 vs 0.021), so batch 1 stays uncapped (``cell_attention_2026-11-29_session4_quick.json``).
+    Measured with one query head per KV head only: with two (``group``) the reader needs 255 registers and the
+    cap would put 152 spill operations into the page loop (static, sm_90), so groups > 1 stay uncapped until
+    measured."""
     if bits in (4, 2):
         if far_impl == "cc":
-            ts = 16 if bits == 2 and rows_heads >= 64 else 8
-            cap = 128 if bits == 4 and group == 1 else None
-            return {"num_warps": 1, "num_stages": 1, "pages_per_iter": 1, "sub_tokens": ts, "prefetch": False,
+            cap = 128 if group == 1 and (bits == 4 or rows_heads >= 64) else None
+            return {"num_warps": 1, "num_stages": 1, "pages_per_iter": 1, "sub_tokens": 8, "prefetch": False,
                     "near_block": CC_NEAR_BLOCK, "cc_opts": CC_DEFAULT_OPTS, "maxnreg": cap}
         return {"num_warps": 1, "num_stages": 3, "pages_per_iter": 1, "sub_tokens": 0, "prefetch": False,
                 "near_block": NEAR_BLOCK, "cc_opts": ()}

@@ -23,8 +23,7 @@ cores, with every tensor indexed ``(query head g, token t, word w, field j)``:
   per token slot sums. ``PPI`` pages per iteration share one maximum update.
 * V precision: ``m_ref = max(sink max, page max)`` per query head (the program computes the sink
   maximum itself: deterministic, independent of the split); a token cold for every query head of the
-  group skips its lo-plane load (masked) and gets ``1.5 * v_scale`` in the zero term. Opt-in ``"la"``
-  (``_la_loop``) issues a page's lo loads one iteration ahead of its values.
+  group skips its lo-plane load (masked) and gets ``1.5 * v_scale`` in the zero term.
 
 Partials ``(m, l, o)`` are written in the dot path's format (log2 units) for the launcher's merge.
 
@@ -226,8 +225,7 @@ def _v_sub(acc, zacc, p, hi, lo, vs, vz, v_hi, v_lo, v_scale, v_zero, page, sub,
         if VPREC:
             cold3 = cold[None, :, None]
             vz += tl.where(cold3, 1.5 * vs, 0.0)
-            if not (OPT & 8):  # OPT_LA: lo was loaded one iteration ahead, under the same mask
-                lo = tl.load(v_lo + voff, mask=wvm & (~cold3), other=0)
+            lo = tl.load(v_lo + voff, mask=wvm & (~cold3), other=0)
         # nibble k of `even` is 4 hi + lo of crumb 2k (channel 2k), of `odd` of crumb 2k + 1
         even = ((hi & 0x33333333) << 2) | (lo & 0x33333333)
         odd = (hi & -0x33333334) | ((lo >> 2) & 0x33333333)  # -0x33333334 == 0xCCCCCCCC
@@ -364,11 +362,6 @@ def far_cc(
         for pp in tl.static_range(PPI):
             nxt = nxt + (_fetch(page_table, b64, MAXP, H, h, p0 + pp, p1, k_words, k_scale, k_zero, v_hi, v_lo,
                                 v_scale, v_zero, TS, BITS, VPREC, D, DP, True, OPT),)
-    if VPREC and (OPT & 8):
-        _la_loop(acc, zacc, l_t, m_i, qf, qd, sink_max, p0, p1, page_table, b64, MAXP, H, h, k_words, k_scale,
-                 k_zero, v_hi, v_lo, v_scale, v_zero, qk_scale, tau, ws_o, ws_ml, slot, gq, G, GR, GP, D, DP,
-                 BITS, TS, OPT, LIM)
-        return
     for pg in range(p0, p1, PPI):
         if PREFETCH:  # this iteration's loads were issued by the previous one; issue the next iteration's
             cur = nxt
@@ -431,60 +424,6 @@ def _store_partial_cc(acc, zacc, l_t, m_i, ws_o, ws_ml, slot, gq, G: tl.constexp
     tl.store(ws_ml + (slot * GR + gq) * 2 + 1, tl.sum(l_t, 1), mask=gq < G)
 
 
-@triton.jit
-def _la_scores(qf, qd, page_table, b64, MAXP, H, h, pg, p1, k_words, k_scale, k_zero, v_hi, v_lo, v_scale,
-               v_zero, sink_max, qk_scale, tau, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
-               DP: tl.constexpr, BITS: tl.constexpr, TS: tl.constexpr, OPT: tl.constexpr, LIM: tl.constexpr):
-    """Lo-ahead step for page ``pg``: its K loads, its sub-tile scores, its page maximum, its cold tokens, and
-    the lo-plane loads of its hot tokens (issued here, consumed one iteration later): (page, ok, scores,
-    page max, cold, lo) with one entry per sub-tile in the last three."""
-    PERW: tl.constexpr = 32 // BITS
-    KWP: tl.constexpr = DP // PERW
-    VW: tl.constexpr = D // 16
-    VWP: tl.constexpr = DP // 16
-    NSUB: tl.constexpr = 32 // TS
-    page, ok, ks, kz, words, _vs, _vz, _hi, _lo = _fetch(page_table, b64, MAXP, H, h, pg, p1, k_words, k_scale,
-                                                         k_zero, v_hi, v_lo, v_scale, v_zero, TS, BITS, True, D, DP,
-                                                         False, OPT)
-    ss, m_p = _page_scores(qf, qd, ks, kz, words, ok, qk_scale, GP, KWP, BITS, LIM, NSUB, OPT)
-    wv = tl.arange(0, VWP)[None, None, :]
-    wvm = wv < tl.where(ok, VW, 0)
-    colds = ()
-    los = ()
-    for sb in tl.static_range(NSUB):
-        cold = _cold(ss[sb], m_p, sink_max, tau, G, GP)
-        t = sb * TS + tl.arange(0, TS)[None, :, None]
-        los = los + (tl.load(v_lo + page * (32 * VW) + t * VW + wv, mask=wvm & (~cold[None, :, None]), other=0),)
-        colds = colds + (cold,)
-    return page, ok, ss, m_p, colds, los
-
-
-@triton.jit
-def _la_loop(acc, zacc, l_t, m_i, qf, qd, sink_max, p0, p1, page_table, b64, MAXP, H, h, k_words, k_scale, k_zero,
-             v_hi, v_lo, v_scale, v_zero, qk_scale, tau, ws_o, ws_ml, slot, gq, G: tl.constexpr, GR: tl.constexpr,
-             GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BITS: tl.constexpr, TS: tl.constexpr,
-             OPT: tl.constexpr, LIM: tl.constexpr):
-    """V precision with the lo plane one page ahead (OPT & OPT_LA): an iteration computes the scores and cold
-    tokens of page ``pg + 1`` and issues its lo loads, then accumulates page ``pg``, whose lo loads were
-    issued by the previous iteration. In the plain loop the lo load waits for the page's own scores, so
-    each page exposes one dependent memory round trip; here it overlaps a page of work."""
-    NSUB: tl.constexpr = 32 // TS
-    cur = _la_scores(qf, qd, page_table, b64, MAXP, H, h, p0, p1, k_words, k_scale, k_zero, v_hi, v_lo, v_scale,
-                     v_zero, sink_max, qk_scale, tau, G, GP, D, DP, BITS, TS, OPT, LIM)
-    for pg in range(p0, p1):
-        nxt = _la_scores(qf, qd, page_table, b64, MAXP, H, h, pg + 1, p1, k_words, k_scale, k_zero, v_hi, v_lo,
-                         v_scale, v_zero, sink_max, qk_scale, tau, G, GP, D, DP, BITS, TS, OPT, LIM)
-        acc, zacc, l_t, m_i = _rescale(acc, zacc, l_t, m_i, tl.maximum(m_i, cur[3]))
-        for sb in tl.static_range(NSUB):
-            p = tl.exp2(cur[2][sb] - m_i[:, None])  # 0 for pages past p1
-            l_t += p
-            # hi, v_scale, v_zero are loaded here (LOAD_V), the lo words come from the previous iteration
-            acc, zacc = _v_sub(acc, zacc, p, cur[1], cur[5][sb], cur[1], cur[1], v_hi, v_lo, v_scale, v_zero,
-                               cur[0], sb, cur[1], cur[4][sb], GP, TS, BITS, True, D, DP, True, OPT)
-        cur = nxt
-    _store_partial_cc(acc, zacc, l_t, m_i, ws_o, ws_ml, slot, gq, G, GR, GP, DP, BITS, LIM, OPT)
-
-
 FAR_IMPLS = ("cc", "dot")
 # variants of the CUDA-core reader; qk, vg, f24 are on by default since session 3 (``triton_config.CC_DEFAULT_OPTS``;
 # measured in docs/kernel-notes.md; ``cc_opts=()`` gives session 2's reader):
@@ -493,9 +432,9 @@ FAR_IMPLS = ("cc", "dot")
 # the zero term per group, the weights widened to words by join + reshape, no layout conversion).
 # "f24": fields below bit 24 read in place (6 of 8 nibbles, 12 of 16 crumbs; the default shifts half the
 # fields of a word down by 16), which also spares the compiler's extra unsigned shift + SGXT per word
-# "la" (V precision only, one page per iteration, no prefetch): the lo plane of page pg + 1 is loaded one
-# iteration ahead, under its cold mask (``_la_loop``)
-CC_OPTS = {"qk": 1, "vg": 2, "f24": 4, "la": 8}
+# (Session 3's "la", V precision's lo plane loaded one page ahead, ran 0.74x of the default's V precision speed on
+# the H200 in session 4 and was removed: docs/kernel-notes.md.)
+CC_OPTS = {"qk": 1, "vg": 2, "f24": 4}
 
 
 def cc_opt_bits(cc_opts) -> int:

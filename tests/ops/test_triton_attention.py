@@ -130,8 +130,7 @@ CC_OPT_CASES = [  # cc_opts, bits, tau, query heads per KV head, head_dim, dtype
     (("qk", "vg", "f24"), 4, INF, 1, 128, torch.bfloat16),
     (("qk", "vg", "f24"), 4, 2.0, 2, 64, torch.float32),
     (("qk", "vg", "f24"), 2, INF, 2, 96, torch.bfloat16),
-    (("qk", "vg", "f24", "la"), 4, 2.0, 1, 128, torch.bfloat16),  # lo plane one page ahead (V precision)
-    (("la",), 4, 14.0, 2, 64, torch.float32),
+    (("qk", "vg", "f24"), 4, 2.0, 1, 128, torch.bfloat16),
     pytest.param(("vg",), 4, 14.0, 1, 64, torch.float32, marks=pytest.mark.slow),  # single options: slow set
     pytest.param(("f24",), 2, INF, 1, 64, torch.float32, marks=pytest.mark.slow),
     pytest.param(("qk",), 4, 14.0, 2, 64, torch.bfloat16, marks=pytest.mark.slow),
@@ -177,23 +176,23 @@ def test_cuda_core_reader_opt_in_variants_random(seed):
     q = torch.randn(batch, 2 * group, head_dim, generator=g)
     opts = tuple(o for o in ("qk", "vg", "f24") if pick([False, True]))
     kw = {"pages_per_iter": pick([1, 2]), "sub_tokens": pick([4, 8, 16, 32]), "prefetch": pick([False, True])}
-    if pick([False, True]):  # "la": one page per iteration, no prefetch
-        opts, kw["pages_per_iter"], kw["prefetch"] = (*opts, "la"), 1, False
     out = ta.cell_attention(q, *st, bits, tau, head_dim**-0.5, splits=pick([1, 2, 4]), far_impl="cc",
                             cc_opts=opts, **kw)
     assert_close_to_reference(out, q, st, bits, tau, head_dim**-0.5)
 
 
 def test_launch_config_follows_the_measurements():
-    """docs/kernels.md, Session 3: INT4 with one query per KV head is register-capped (measured); two query heads
-    per KV head stay uncapped (the cap would spill inside the page loop; not measured); INT2 is uncapped and
-    uses 16-token sub-tiles from B x H >= 64; the tensor-core reader and BF16 pages have neither."""
+    """docs/kernels.md, Sessions 3-4: INT4 with one query per KV head is register-capped (measured); two query
+    heads per KV head stay uncapped (the cap would spill inside the page loop; not measured); INT2 is capped from
+    B x H >= 64 on (measured faster at B = 8 and 32, slower at B = 1); every code reader uses 8-token sub-tiles;
+    the tensor-core reader and BF16 pages have no cap."""
     from loopkv.ops import triton_config as tc
 
     assert tc._config(4, "cc", 512, 1)["maxnreg"] == 128
     assert tc._config(4, "cc", 512, 2)["maxnreg"] is None
-    assert tc._config(2, "cc", 512, 1)["maxnreg"] is None
-    assert [tc._config(2, "cc", bh)["sub_tokens"] for bh in (16, 63, 64, 512)] == [8, 8, 16, 16]
+    assert [tc._config(2, "cc", bh, 1)["maxnreg"] for bh in (16, 63, 64, 512)] == [None, None, 128, 128]
+    assert tc._config(2, "cc", 512, 2)["maxnreg"] is None
+    assert {tc._config(b, "cc", bh)["sub_tokens"] for b in (4, 2) for bh in (16, 64, 512)} == {8}
     assert tc._config(4, "cc", 512)["cc_opts"] == ("qk", "vg", "f24")
     assert tc._config(4, "dot", 512).get("maxnreg") is None
     assert tc._config(16, "dot").get("maxnreg") is None
@@ -218,8 +217,8 @@ def test_far_impl_choice_and_argument_errors():
         ta.cell_attention(q, *st, 4, INF, 0.125, near_block=48)
     with pytest.raises(ValueError, match="cc_opts"):
         ta.cell_attention(q, *st, 4, INF, 0.125, far_impl="cc", cc_opts=("fast",))
-    with pytest.raises(ValueError, match="'la'"):
-        ta.cell_attention(q, *st, 4, 14.0, 0.125, far_impl="cc", cc_opts=("la",), pages_per_iter=2)
+    with pytest.raises(ValueError, match="cc_opts"):  # session 3's lo-ahead variant, removed in session 4
+        ta.cell_attention(q, *st, 4, 14.0, 0.125, far_impl="cc", cc_opts=("la",))
 
 
 @interpret
@@ -367,8 +366,8 @@ def test_gpu_cuda_core_reader_real_shape(bits, tau):
             out = ta.cell_attention(q, *st, bits, tau, head_dim**-0.5, splits=splits, far_impl="cc",
                                     num_warps=nw, sub_tokens=ts, pages_per_iter=ppi, prefetch=pf)
             torch.testing.assert_close(out.double(), want, atol=ATTN_BF16_ATOL, rtol=ATTN_BF16_RTOL)
-        # session 2's reader, one variant, the default, lo one page ahead (bench arms)
-        for opts in ((), ("vg", "f24"), None, ("qk", "vg", "f24", "la")):
+        # session 2's reader, one variant, the default (bench arms)
+        for opts in ((), ("vg", "f24"), None):
             out = ta.cell_attention(q, *st, bits, tau, head_dim**-0.5, far_impl="cc", cc_opts=opts)
             torch.testing.assert_close(out.double(), want, atol=ATTN_BF16_ATOL, rtol=ATTN_BF16_RTOL)
         out = ta.cell_attention(q, *st, bits, tau, head_dim**-0.5, far_impl="dot", near_block=32)
