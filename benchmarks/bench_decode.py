@@ -368,7 +368,13 @@ def bytes_per_row(arm, plans, cfg, *, capacity, dtype, device) -> int:
     return n
 
 
-def batches_for(peak: int, sweep: list[int], common: int) -> list[int]:
+def batches_for(peak: int, sweep: list[int], common: int, only: str | None = None) -> list[int]:
+    """Batches measured for one arm: 1, the sweep below the peak, the common batch and the peak (ascending), or
+    ``only`` (``--batches``: comma-separated integers and/or ``peak``, run in the order given, those above the
+    peak dropped)."""
+    if only:
+        picked = [peak if b == "peak" else int(b) for b in only.split(",") if b]
+        return list(dict.fromkeys(b for b in picked if 1 <= b <= peak))
     return sorted({b for b in sweep if b < peak} | {1, min(common, peak), peak})
 
 
@@ -413,6 +419,9 @@ def main(argv=None) -> None:
     p.add_argument("--kv-budget-gib", type=float, default=96.0, help="KV memory budget per arm (GiB)")
     p.add_argument("--sweep", default="4,8,16,32", help="batches measured below each arm's peak")
     p.add_argument("--common-batch", type=int, default=8, help="batch every arm is measured at (if it fits)")
+    p.add_argument("--batches", default=None,
+                   help="measure only these batches, in this order (e.g. 'peak,1'; 'peak' is each arm's budget "
+                        "peak): a compiled sweep spends minutes per point, so it can put the headline first")
     p.add_argument("--steps", type=int, default=20, help="timed decode steps per point")
     p.add_argument("--capture", choices=("graph", "compile"), default="graph")
     p.add_argument("--dynamic", action="store_true",
@@ -424,6 +433,9 @@ def main(argv=None) -> None:
     p.add_argument("--smoke", action="store_true", help="tiny model, CPU-sized: check the script end to end")
     p.add_argument("--out", default=None, help="JSON path")
     args = p.parse_args(argv)
+    bad = [b for b in (args.batches or "").split(",") if b and b != "peak" and not b.isdigit()]
+    if bad:
+        raise SystemExit(f"--batches: {bad} are not batch sizes; give integers and/or 'peak', e.g. 'peak,1'")
 
     if args.smoke:
         return smoke()
@@ -461,7 +473,7 @@ def main(argv=None) -> None:
                 per_row = bytes_per_row(arm, plans, cfg, capacity=ctx + 64, dtype=dtype, device=device)
                 peak = min(budget // per_row, args.max_batch)
                 fits[f"{arm}@{ctx}"] = {"bytes_per_row": per_row, "max_batch": peak}
-                for b in batches_for(peak, sweep, args.common_batch):
+                for b in batches_for(peak, sweep, args.common_batch, args.batches):
                     model.set_attn_implementation("sdpa" if arm == "bf16" else "loopkv")
                     try:
                         row = measure(model, cfg, arm, plans, ctx=ctx, batch=b, steps=args.steps,

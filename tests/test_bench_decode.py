@@ -163,3 +163,14 @@ def test_kernel_times_sums_gpu_kernels_by_role(bench):
     assert (got["quantizer_us"], got["quantizer_share"]) == (10.0, 0.1)
     assert (got["attention_us"], got["attention_share"]) == (40.0, 0.4)
     assert bench.kernel_times([])["quantizer_share"] is None
+
+
+def test_batches_for_default_sweep_and_explicit_order(bench):
+    """Default: 1, the sweep below the peak, the common batch and the peak, ascending and without repeats;
+    ``--batches``: the order given ('peak' is the arm's peak), sizes above the peak dropped."""
+    assert bench.batches_for(36, [8, 32, 64], 8) == [1, 8, 32, 36]
+    assert bench.batches_for(7, [8, 32], 8) == [1, 7]
+    assert bench.batches_for(36, [8], 8, "peak,1") == [36, 1]
+    assert bench.batches_for(7, [8], 8, "peak,8,1,7") == [7, 1]
+    with pytest.raises(SystemExit, match="--batches"):
+        bench.main(["--batches", "peak,max", "--contexts", "64"])
