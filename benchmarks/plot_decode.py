@@ -2,6 +2,8 @@
 
     python benchmarks/plot_decode.py benchmarks/results/decode_2026-11-29.json --png docs/decode-benchmark.png
 
+Several JSONs (e.g. one run per context) are merged into one figure; a (context, arm) given twice is an error.
+
 Left to right, one panel per context: decode tok/s against time per output token (the step time: every
 resident request gets one token per step) as the batch grows, up to each arm's largest batch under the
 KV budget (annotated). Prints the summary table as markdown.
@@ -65,13 +67,35 @@ def plot(result: dict, png: str) -> None:
     fig.savefig(png, dpi=120)
 
 
+def merge(results: list[dict]) -> dict:
+    """One result from several runs (rows, summaries and fits concatenated; device and budget must agree)."""
+    out = dict(results[0], rows=[], summary=[], fits={})
+    seen = set()
+    for res in results:
+        for key in ("device", "kv_budget_bytes"):
+            if res[key] != out[key]:
+                raise SystemExit(f"plot_decode: the JSONs differ in {key} ({res[key]!r} vs {out[key]!r}); "
+                                 "plot them separately")
+        pairs = {(s["ctx"], s["arm"]) for s in res["summary"]}
+        if pairs & seen:
+            raise SystemExit(f"plot_decode: (context, arm) {sorted(pairs & seen)} appear in two JSONs")
+        seen |= pairs
+        out["rows"] += res["rows"]
+        out["summary"] += res["summary"]
+        out["fits"].update(res["fits"])
+    return out
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("json")
+    p.add_argument("json", nargs="+")
     p.add_argument("--png", default=None)
     args = p.parse_args(argv)
-    with open(args.json) as f:
-        result = json.load(f)
+    results = []
+    for path in args.json:
+        with open(path) as f:
+            results.append(json.load(f))
+    result = merge(results)
     if args.png:
         plot(result, args.png)
     print(table(result))

@@ -122,6 +122,20 @@ def test_plot_decode_table_from_the_committed_results():
     assert str(s["peak_batch"]) in rows[0]
 
 
+def test_plot_merges_runs_and_refuses_a_point_given_twice():
+    plot = _load("plot_decode")
+    res = ROOT / "benchmarks/results"
+    a = json.loads((res / "decode_2026-11-30_session4_16k.json").read_text())
+    b = json.loads((res / "decode_2026-11-30_session4_8k.json").read_text())
+    merged = plot.merge([a, b])
+    assert len(merged["rows"]) == len(a["rows"]) + len(b["rows"])
+    assert {(s["ctx"], s["arm"]) for s in merged["summary"]} == (
+        {(s["ctx"], s["arm"]) for s in a["summary"]} | {(s["ctx"], s["arm"]) for s in b["summary"]})
+    assert "| loopkv-m | 8192 |" in plot.table(merged) and "| loopkv-m | 16384 |" in plot.table(merged)
+    with pytest.raises(SystemExit, match="two JSONs"):
+        plot.merge([a, a])
+
+
 def test_compile_mode_resets_and_counts_graphs(bench):
     """``--capture compile`` compiles one step code object many times (arms, batches); each (context, arm)
     starts from a reset with a raised recompile limit (at the default 8 the 9th compile below fails), and each
