@@ -24,7 +24,11 @@ graph replay, counted with the profiler), and ``torch.cuda.max_memory_allocated`
 (model forward, greedy argmax, position update) is captured once per (arm, batch) with
 ``torch.cuda.graph`` (``--capture graph``, default) or compiled with
 ``torch.compile(mode="reduce-overhead", fullgraph=True)`` (``--capture compile``: slow to compile per
-batch, so use it on a few points). Writes JSON (device, versions, date, every measurement) to ``--out``
+batch, so use it on a few points, ``--batches peak,1``). The step time is the mean over a whole page cycle
+(``--steps``, a multiple of 32 consecutive steps: every cell quantizes one page per 32 steps, so the mean
+includes the window exits in proportion; before session 4 it was the median of 10 steps right after the fill,
+which contained no exit), and the replay is profiled over one page cycle for the GPU time per kernel role
+(cell attention, the quantizer). Writes JSON (device, versions, date, every measurement) to ``--out``
 and prints a table last.
 
     PYTHONPATH=. python benchmarks/bench_decode.py --out benchmarks/results/decode_$(date +%F).json
@@ -56,6 +60,10 @@ ARMS = ("bf16", "kivi4", "kivi4v", "loopkv-r", "loopkv-m")
 EXTRA_ARMS = ("loopkv-m-notau",)
 TAU = 14.0
 GIB = 1 << 30
+PAGE_CYCLE = codec.PAGE  # each cell quantizes one page (its window exit) every PAGE_CYCLE decode steps
+# cache capacity beyond the context: capture warm-ups (<= 3), 3 warm replays, the timed steps, a profiled page
+# cycle, one eager step and the hot-fraction step (checked after every point)
+HEADROOM = 128
 LAUNCH_EVENTS = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx",
                  "cudaGraphLaunch", "cuGraphLaunch", "cudaMemcpyAsync", "cudaMemsetAsync")
 
@@ -217,20 +225,25 @@ def capture(step, mode: str, *, dynamic: bool | None = None):
     return graph.replay
 
 
-def count_launches(fn) -> dict:
-    """Host-side launch API calls and GPU kernels of one call of ``fn`` (profiler)."""
+def count_launches(fn, repeat: int = 1) -> dict:
+    """Host-side launch API calls and GPU kernels per call of ``fn``, averaged over ``repeat`` calls in one
+    profiler session (``PAGE_CYCLE`` calls of a decode step include each cell's window exit once)."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        fn()
+        for _ in range(repeat):
+            fn()
         torch.cuda.synchronize()
     host = {}
     for e in prof.events():
         if e.name in LAUNCH_EVENTS:
             host[e.name] = host.get(e.name, 0) + 1
+    host = {k: v / repeat for k, v in host.items()}
+    per_call = {k: (v / repeat if k.endswith("_us") or k == "gpu_kernels" else v)
+                for k, v in kernel_times(prof.events()).items()}
     return {"host_launches": sum(v for k, v in host.items() if "Memcpy" not in k and "Memset" not in k),
-            "host_calls": host, **kernel_times(prof.events())}
+            "host_calls": host, "profiled_calls": repeat, **per_call}
 
 
 # Triton kernels of loopkv by role (loopkv/ops/triton_quant.py, triton_attention.py)
@@ -258,8 +271,10 @@ def kernel_times(events) -> dict:
     return out
 
 
-def time_steps(replay, steps: int) -> float:
-    """Median of per-step times (ms) over ``steps`` replays, CUDA events."""
+def time_steps(replay, steps: int) -> tuple[float, float]:
+    """(mean, median) of per-step times (ms) over ``steps`` consecutive replays, CUDA events. The mean is the
+    throughput figure: over a multiple of ``PAGE_CYCLE`` steps it includes every cell's window exit (the page
+    quantized when it leaves the window) in proportion; the median of a short run can miss them all."""
     times = []
     for _ in range(steps):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -268,8 +283,7 @@ def time_steps(replay, steps: int) -> float:
         b.record()
         b.synchronize()
         times.append(a.elapsed_time(b))
-    times.sort()
-    return times[len(times) // 2]
+    return sum(times) / len(times), sorted(times)[len(times) // 2]
 
 
 # ---- V precision: how many history tokens are hot on these queries -----------------------------------------
@@ -327,7 +341,7 @@ def measure(model, cfg, arm, plans, *, ctx, batch, steps, capture_mode, k_scale,
             dynamic=None):
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
-    capacity = ctx + 64
+    capacity = ctx + HEADROOM
     cache = build_cache(arm, plans, cfg, batch=batch, capacity=capacity, dtype=dtype, device=device)
     if isinstance(cache, loopkv.LoopKVCache):
         cache.warmup()
@@ -344,17 +358,23 @@ def measure(model, cfg, arm, plans, *, ctx, batch, steps, capture_mode, k_scale,
     if capture_mode == "compile":
         row["compiled_graphs_since_reset"] = compiled_graphs()
     time_steps(replay, 3)
-    ms = time_steps(replay, steps)
+    ms, ms_median = time_steps(replay, steps)
     # after capture and timing: a profiler session before capture can break it. The replay is profiled at
-    # every batch (GPU time per kernel role), the eager step only at batch 1 (its launch count)
-    row["graph"] = count_launches(replay)
+    # every batch over one page cycle (GPU time per kernel role, window exits included), the eager step only at
+    # batch 1 (its launch count)
+    row["graph"] = count_launches(replay, PAGE_CYCLE)
     if launches:
         row["eager"] = count_launches(step)
-    row.update(step_ms=round(ms, 3), tok_s=round(batch * 1000.0 / ms, 1),
-               ms_per_token=round(ms, 3), max_memory_allocated=torch.cuda.max_memory_allocated(),
+    row.update(step_ms=round(ms, 3), step_ms_median=round(ms_median, 3), timed_steps=steps,
+               tok_s=round(batch * 1000.0 / ms, 1), ms_per_token=round(ms, 3),
+               max_memory_allocated=torch.cuda.max_memory_allocated(),
                finite=bool(torch.isfinite(tok.float()).all()))
     if launches:
         row["hot_fraction"] = hot_fraction(model, cache, tok, pos)
+    written = int(pos.max()) + int(launches)  # pos = tokens per row so far; + the hot-fraction step's append
+    if written > capacity:
+        raise RuntimeError(f"bench_decode: {written} tokens written into a cache of {capacity}: raise HEADROOM")
+    row["tokens_after"] = written
     del replay, cache, step
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
@@ -422,7 +442,8 @@ def main(argv=None) -> None:
     p.add_argument("--batches", default=None,
                    help="measure only these batches, in this order (e.g. 'peak,1'; 'peak' is each arm's budget "
                         "peak): a compiled sweep spends minutes per point, so it can put the headline first")
-    p.add_argument("--steps", type=int, default=20, help="timed decode steps per point")
+    p.add_argument("--steps", type=int, default=PAGE_CYCLE,
+                   help=f"timed decode steps per point, a multiple of {PAGE_CYCLE} (one window exit per cell each)")
     p.add_argument("--capture", choices=("graph", "compile"), default="graph")
     p.add_argument("--dynamic", action="store_true",
                    help="compile mode: symbolic shapes (one compile per arm for every batch > 1)")
@@ -433,6 +454,10 @@ def main(argv=None) -> None:
     p.add_argument("--smoke", action="store_true", help="tiny model, CPU-sized: check the script end to end")
     p.add_argument("--out", default=None, help="JSON path")
     args = p.parse_args(argv)
+    if args.steps <= 0 or args.steps % PAGE_CYCLE or args.steps + PAGE_CYCLE + 8 > HEADROOM:
+        raise SystemExit(f"--steps must be a positive multiple of {PAGE_CYCLE} (a page cycle: every cell quantizes "
+                         f"one page per {PAGE_CYCLE} steps, and the mean step time must include it) of at most "
+                         f"{HEADROOM - PAGE_CYCLE - 8} (the cache's headroom), got {args.steps}")
     bad = [b for b in (args.batches or "").split(",") if b and b != "peak" and not b.isdigit()]
     if bad:
         raise SystemExit(f"--batches: {bad} are not batch sizes; give integers and/or 'peak', e.g. 'peak,1'")
@@ -470,7 +495,7 @@ def main(argv=None) -> None:
             for arm in arms:
                 if args.capture == "compile":
                     prepare_compile()
-                per_row = bytes_per_row(arm, plans, cfg, capacity=ctx + 64, dtype=dtype, device=device)
+                per_row = bytes_per_row(arm, plans, cfg, capacity=ctx + HEADROOM, dtype=dtype, device=device)
                 peak = min(budget // per_row, args.max_batch)
                 fits[f"{arm}@{ctx}"] = {"bytes_per_row": per_row, "max_batch": peak}
                 for b in batches_for(peak, sweep, args.common_batch, args.batches):
