@@ -290,8 +290,8 @@ READERS = {
     # INT2 with 8-token sub-tiles under the cap (static: 128 registers, 804 instructions per page-head and no
     # spill in the page loop); measured in session 4: B=32 x 16K 0.399 ms vs 0.472 for the 16-token default of
     # then, and the INT2 default from B x H >= 64 since (cell_attention_2026-11-29_session4_quick.json). INT4: the
-    # default. (Session 4 also ran "la", V precision's lo plane one page ahead: 0.74x of the default's V
-    # precision speed; removed.)
+    # default. (Session 4 also ran "la", V precision's lo plane one page ahead: 0.80x of the default's V
+    # precision speed; the variant was removed)
     "t8_r128": {"sub_tokens": 8, "maxnreg": 128},
 }
 MODES = (("int4", 4, math.inf, False), ("int4_vpdata", 4, math.inf, True), ("int4_vp", 4, TAU, True),

@@ -432,7 +432,7 @@ FAR_IMPLS = ("cc", "dot")
 # the zero term per group, the weights widened to words by join + reshape, no layout conversion).
 # "f24": fields below bit 24 read in place (6 of 8 nibbles, 12 of 16 crumbs; the default shifts half the
 # fields of a word down by 16), which also spares the compiler's extra unsigned shift + SGXT per word
-# (Session 3's "la", V precision's lo plane loaded one page ahead, ran 0.74x of the default's V precision speed on
+# (Session 3's "la", V precision's lo plane loaded one page ahead, ran 0.80x of the default's V precision speed on
 # the H200 in session 4 and was removed: docs/kernel-notes.md.)
 CC_OPTS = {"qk": 1, "vg": 2, "f24": 4}
 
