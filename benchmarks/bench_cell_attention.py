@@ -293,6 +293,9 @@ READERS = {
     # default. (Session 4 also ran "la", V precision's lo plane one page ahead: 0.80x of the default's V
     # precision speed; the variant was removed)
     "t8_r128": {"sub_tokens": 8, "maxnreg": 128},
+    # session 4, not measured: history offsets in int32 (static, sm_90, Triton 3.6, at the cap: INT4 861 instructions
+    # per page-head vs 907, V precision 892 vs 935, INT2 784 vs 804; no spill); predicted 4-5% faster INT4
+    "i32": {"cc_opts": ("qk", "vg", "f24", "i32")},
 }
 MODES = (("int4", 4, math.inf, False), ("int4_vpdata", 4, math.inf, True), ("int4_vp", 4, TAU, True),
          ("int2", 2, math.inf, False))  # name, bits, tau, V-precision data

@@ -47,9 +47,11 @@ from loopkv.ops.triton_config import (  # noqa: F401  (constants re-exported for
     NEAR_BLOCK,
     WAVES,
     _config,
+    check_int32_offsets,
     choose_splits,
+    fits_int32_offsets,
 )
-from loopkv.ops.triton_far import _dot, _exact_scores, cc_opt_bits, choose_far_impl, far_cc
+from loopkv.ops.triton_far import CC_OPTS, _dot, _exact_scores, cc_opt_bits, choose_far_impl, far_cc
 from loopkv.ops.triton_register import counters, warmup  # noqa: F401  (warmup re-exported here)
 
 assert (SINK, PAGE, GROUP, RING) == (32, 32, 32, 288)  # spelled out as literals in the kernels
@@ -478,6 +480,12 @@ def cell_attention(
     if impl == "cc":  # the CUDA-core reader reads codes as int32 words (rows are multiples of 4 bytes)
         k_pages, v_hi, v_lo = (t.view(torch.int32) if t.numel() else t.new_empty(0, dtype=torch.int32)
                                for t in (k_pages, v_hi, v_lo))
+    if opt & CC_OPTS["i32"] and cc_opts is None and not fits_int32_offsets(
+            k_pages, k_scale, k_zero, v_hi, v_lo, v_scale, v_zero):
+        opt &= ~CC_OPTS["i32"]  # a default that includes "i32" falls back to 64-bit offsets for huge pools
+    if opt & CC_OPTS["i32"]:
+        check_int32_offsets(k_pages=k_pages, k_scale=k_scale, k_zero=k_zero, v_hi=v_hi, v_lo=v_lo, v_scale=v_scale,
+                            v_zero=v_zero)
     _cell_attn_kernel[(nprog, B * H)](
         q, q.stride(0), q.stride(1), sink_k, sink_v, win_k, win_v, lengths, page_table,
         k_pages, k_scale, k_zero, v_hi, v_lo, v_scale, v_zero,

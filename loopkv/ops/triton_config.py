@@ -68,3 +68,15 @@ def _config(bits: int, far_impl: str, rows_heads: int = 1, group: int = 1) -> di
                 "near_block": NEAR_BLOCK, "cc_opts": ()}
     return {"num_warps": 4, "num_stages": 2, "pages_per_iter": 1, "sub_tokens": 0, "prefetch": False,
             "near_block": NEAR_BLOCK, "cc_opts": ()}
+
+
+def fits_int32_offsets(*pools: torch.Tensor) -> bool:
+    return all(t.numel() < 2**31 for t in pools)
+
+
+def check_int32_offsets(**pools: torch.Tensor) -> None:
+    """``cc_opts`` "i32" computes history offsets in 32 bits: every pool must have fewer than 2**31 elements."""
+    big = {name: t.numel() for name, t in pools.items() if t.numel() >= 2**31}
+    if big:
+        raise ValueError(f"cc_opts 'i32' reads history pools with 32-bit offsets, but {big} have 2**31 or more "
+                         "elements: drop 'i32' for this cell (or give it fewer pages)")

@@ -122,7 +122,10 @@ def _fetch(page_table, b64, MAXP, H, h, pg, p1, k_words, k_scale, k_zero, v_hi, 
     VW: tl.constexpr = D // 16
     VWP: tl.constexpr = DP // 16
     ok = pg < p1
-    page = tl.load(page_table + b64 * MAXP + pg, mask=ok, other=0).to(tl.int64) * H + h
+    page = tl.load(page_table + b64 * MAXP + pg, mask=ok, other=0)
+    if not (OPT & 8):  # OPT_I32 (the launcher checks every pool fits int32 offsets): offsets stay 32-bit
+        page = page.to(tl.int64)
+    page = page * H + h
     w = tl.arange(0, KWP)[None, None, :]
     wm = w < tl.where(ok, KW, 0)  # (not `& ok`: the interpreter turns a scalar & into int32)
     ks = ()
@@ -432,9 +435,11 @@ FAR_IMPLS = ("cc", "dot")
 # the zero term per group, the weights widened to words by join + reshape, no layout conversion).
 # "f24": fields below bit 24 read in place (6 of 8 nibbles, 12 of 16 crumbs; the default shifts half the
 # fields of a word down by 16), which also spares the compiler's extra unsigned shift + SGXT per word
+# "i32" (session 4, not measured yet): history offsets in int32 (a pool's element count must be < 2**31; the
+# launcher checks): 64-bit address arithmetic per load becomes one wide multiply-add.
 # (Session 3's "la", V precision's lo plane loaded one page ahead, ran 0.80x of the default's V precision speed on
 # the H200 in session 4 and was removed: docs/kernel-notes.md.)
-CC_OPTS = {"qk": 1, "vg": 2, "f24": 4}
+CC_OPTS = {"qk": 1, "vg": 2, "f24": 4, "i32": 8}
 
 
 def cc_opt_bits(cc_opts) -> int:
