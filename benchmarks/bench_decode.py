@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import json
 import math
 import platform
@@ -250,24 +251,35 @@ def count_launches(fn, repeat: int = 1) -> dict:
 KERNEL_ROLES = {"quantizer": ("_append_kernel", "_write_pages_kernel"), "attention": ("_cell_attn_kernel",)}
 
 
+def _role(name: str) -> str:
+    return next((role for role, names in KERNEL_ROLES.items() if any(n in name for n in names)), "other")
+
+
 def kernel_times(events) -> dict:
-    """GPU kernels of a profile: how many, their summed durations (us; one stream, so no overlap) and the
-    sums per ``KERNEL_ROLES`` role (the quantizer's share of a step is issue 6's "< 2% of a decode step")."""
-    kernels, total = 0, 0.0
+    """GPU kernels of a profile: how many, their summed durations (us; one stream, so no overlap), the sums per
+    ``KERNEL_ROLES`` role (the quantizer's share of a step is issue 6's "< 2% of a decode step"), and the idle
+    time between consecutive kernels, charged to the role of the kernel that follows the gap (session 4 found
+    the step 4-7 ms longer than its kernels at M's peak, more than BF16's 2.7 ms: this says before which
+    kernels that time goes)."""
+    kernels = [e for e in events if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA]
     roles = dict.fromkeys(KERNEL_ROLES, 0.0)
-    for e in events:
-        if getattr(e, "device_type", None) != torch.autograd.DeviceType.CUDA:
-            continue
-        kernels += 1
+    total = 0.0
+    for e in kernels:
         us = e.time_range.elapsed_us()
         total += us
-        for role, names in KERNEL_ROLES.items():
-            if any(n in e.name for n in names):
-                roles[role] += us
-    out = {"gpu_kernels": kernels, "gpu_us": round(total, 1)}
+        if (role := _role(e.name)) != "other":
+            roles[role] += us
+    idle = dict.fromkeys((*KERNEL_ROLES, "other"), 0.0)
+    timed = sorted((e for e in kernels if hasattr(e.time_range, "start")), key=lambda e: e.time_range.start)
+    for prev, nxt in itertools.pairwise(timed):
+        idle[_role(nxt.name)] += max(0.0, nxt.time_range.start - prev.time_range.end)
+    out = {"gpu_kernels": len(kernels), "gpu_us": round(total, 1)}
     for role, us in roles.items():
         out[f"{role}_us"] = round(us, 1)
         out[f"{role}_share"] = round(us / total, 4) if total else None
+    out["idle_us"] = round(sum(idle.values()), 1)
+    for role, us in idle.items():
+        out[f"idle_before_{role}_us"] = round(us, 1)
     return out
 
 

@@ -181,6 +181,26 @@ def test_kernel_times_sums_gpu_kernels_by_role(bench):
     assert bench.kernel_times([])["quantizer_share"] is None
 
 
+def test_kernel_times_charges_idle_gaps_to_the_next_kernel(bench):
+    """Idle time between consecutive GPU kernels (sorted by start), charged to the role of the kernel after it."""
+    from types import SimpleNamespace
+
+    cuda = torch.autograd.DeviceType.CUDA
+
+    def ev(name, start, end):
+        return SimpleNamespace(name=name, device_type=cuda,
+                               time_range=SimpleNamespace(start=start, end=end, elapsed_us=lambda: end - start))
+
+    events = [ev("_cell_attn_kernel", 30.0, 70.0), ev("rms_norm", 0.0, 10.0), ev("_append_kernel", 12.0, 15.0),
+              ev("rope", 71.0, 80.0), ev("_append_kernel", 79.0, 82.0)]  # the last overlaps: no negative gap
+    got = bench.kernel_times(events)
+    assert got["gpu_us"] == 10.0 + 3.0 + 40.0 + 9.0 + 3.0
+    assert got["idle_before_quantizer_us"] == 2.0  # 10 -> 12 (79 < 80: no gap)
+    assert got["idle_before_attention_us"] == 15.0  # 15 -> 30
+    assert got["idle_before_other_us"] == 1.0  # 70 -> 71
+    assert got["idle_us"] == 18.0
+
+
 def test_batches_for_default_sweep_and_explicit_order(bench):
     """Default: 1, the sweep below the peak, the common batch and the peak, ascending and without repeats;
     ``--batches``: the order given ('peak' is the arm's peak), sizes above the peak dropped."""
