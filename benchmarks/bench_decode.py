@@ -226,6 +226,12 @@ def capture(step, mode: str, *, dynamic: bool | None = None):
     return graph.replay
 
 
+def _per_call(total: float, repeat: int) -> float | int:
+    """``total / repeat``, kept an int when it divides (counts per step print as counts)."""
+    q = total / repeat
+    return int(q) if float(q).is_integer() else round(q, 2)
+
+
 def count_launches(fn, repeat: int = 1) -> dict:
     """Host-side launch API calls and GPU kernels per call of ``fn``, averaged over ``repeat`` calls in one
     profiler session (``PAGE_CYCLE`` calls of a decode step include each cell's window exit once)."""
@@ -240,8 +246,8 @@ def count_launches(fn, repeat: int = 1) -> dict:
     for e in prof.events():
         if e.name in LAUNCH_EVENTS:
             host[e.name] = host.get(e.name, 0) + 1
-    host = {k: v / repeat for k, v in host.items()}
-    per_call = {k: (v / repeat if k.endswith("_us") or k == "gpu_kernels" else v)
+    host = {k: _per_call(v, repeat) for k, v in host.items()}
+    per_call = {k: (_per_call(v, repeat) if k.endswith("_us") or k == "gpu_kernels" else v)
                 for k, v in kernel_times(prof.events()).items()}
     return {"host_launches": sum(v for k, v in host.items() if "Memcpy" not in k and "Memset" not in k),
             "host_calls": host, "profiled_calls": repeat, **per_call}

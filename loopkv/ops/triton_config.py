@@ -71,6 +71,7 @@ def _config(bits: int, far_impl: str, rows_heads: int = 1, group: int = 1) -> di
 
 
 def fits_int32_offsets(*pools: torch.Tensor) -> bool:
+    """Whether every pool has fewer than 2**31 elements (what ``cc_opts`` "i32" needs)."""
     return all(t.numel() < 2**31 for t in pools)
 
 
