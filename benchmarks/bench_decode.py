@@ -62,9 +62,12 @@ EXTRA_ARMS = ("loopkv-m-notau",)
 TAU = 14.0
 GIB = 1 << 30
 PAGE_CYCLE = codec.PAGE  # each cell quantizes one page (its window exit) every PAGE_CYCLE decode steps
-# cache capacity beyond the context: capture warm-ups (<= 3), 3 warm replays, the timed steps, a profiled page
-# cycle, one eager step and the hot-fraction step (checked after every point)
-HEADROOM = 128
+# The cache holds ctx + HEADROOM tokens (the KV budget counts all of it: the same per-row bytes as sessions 2-4)
+# and is filled to ctx - LEAD, so the measured steps run around the nominal context: capture warm-ups (<= 3),
+# 3 warm replays, the timed steps, a profiled page cycle, one eager step and the hot-fraction step must fit in
+# LEAD + HEADROOM (checked after every point)
+HEADROOM = 64
+LEAD = 64
 LAUNCH_EVENTS = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx",
                  "cudaGraphLaunch", "cuGraphLaunch", "cudaMemcpyAsync", "cudaMemsetAsync")
 
@@ -363,12 +366,13 @@ def measure(model, cfg, arm, plans, *, ctx, batch, steps, capture_mode, k_scale,
     cache = build_cache(arm, plans, cfg, batch=batch, capacity=capacity, dtype=dtype, device=device)
     if isinstance(cache, loopkv.LoopKVCache):
         cache.warmup()
-    fill(cache, ctx, k_scale=k_scale)
+    fill(cache, ctx - LEAD, k_scale=k_scale)
     tok = torch.randint(3, cfg.vocab_size, (batch, 1), device=device)
-    pos = torch.full((batch, 1), ctx, dtype=torch.long, device=device)
+    pos = torch.full((batch, 1), ctx - LEAD, dtype=torch.long, device=device)
     torch._dynamo.mark_static_address(tok)
     torch._dynamo.mark_static_address(pos)
-    row = {"arm": arm, "ctx": ctx, "batch": batch, "capture": capture_mode, "cache_bytes": cache_bytes(cache)}
+    row = {"arm": arm, "ctx": ctx, "batch": batch, "capture": capture_mode, "cache_bytes": cache_bytes(cache),
+           "filled_to": ctx - LEAD}
     step = make_step(model, cache, tok, pos, dense=arm == "bf16", capacity=capacity)
     t0 = time.perf_counter()
     replay = capture(step, capture_mode, dynamic=dynamic)
@@ -391,7 +395,8 @@ def measure(model, cfg, arm, plans, *, ctx, batch, steps, capture_mode, k_scale,
         row["hot_fraction"] = hot_fraction(model, cache, tok, pos)
     written = int(pos.max()) + int(launches)  # pos = tokens per row so far; + the hot-fraction step's append
     if written > capacity:
-        raise RuntimeError(f"bench_decode: {written} tokens written into a cache of {capacity}: raise HEADROOM")
+        raise RuntimeError(f"bench_decode: {written} tokens written into a cache of {capacity}: raise HEADROOM "
+                           "or LEAD")
     row["tokens_after"] = written
     del replay, cache, step
     torch.cuda.synchronize()
@@ -472,10 +477,10 @@ def main(argv=None) -> None:
     p.add_argument("--smoke", action="store_true", help="tiny model, CPU-sized: check the script end to end")
     p.add_argument("--out", default=None, help="JSON path")
     args = p.parse_args(argv)
-    if args.steps <= 0 or args.steps % PAGE_CYCLE or args.steps + PAGE_CYCLE + 8 > HEADROOM:
+    if args.steps <= 0 or args.steps % PAGE_CYCLE or args.steps + PAGE_CYCLE + 8 > LEAD + HEADROOM:
         raise SystemExit(f"--steps must be a positive multiple of {PAGE_CYCLE} (a page cycle: every cell quantizes "
                          f"one page per {PAGE_CYCLE} steps, and the mean step time must include it) of at most "
-                         f"{HEADROOM - PAGE_CYCLE - 8} (the cache's headroom), got {args.steps}")
+                         f"{LEAD + HEADROOM - PAGE_CYCLE - 8} (the cache's headroom), got {args.steps}")
     bad = [b for b in (args.batches or "").split(",") if b and b != "peak" and not b.isdigit()]
     if bad:
         raise SystemExit(f"--batches: {bad} are not batch sizes; give integers and/or 'peak', e.g. 'peak,1'")
