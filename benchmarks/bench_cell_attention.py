@@ -296,6 +296,11 @@ READERS = {
     # session 4, not measured: history offsets in int32 (static, sm_90, Triton 3.6, at the cap: INT4 861 instructions
     # per page-head vs 907, V precision 892 vs 935, INT2 784 vs 804; no spill); predicted 4-5% faster INT4
     "i32": {"cc_opts": ("qk", "vg", "f24", "i32")},
+    # with 32-bit offsets the loop needs fewer registers (static, sm_90, Triton 3.6): at maxnreg 120, 17 programs
+    # per SM, INT4 867 instructions per page-head and INT2 784 with no spill in the loop (V precision: 5 spill
+    # loads); at 112, 18 programs, INT2 still spill-free, INT4 3 spill loads, V precision 15 spill operations
+    "i32_r120": {"cc_opts": ("qk", "vg", "f24", "i32"), "maxnreg": 120},
+    "i32_r112": {"cc_opts": ("qk", "vg", "f24", "i32"), "maxnreg": 112},
 }
 MODES = (("int4", 4, math.inf, False), ("int4_vpdata", 4, math.inf, True), ("int4_vp", 4, TAU, True),
          ("int2", 2, math.inf, False))  # name, bits, tau, V-precision data
