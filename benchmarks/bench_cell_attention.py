@@ -301,7 +301,7 @@ READERS = {
     # loads); at 112, 18 programs, INT2 still spill-free, INT4 3 spill loads, V precision 15 spill operations
     "i32_r120": {"cc_opts": ("qk", "vg", "f24", "i32"), "maxnreg": 120},
     "i32_r112": {"cc_opts": ("qk", "vg", "f24", "i32"), "maxnreg": 112},
-    # INT2 only (INT4 spills 8 loads per page here): 19 programs per SM, 795 instructions per page-head, no spill
+    # INT2 only (INT4 spills 8 loads per page here): 19 programs per SM, 795 instructions per page-head, 3 spill loads
     "i32_r104": {"cc_opts": ("qk", "vg", "f24", "i32"), "maxnreg": 104},
 }
 MODES = (("int4", 4, math.inf, False), ("int4_vpdata", 4, math.inf, True), ("int4_vp", 4, TAU, True),
