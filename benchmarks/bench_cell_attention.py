@@ -270,6 +270,7 @@ def run_shape(B: int, ctx: int, rows: list, cfg: dict) -> None:
 
 # reader arms: name -> cell_attention keyword arguments (splits None: the launcher's heuristic)
 CC3 = ("qk", "vg", "f24")
+CC4 = (*CC3, "i32")
 READERS = {
     "dot": {"far_impl": "dot"},  # session 1's tensor-core reader (comparison point)
     "cc_w1_t8": {"far_impl": "cc", "num_warps": 1, "sub_tokens": 8, "cc_opts": (), "maxnreg": 0},  # session 2's
@@ -295,14 +296,14 @@ READERS = {
     "t8_r128": {"sub_tokens": 8, "maxnreg": 128},
     # session 4, not measured: history offsets in int32 (static, sm_90, Triton 3.6, at the cap: INT4 861 instructions
     # per page-head vs 907, V precision 892 vs 935, INT2 784 vs 804; no spill); predicted 4-5% faster INT4
-    "i32": {"cc_opts": ("qk", "vg", "f24", "i32")},
+    "i32": {"cc_opts": CC4},
     # with 32-bit offsets the loop needs fewer registers (static, sm_90, Triton 3.6): at maxnreg 120, 17 programs
     # per SM, INT4 867 instructions per page-head and INT2 784 with no spill in the loop (V precision: 5 spill
     # loads); at 112, 18 programs, INT2 still spill-free, INT4 3 spill loads, V precision 15 spill operations
-    "i32_r120": {"cc_opts": ("qk", "vg", "f24", "i32"), "maxnreg": 120},
-    "i32_r112": {"cc_opts": ("qk", "vg", "f24", "i32"), "maxnreg": 112},
+    "i32_r120": {"cc_opts": CC4, "maxnreg": 120},
+    "i32_r112": {"cc_opts": CC4, "maxnreg": 112},
     # INT2 only (INT4 spills 8 loads per page here): 19 programs per SM, 795 instructions per page-head, 3 spill loads
-    "i32_r104": {"cc_opts": ("qk", "vg", "f24", "i32"), "maxnreg": 104},
+    "i32_r104": {"cc_opts": CC4, "maxnreg": 104},
 }
 MODES = (("int4", 4, math.inf, False), ("int4_vpdata", 4, math.inf, True), ("int4_vp", 4, TAU, True),
          ("int2", 2, math.inf, False))  # name, bits, tau, V-precision data

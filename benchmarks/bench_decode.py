@@ -279,7 +279,7 @@ def kernel_times(events) -> dict:
         if (role := _role(e.name)) != "other":
             roles[role] += us
     idle = dict.fromkeys((*KERNEL_ROLES, "other"), 0.0)
-    timed = sorted((e for e in kernels if hasattr(e.time_range, "start")), key=lambda e: e.time_range.start)
+    timed = sorted(kernels, key=lambda e: e.time_range.start)
     for prev, nxt in itertools.pairwise(timed):
         idle[_role(nxt.name)] += max(0.0, nxt.time_range.start - prev.time_range.end)
     out = {"gpu_kernels": len(kernels), "gpu_us": round(total, 1)}

@@ -168,16 +168,18 @@ def test_kernel_times_sums_gpu_kernels_by_role(bench):
 
     cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
 
-    def ev(name, us, dev=cuda):
-        return SimpleNamespace(name=name, device_type=dev, time_range=SimpleNamespace(elapsed_us=lambda: us))
+    def ev(name, start, us, dev=cuda):
+        return SimpleNamespace(name=name, device_type=dev,
+                               time_range=SimpleNamespace(start=start, end=start + us, elapsed_us=lambda: us))
 
-    events = [ev("_append_kernel", 3.0), ev("_cell_attn_kernel", 40.0), ev("_write_pages_kernel", 7.0),
-              ev("void at::native::elementwise_kernel<...>", 50.0), ev("_append_kernel", 999.0, cpu)]
+    events = [ev("_append_kernel", 0.0, 3.0), ev("_cell_attn_kernel", 3.0, 40.0), ev("_write_pages_kernel", 43.0, 7.0),
+              ev("void at::native::elementwise_kernel<...>", 50.0, 50.0), ev("_append_kernel", 0.0, 999.0, cpu)]
     got = bench.kernel_times(events)
     assert got["gpu_kernels"] == 4
     assert got["gpu_us"] == 100.0
     assert (got["quantizer_us"], got["quantizer_share"]) == (10.0, 0.1)
     assert (got["attention_us"], got["attention_share"]) == (40.0, 0.4)
+    assert got["idle_us"] == 0.0  # back to back
     assert bench.kernel_times([])["quantizer_share"] is None
 
 

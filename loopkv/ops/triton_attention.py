@@ -49,7 +49,6 @@ from loopkv.ops.triton_config import (  # noqa: F401  (constants re-exported for
     _config,
     check_int32_offsets,
     choose_splits,
-    fits_int32_offsets,
 )
 from loopkv.ops.triton_far import CC_OPTS, _dot, _exact_scores, cc_opt_bits, choose_far_impl, far_cc
 from loopkv.ops.triton_register import counters, warmup  # noqa: F401  (warmup re-exported here)
@@ -480,10 +479,7 @@ def cell_attention(
     if impl == "cc":  # the CUDA-core reader reads codes as int32 words (rows are multiples of 4 bytes)
         k_pages, v_hi, v_lo = (t.view(torch.int32) if t.numel() else t.new_empty(0, dtype=torch.int32)
                                for t in (k_pages, v_hi, v_lo))
-    if opt & CC_OPTS["i32"] and cc_opts is None and not fits_int32_offsets(
-            k_pages, k_scale, k_zero, v_hi, v_lo, v_scale, v_zero):
-        opt &= ~CC_OPTS["i32"]  # a default that includes "i32" falls back to 64-bit offsets for huge pools
-    if opt & CC_OPTS["i32"]:
+    if opt & CC_OPTS["i32"]:  # (not in the default; a default with it would need a 64-bit fallback here)
         check_int32_offsets(k_pages=k_pages, k_scale=k_scale, k_zero=k_zero, v_hi=v_hi, v_lo=v_lo, v_scale=v_scale,
                             v_zero=v_zero)
     _cell_attn_kernel[(nprog, B * H)](

@@ -70,11 +70,6 @@ def _config(bits: int, far_impl: str, rows_heads: int = 1, group: int = 1) -> di
             "near_block": NEAR_BLOCK, "cc_opts": ()}
 
 
-def fits_int32_offsets(*pools: torch.Tensor) -> bool:
-    """Whether every pool has fewer than 2**31 elements (what ``cc_opts`` "i32" needs)."""
-    return all(t.numel() < 2**31 for t in pools)
-
-
 def check_int32_offsets(**pools: torch.Tensor) -> None:
     """``cc_opts`` "i32" computes history offsets in 32 bits: every pool must have fewer than 2**31 elements."""
     big = {name: t.numel() for name, t in pools.items() if t.numel() >= 2**31}
