@@ -167,6 +167,41 @@ def _fetch(page_table, b64, MAXP, H, h, pg, p1, k_words, k_scale, k_zero, v_hi, 
 
 
 @triton.jit
+def _prefetch_lines(base, LINES: tl.constexpr):
+    """``prefetch.global.L2`` of ``LINES`` 128-byte lines from int32 pointer ``base`` (a hint: no value, no
+    fault on a valid address). One warp covers 32 lines per instruction."""
+    ln = tl.arange(0, LINES)
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [base + ln * 32],
+                              dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _prefetch_page(page_table, b64, MAXP, H, h, pg, p1, k_words, k_scale, k_zero, v_hi, v_lo, v_scale,
+                   v_zero, BITS: tl.constexpr, VPREC: tl.constexpr, D: tl.constexpr, OPT: tl.constexpr):
+    """OPT_L2: ask L2 for history page ``pg``'s codes and scales (the last page again past ``p1``) one
+    iteration before ``_fetch`` loads them, so that page's loads wait for L2 instead of HBM. A page-head
+    is contiguous in every pool (``page * H + h`` blocks); V precision leaves the lo plane to its masked
+    load (prefetching it would read the bytes the cold test saves)."""
+    PERW: tl.constexpr = 32 // BITS
+    KW: tl.constexpr = D // PERW
+    VW: tl.constexpr = D // 16
+    NG: tl.constexpr = D // 32
+    page = tl.load(page_table + b64 * MAXP + tl.minimum(pg, p1 - 1))
+    if not (OPT & 8):
+        page = page.to(tl.int64)
+    page = page * H + h
+    _prefetch_lines(k_words + page * (32 * KW), (32 * KW * 4 + 127) // 128)
+    _prefetch_lines(v_hi + page * (32 * VW), (32 * VW * 4 + 127) // 128)
+    if BITS == 4 and not VPREC:
+        _prefetch_lines(v_lo + page * (32 * VW), (32 * VW * 4 + 127) // 128)
+    # scales are fp16: a line holds 64; int32 views keep the one-line stride of _prefetch_lines
+    _prefetch_lines((k_scale + page * D).to(tl.pointer_type(tl.int32)), (D * 2 + 127) // 128)
+    _prefetch_lines((k_zero + page * D).to(tl.pointer_type(tl.int32)), (D * 2 + 127) // 128)
+    _prefetch_lines((v_scale + page * (32 * NG)).to(tl.pointer_type(tl.int32)), (32 * NG * 2 + 127) // 128)
+    _prefetch_lines((v_zero + page * (32 * NG)).to(tl.pointer_type(tl.int32)), (32 * NG * 2 + 127) // 128)
+
+
+@triton.jit
 def _k_prep(qf, qd, ks, kz, GP: tl.constexpr, KWP: tl.constexpr, PERW: tl.constexpr, OPT: tl.constexpr):
     """Per page: ``qk[j]`` [GP, 1, KWP] = qf[j] * k_scale (field j of every word) and ``bias`` [GP, 1] =
     q . k_zero (qd [GP, DP]: the query in channel order, a compact layout: one reduction, not per field).
@@ -318,6 +353,9 @@ def far_cc(
     KWP: tl.constexpr = DP // PERW
     VWP: tl.constexpr = DP // 16
     NSUB: tl.constexpr = 32 // TS
+    # OPT_P2 / OPT_P3: Triton's software pipeliner copies the next 1 / 2 pages' codes into shared memory
+    # (cp.async) while this page is computed, so loads in flight cost shared memory, not registers
+    STAGES: tl.constexpr = 1 + ((OPT >> 4) & 1) + 2 * ((OPT >> 5) & 1)
     b64 = b.to(tl.int64)
     gq = tl.arange(0, GP)
     g3 = gq[:, None, None]
@@ -365,7 +403,7 @@ def far_cc(
         for pp in tl.static_range(PPI):
             nxt = nxt + (_fetch(page_table, b64, MAXP, H, h, p0 + pp, p1, k_words, k_scale, k_zero, v_hi, v_lo,
                                 v_scale, v_zero, TS, BITS, VPREC, D, DP, True, OPT),)
-    for pg in range(p0, p1, PPI):
+    for pg in tl.range(p0, p1, PPI, num_stages=STAGES):
         if PREFETCH:  # this iteration's loads were issued by the previous one; issue the next iteration's
             cur = nxt
             nxt = ()
@@ -373,6 +411,10 @@ def far_cc(
         else:
             cur = ()
             first = pg
+        if OPT & 64:  # OPT_L2: the next iteration's pages to L2 while this one's loads are in flight
+            for pp in tl.static_range(PPI):
+                _prefetch_page(page_table, b64, MAXP, H, h, pg + PPI + pp, p1, k_words, k_scale, k_zero, v_hi,
+                               v_lo, v_scale, v_zero, BITS, VPREC, D, OPT)
         for pp in tl.static_range(PPI):
             fetched = _fetch(page_table, b64, MAXP, H, h, first + pp, p1, k_words, k_scale, k_zero, v_hi, v_lo,
                              v_scale, v_zero, TS, BITS, VPREC, D, DP, PREFETCH, OPT)
@@ -439,7 +481,13 @@ FAR_IMPLS = ("cc", "dot")
 # launcher checks): 64-bit address arithmetic per load becomes one wide multiply-add.
 # (Session 3's "la", V precision's lo plane loaded one page ahead, ran 0.80x of the default's V precision speed on
 # the H200 in session 4 and was removed: docs/kernel-notes.md.)
-CC_OPTS = {"qk": 1, "vg": 2, "f24": 4, "i32": 8}
+# Session 5, not measured yet: "p2" / "p3", Triton's software pipeliner on the page loop (`tl.range(num_stages=)`:
+# the next 1 / 2 pages' codes are copied to shared memory by cp.async while a page is computed; static, sm_90,
+# Triton 3.6, INT4 with "i32" at maxnreg 128: 1,071 instructions per page-head vs 861 and 3 spill loads, Triton
+# picks other register layouts for the accumulators; V precision spills 54 operations per page); "l2", the next
+# page's codes and scales prefetched to L2 (`prefetch.global.L2`, inline PTX, dropped under the interpreter):
+# 910 vs 861, no spill.
+CC_OPTS = {"qk": 1, "vg": 2, "f24": 4, "i32": 8, "p2": 16, "p3": 32, "l2": 64}
 
 
 def cc_opt_bits(cc_opts) -> int:
