@@ -49,6 +49,7 @@ from loopkv.ops.triton_config import (  # noqa: F401  (constants re-exported for
     _config,
     check_int32_offsets,
     choose_splits,
+    int32_offsets_fit,
 )
 from loopkv.ops.triton_far import CC_OPTS, _dot, _exact_scores, cc_opt_bits, choose_far_impl, far_cc
 from loopkv.ops.triton_register import counters, warmup  # noqa: F401  (warmup re-exported here)
@@ -422,7 +423,8 @@ def cell_attention(
     ``pages_per_iter`` (1 or 2), ``sub_tokens`` (tokens per sub-tile: 4..32, a power of two) and
     ``prefetch`` (loads one iteration ahead) (CUDA-core reader only) and ``near_block`` (sink + window
     slots per near program: 16, 32 or 64) override the fixed config. ``cc_opts``: variants of the
-    CUDA-core reader, names of ``triton_far.CC_OPTS`` (None: ``CC_DEFAULT_OPTS``; ``()``: session 2's reader).
+    CUDA-core reader, names of ``triton_far.CC_OPTS`` (None: ``triton_config.CC_DEFAULT_OPTS_BY_BITS``; ``()``:
+    session 2's reader).
     ``maxnreg``: register cap per thread handed to ``ptxas`` (more programs per SM; CUDA only).
     """
     if bits not in (16, 4, 2, 0):
@@ -481,9 +483,13 @@ def cell_attention(
                                for t in (k_pages, v_hi, v_lo))
     if q.device.type != "cuda":  # "l2" is a prefetch hint (inline PTX), which the interpreter cannot run;
         opt &= ~CC_OPTS["l2"]  # without it the reader computes the same values
-    if opt & CC_OPTS["i32"]:  # (not in the default; a default with it would need a 64-bit fallback here)
-        check_int32_offsets(k_pages=k_pages, k_scale=k_scale, k_zero=k_zero, v_hi=v_hi, v_lo=v_lo, v_scale=v_scale,
-                            v_zero=v_zero)
+    if opt & CC_OPTS["i32"]:
+        pools = {"k_pages": k_pages, "k_scale": k_scale, "k_zero": k_zero, "v_hi": v_hi, "v_lo": v_lo,
+                 "v_scale": v_scale, "v_zero": v_zero}
+        if cc_opts is not None:  # asked for: refuse a pool it cannot address
+            check_int32_offsets(**pools)
+        elif int32_offsets_fit(**pools):  # the default (INT2): 64-bit offsets for a pool this large
+            opt &= ~CC_OPTS["i32"]
     _cell_attn_kernel[(nprog, B * H)](
         q, q.stride(0), q.stride(1), sink_k, sink_v, win_k, win_v, lengths, page_table,
         k_pages, k_scale, k_zero, v_hi, v_lo, v_scale, v_zero,

@@ -40,6 +40,15 @@ def choose_splits(rows_heads: int, max_pages: int, device: torch.device) -> int:
 # (benchmarks/results/cell_attention_2026-11-29_session3.json): with all three the one-warp reader ran INT4 at
 # B=32 x 16K in 0.597 ms (1.61x cuDNN BF16; 0.785 without them) and beat cuDNN at all 9 shapes, batch 1 included.
 CC_DEFAULT_OPTS = ("qk", "vg", "f24")
+# Session 5 (cell_attention_2026-11-30_session5.json, ncu_2026-11-30_session5.json): "l2" (the next page prefetched to
+# L2) ran INT4 at par (B=32 x 16K 0.438 vs 0.437 ms; B=1 x 8K 0.021 vs 0.022) and INT4 with V precision 3% faster
+# (0.454 vs 0.468; 0.138 vs 0.144 at B=8); INT2 with "i32" and "l2" ran 0.349 vs 0.396 ms (2.76x cuDNN), 0.107 vs
+# 0.122 at B=8, 0.018 vs 0.020 at B=1. "i32" alone slowed INT4 (0.459 ms; ncu: more long-scoreboard stalls), so
+# INT4 keeps 64-bit offsets.
+CC_DEFAULT_OPTS_BY_BITS = {4: (*CC_DEFAULT_OPTS, "l2"), 2: (*CC_DEFAULT_OPTS, "i32", "l2")}
+# "i32" computes history offsets in 32 bits; from this many elements in a pool the launcher drops a default "i32"
+# (same values, 64-bit offsets) and refuses an explicit one
+INT32_OFFSET_LIMIT = 2**31
 
 
 def _config(bits: int, far_impl: str, rows_heads: int = 1, group: int = 1) -> dict:
@@ -63,16 +72,21 @@ def _config(bits: int, far_impl: str, rows_heads: int = 1, group: int = 1) -> di
         if far_impl == "cc":
             cap = 128 if group == 1 and (bits == 4 or rows_heads >= 64) else None
             return {"num_warps": 1, "num_stages": 1, "pages_per_iter": 1, "sub_tokens": 8, "prefetch": False,
-                    "near_block": CC_NEAR_BLOCK, "cc_opts": CC_DEFAULT_OPTS, "maxnreg": cap}
+                    "near_block": CC_NEAR_BLOCK, "cc_opts": CC_DEFAULT_OPTS_BY_BITS[bits], "maxnreg": cap}
         return {"num_warps": 1, "num_stages": 3, "pages_per_iter": 1, "sub_tokens": 0, "prefetch": False,
                 "near_block": NEAR_BLOCK, "cc_opts": ()}
     return {"num_warps": 4, "num_stages": 2, "pages_per_iter": 1, "sub_tokens": 0, "prefetch": False,
             "near_block": NEAR_BLOCK, "cc_opts": ()}
 
 
+def int32_offsets_fit(**pools: torch.Tensor) -> dict:
+    """The pools too large for ``cc_opts`` "i32" (32-bit history offsets): {name: elements}; empty if all fit."""
+    return {name: t.numel() for name, t in pools.items() if t.numel() >= INT32_OFFSET_LIMIT}
+
+
 def check_int32_offsets(**pools: torch.Tensor) -> None:
     """``cc_opts`` "i32" computes history offsets in 32 bits: every pool must have fewer than 2**31 elements."""
-    big = {name: t.numel() for name, t in pools.items() if t.numel() >= 2**31}
+    big = int32_offsets_fit(**pools)
     if big:
         raise ValueError(f"cc_opts 'i32' reads history pools with 32-bit offsets, but {big} have 2**31 or more "
                          "elements: drop 'i32' for this cell (or give it fewer pages)")

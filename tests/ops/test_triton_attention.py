@@ -197,7 +197,9 @@ def test_launch_config_follows_the_measurements():
     assert [tc._config(2, "cc", bh, 1)["maxnreg"] for bh in (16, 63, 64, 512)] == [None, None, 128, 128]
     assert tc._config(2, "cc", 512, 2)["maxnreg"] is None
     assert {tc._config(b, "cc", bh)["sub_tokens"] for b in (4, 2) for bh in (16, 64, 512)} == {8}
-    assert tc._config(4, "cc", 512)["cc_opts"] == ("qk", "vg", "f24")
+    # session 5: INT4 prefetches the next page to L2, INT2 also uses 32-bit offsets (measured faster there only)
+    assert tc._config(4, "cc", 512)["cc_opts"] == ("qk", "vg", "f24", "l2")
+    assert tc._config(2, "cc", 512)["cc_opts"] == ("qk", "vg", "f24", "i32", "l2")
     assert tc._config(4, "dot", 512).get("maxnreg") is None
     assert tc._config(16, "dot").get("maxnreg") is None
 
@@ -226,6 +228,27 @@ def test_far_impl_choice_and_argument_errors():
     ta.check_int32_offsets(k_pages=torch.zeros(4), v_scale=torch.zeros(1).expand(2**31 - 1))  # fits
     with pytest.raises(ValueError, match="'i32'.*v_scale"):
         ta.check_int32_offsets(k_pages=torch.zeros(4), v_scale=torch.zeros(1).expand(2**31))
+
+
+@interpret
+@pytest.mark.interpret
+def test_default_int32_offsets_fall_back_for_large_pools(monkeypatch):
+    """INT2's default reads with 32-bit offsets ("i32"); a pool with INT32_OFFSET_LIMIT elements or more gets
+    64-bit offsets instead (same values), while an explicit "i32" is refused. The limit is lowered so that a
+    small cell crosses it."""
+    from loopkv.ops import triton_config as tc
+
+    lengths = [288 + 32 * 3 + 5, 300]
+    st = make_cell(len(lengths), 2, 64, 4, 2, lengths, seed=41)
+    q = torch.randn(len(lengths), 2, 64)
+    want = ta.cell_attention(q, *st, 2, INF, 0.125, splits=2)
+    assert "i32" in tc._config(2, "cc", 512)["cc_opts"]
+    monkeypatch.setattr(tc, "INT32_OFFSET_LIMIT", 64)
+    out = ta.cell_attention(q, *st, 2, INF, 0.125, splits=2)
+    assert torch.equal(out, want)
+    assert_close_to_reference(out, q, st, 2, INF, 0.125)
+    with pytest.raises(ValueError, match="'i32'"):
+        ta.cell_attention(q, *st, 2, INF, 0.125, splits=2, cc_opts=("i32",))
 
 
 @interpret
