@@ -168,9 +168,10 @@ def _fetch(page_table, b64, MAXP, H, h, pg, p1, k_words, k_scale, k_zero, v_hi, 
 
 @triton.jit
 def _prefetch_lines(base, LINES: tl.constexpr):
-    """``prefetch.global.L2`` of ``LINES`` 128-byte lines from int32 pointer ``base`` (a hint: no value, no
-    fault on a valid address). One warp covers 32 lines per instruction."""
-    ln = tl.arange(0, LINES)
+    """``prefetch.global.L2`` of ``LINES`` (<= 32: more are dropped, it is a hint) 128-byte lines from int32
+    pointer ``base``: one instruction per lane of a warp; lanes past ``LINES`` repeat the last line (head_dim 96
+    makes regions of 12 or 3 lines, and ``tl.arange`` needs a power of two)."""
+    ln = tl.minimum(tl.arange(0, 32), LINES - 1)
     tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [base + ln * 32],
                               dtype=tl.int32, is_pure=False, pack=1)
 
