@@ -482,12 +482,12 @@ FAR_IMPLS = ("cc", "dot")
 # launcher checks): 64-bit address arithmetic per load becomes one wide multiply-add.
 # (Session 3's "la", V precision's lo plane loaded one page ahead, ran 0.80x of the default's V precision speed on
 # the H200 in session 4 and was removed: docs/kernel-notes.md.)
-# Session 5, not measured yet: "p2" / "p3", Triton's software pipeliner on the page loop (`tl.range(num_stages=)`:
-# the next 1 / 2 pages' codes are copied to shared memory by cp.async while a page is computed; static, sm_90,
-# Triton 3.6, INT4 with "i32" at maxnreg 128: 1,071 instructions per page-head vs 861 and 3 spill loads, Triton
-# picks other register layouts for the accumulators; V precision spills 54 operations per page); "l2", the next
-# page's codes and scales prefetched to L2 (`prefetch.global.L2`, inline PTX, dropped under the interpreter):
-# 910 vs 861, no spill.
+# Session 5 (H200, cell_attention_2026-11-30_session5.json): "p2" / "p3", Triton's software pipeliner on the page
+# loop (`tl.range(num_stages=)`: the next 1 / 2 pages' codes are copied to shared memory by cp.async while a page is
+# computed; more instructions, other accumulator layouts, V precision spills): slower in every mode (INT4 0.475-0.670
+# vs 0.437 ms at B=32 x 16K). "l2", the next page's codes and scales prefetched to L2 (`prefetch.global.L2`, inline
+# PTX, dropped under the interpreter): INT4 at par, V precision 3% faster, INT2 with "i32" 12% faster; on by default
+# (triton_config.CC_DEFAULT_OPTS_BY_BITS).
 CC_OPTS = {"qk": 1, "vg": 2, "f24": 4, "i32": 8, "p2": 16, "p3": 32, "l2": 64}
 
 
