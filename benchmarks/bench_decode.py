@@ -27,9 +27,10 @@ graph replay, counted with the profiler), and ``torch.cuda.max_memory_allocated`
 batch, so use it on a few points, ``--batches peak,1``). The step time is the mean over a whole page cycle
 (``--steps``, a multiple of 32 consecutive steps: every cell quantizes one page per 32 steps, so the mean
 includes the window exits in proportion; before session 4 it was the median of 10 steps right after the fill,
-which contained no exit), and the replay is profiled over one page cycle for the GPU time per kernel role
-(cell attention, the quantizer). Writes JSON (device, versions, date, every measurement) to ``--out``
-and prints a table last.
+which contained no exit). ``step_ms`` waits for every step; ``step_ms_back_to_back`` queues the same number of
+replays without waiting (the difference is host-side time per step). The replay is profiled over one page cycle
+for the GPU time per kernel role (cell attention, the quantizer) and the idle time before each. Writes JSON
+(device, versions, date, every measurement) to ``--out`` and prints a table last.
 
     PYTHONPATH=. python benchmarks/bench_decode.py --out benchmarks/results/decode_$(date +%F).json
     PYTHONPATH=. python benchmarks/bench_decode.py --smoke   # tiny model on CPU: checks the script runs
@@ -64,7 +65,8 @@ GIB = 1 << 30
 PAGE_CYCLE = codec.PAGE  # each cell quantizes one page (its window exit) every PAGE_CYCLE decode steps
 # The cache holds ctx + HEADROOM tokens (the KV budget counts all of it: the same per-row bytes as sessions 2-4)
 # and is filled to ctx - LEAD, so the measured steps run around the nominal context: capture warm-ups (<= 3),
-# 3 warm replays, the timed steps, a profiled page cycle, one eager step and the hot-fraction step must fit in
+# 3 warm replays, the timed steps (twice: per step and back to back), a profiled page cycle, one eager step and the
+# hot-fraction step must fit in
 # LEAD + HEADROOM (checked after every point)
 HEADROOM = 64
 LEAD = 64
@@ -307,6 +309,22 @@ def time_steps(replay, steps: int) -> tuple[float, float]:
     return sum(times) / len(times), sorted(times)[len(times) // 2]
 
 
+def time_back_to_back(replay, steps: int, event=None) -> float:
+    """Mean ms per step over ``steps`` replays queued back to back: one event before the first and one after the
+    last, no synchronization in between. ``time_steps`` waits for every step, so each of its steps starts on an
+    idle GPU and may include the host's submission of the graph; here the host queues step n + 1 while step n
+    runs. The difference between the two is that host-side part (session 5 left a 1-2 ms gap at batch 1
+    unexplained: docs/decode-benchmark.md)."""
+    event = event or torch.cuda.Event
+    a, b = event(enable_timing=True), event(enable_timing=True)
+    a.record()
+    for _ in range(steps):
+        replay()
+    b.record()
+    b.synchronize()
+    return a.elapsed_time(b) / steps
+
+
 # ---- V precision: how many history tokens are hot on these queries -----------------------------------------
 @torch.no_grad()
 def capture_queries(model, cache, tok, pos, *, cells: int = 8) -> list[tuple[int, torch.Tensor, float]]:
@@ -381,6 +399,7 @@ def measure(model, cfg, arm, plans, *, ctx, batch, steps, capture_mode, k_scale,
         row["compiled_graphs_since_reset"] = compiled_graphs()
     time_steps(replay, 3)
     ms, ms_median = time_steps(replay, steps)
+    row["step_ms_back_to_back"] = round(time_back_to_back(replay, steps), 3)
     # after capture and timing: a profiler session before capture can break it. The replay is profiled at
     # every batch over one page cycle (GPU time per kernel role, window exits included), the eager step only at
     # batch 1 (its launch count)
@@ -477,10 +496,11 @@ def main(argv=None) -> None:
     p.add_argument("--smoke", action="store_true", help="tiny model, CPU-sized: check the script end to end")
     p.add_argument("--out", default=None, help="JSON path")
     args = p.parse_args(argv)
-    if args.steps <= 0 or args.steps % PAGE_CYCLE or args.steps + PAGE_CYCLE + 8 > LEAD + HEADROOM:
+    if args.steps <= 0 or args.steps % PAGE_CYCLE or 2 * args.steps + PAGE_CYCLE + 8 > LEAD + HEADROOM:
         raise SystemExit(f"--steps must be a positive multiple of {PAGE_CYCLE} (a page cycle: every cell quantizes "
                          f"one page per {PAGE_CYCLE} steps, and the mean step time must include it) of at most "
-                         f"{LEAD + HEADROOM - PAGE_CYCLE - 8} (the cache's headroom), got {args.steps}")
+                         f"{(LEAD + HEADROOM - PAGE_CYCLE - 8) // 2} (timed twice, per step and back to back, "
+                         f"within the cache's headroom), got {args.steps}")
     bad = [b for b in (args.batches or "").split(",") if b and b != "peak" and not b.isdigit()]
     if bad:
         raise SystemExit(f"--batches: {bad} are not batch sizes; give integers and/or 'peak', e.g. 'peak,1'")
@@ -534,7 +554,8 @@ def main(argv=None) -> None:
                         torch.cuda.empty_cache()
                         break
                     rows.append(row)
-                    print(f"{arm:9s} ctx={ctx:6d} B={b:3d} step={row['step_ms']:8.3f} ms  tok/s={row['tok_s']:8.1f}  "
+                    print(f"{arm:9s} ctx={ctx:6d} B={b:3d} step={row['step_ms']:8.3f} ms "
+                          f"(back to back {row['step_ms_back_to_back']:8.3f})  tok/s={row['tok_s']:8.1f}  "
                           f"peak mem={row['max_memory_allocated'] / GIB:6.1f} GiB", flush=True)
                     write()  # after every point: a run cut short keeps what it measured
 

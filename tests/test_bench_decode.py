@@ -212,3 +212,28 @@ def test_batches_for_default_sweep_and_explicit_order(bench):
     assert bench.batches_for(7, [8], 8, "peak,8,1,7") == [7, 1]
     with pytest.raises(SystemExit, match="--batches"):
         bench.main(["--batches", "peak,max", "--contexts", "64"])
+
+
+def test_back_to_back_timing_queues_every_replay_between_two_events(bench):
+    """``time_back_to_back``: both events bracket all replays and nothing waits in between (the host queues the
+    next step while the GPU runs the last); the result is the bracketed time divided by the steps."""
+    log, names = [], iter("ab")
+
+    class Event:
+        def __init__(self, enable_timing):
+            assert enable_timing
+            self.name = next(names)
+
+        def record(self):
+            log.append(f"{self.name}.record")
+
+        def synchronize(self):
+            log.append(f"{self.name}.synchronize")
+
+        def elapsed_time(self, other):
+            assert (self.name, other.name) == ("a", "b")
+            return 96.0
+
+    got = bench.time_back_to_back(lambda: log.append("replay"), 32, event=Event)
+    assert got == 3.0
+    assert log == ["a.record"] + ["replay"] * 32 + ["b.record", "b.synchronize"]
