@@ -57,7 +57,8 @@ def _config(bits: int, far_impl: str, rows_heads: int = 1, group: int = 1) -> di
     Measured on the H200 (docs/kernel-notes.md): the tensor-core code reader is latency-bound and runs
     best as one warp per program with three pipeline stages; exact BF16 pages as four warps. The CUDA-core
     reader (``triton_far``): one warp, 8-token sub-tiles, one page per iteration, 32-slot near programs and
-    the ``CC_DEFAULT_OPTS`` variants: the fastest of the ten reader configs at every INT4 shape of the
+    the ``CC_DEFAULT_OPTS_BY_BITS`` variants (session 5: plus the L2 prefetch, and 32-bit offsets for INT2). The
+    ``CC_DEFAULT_OPTS`` variants were the fastest of the ten reader configs at every INT4 shape of the
     session-3 sweep. INT4 runs with ``maxnreg=128`` (``ptxas`` fits the uncapped 183 registers into 128 with a
     200-byte stack and no spill in the page loop: 16 one-warp programs per SM instead of 11): B=32 x 16K 0.437 ms
     (2.15x cuDNN; 0.601 uncapped), B=8 x 16K 1.87x, B=1 x 8K 1.18x (uncapped 1.21x)
