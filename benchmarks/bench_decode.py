@@ -376,8 +376,16 @@ def hot_fraction(model, cache, tok, pos, *, cells: int = 8) -> float | None:
 
 
 # ---- one measurement -----------------------------------------------------------------------------------------
+def profiled(batch: int, peak: int, mode: str) -> bool:
+    """Whether ``--profile MODE`` profiles the point at ``batch`` (an arm's ``peak``): "all" every point, "ends"
+    batch 1 and the peak (the profile of a page cycle costs seconds per point), "none" no point."""
+    if mode not in ("all", "ends", "none"):
+        raise ValueError(f"--profile must be all, ends or none, got {mode!r}")
+    return mode == "all" or (mode == "ends" and batch in (1, peak))
+
+
 def measure(model, cfg, arm, plans, *, ctx, batch, steps, capture_mode, k_scale, dtype, device, launches,
-            dynamic=None):
+            dynamic=None, profile=True):
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     capacity = ctx + HEADROOM
@@ -403,7 +411,8 @@ def measure(model, cfg, arm, plans, *, ctx, batch, steps, capture_mode, k_scale,
     # after capture and timing: a profiler session before capture can break it. The replay is profiled at
     # every batch over one page cycle (GPU time per kernel role, window exits included), the eager step only at
     # batch 1 (its launch count)
-    row["graph"] = count_launches(replay, PAGE_CYCLE)
+    if profile:
+        row["graph"] = count_launches(replay, PAGE_CYCLE)
     if launches:
         row["eager"] = count_launches(step)
     row.update(step_ms=round(ms, 3), step_ms_median=round(ms_median, 3), timed_steps=steps,
@@ -487,6 +496,9 @@ def main(argv=None) -> None:
     p.add_argument("--steps", type=int, default=PAGE_CYCLE,
                    help=f"timed decode steps per point, a multiple of {PAGE_CYCLE} (one window exit per cell each)")
     p.add_argument("--capture", choices=("graph", "compile"), default="graph")
+    p.add_argument("--profile", choices=("all", "ends", "none"), default="all",
+                   help="which points get the profiled page cycle (GPU time per kernel role, idle time): every "
+                        "point, batch 1 and each arm's peak, or none (faster sweeps)")
     p.add_argument("--dynamic", action="store_true",
                    help="compile mode: symbolic shapes (one compile per arm for every batch > 1)")
     p.add_argument("--k-scale", type=float, default=1.8, help="synthetic K spread (sets V precision's hot share)")
@@ -546,7 +558,8 @@ def main(argv=None) -> None:
                     try:
                         row = measure(model, cfg, arm, plans, ctx=ctx, batch=b, steps=args.steps,
                                       capture_mode=args.capture, k_scale=args.k_scale, dtype=dtype, device=device,
-                                      launches=b == 1, dynamic=True if args.dynamic else None)
+                                      launches=b == 1, dynamic=True if args.dynamic else None,
+                                      profile=profiled(b, peak, args.profile))
                     except Exception as exc:  # record and go on: one broken point must not lose the run
                         errors.append({"arm": arm, "ctx": ctx, "batch": b, "error": traceback.format_exc()[-3000:]})
                         print(f"{arm} ctx={ctx} B={b} FAILED: {exc!r}", flush=True)

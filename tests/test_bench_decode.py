@@ -237,3 +237,13 @@ def test_back_to_back_timing_queues_every_replay_between_two_events(bench):
     got = bench.time_back_to_back(lambda: log.append("replay"), 32, event=Event)
     assert got == 3.0
     assert log == ["a.record"] + ["replay"] * 32 + ["b.record", "b.synchronize"]
+
+
+def test_profile_modes_pick_points(bench):
+    """``--profile``: every point, only batch 1 and the arm's peak, or none; an unknown mode is an error."""
+    points = [1, 8, 32, 36]
+    assert [bench.profiled(b, 36, "all") for b in points] == [True] * 4
+    assert [bench.profiled(b, 36, "ends") for b in points] == [True, False, False, True]
+    assert [bench.profiled(b, 36, "none") for b in points] == [False] * 4
+    with pytest.raises(ValueError, match="--profile"):
+        bench.profiled(1, 36, "peak")
