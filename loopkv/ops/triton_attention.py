@@ -481,8 +481,8 @@ def cell_attention(
     if impl == "cc":  # the CUDA-core reader reads codes as int32 words (rows are multiples of 4 bytes)
         k_pages, v_hi, v_lo = (t.view(torch.int32) if t.numel() else t.new_empty(0, dtype=torch.int32)
                                for t in (k_pages, v_hi, v_lo))
-    if q.device.type != "cuda":  # "l2" is a prefetch hint (inline PTX), which the interpreter cannot run;
-        opt &= ~CC_OPTS["l2"]  # without it the reader computes the same values
+    if q.device.type != "cuda" or torch.version.hip:  # "l2" is a prefetch hint in inline PTX, which neither the
+        opt &= ~CC_OPTS["l2"]  # interpreter nor ROCm can run; without it the reader computes the same values
     if opt & CC_OPTS["i32"]:
         pools = {"k_pages": k_pages, "k_scale": k_scale, "k_zero": k_zero, "v_hi": v_hi, "v_lo": v_lo,
                  "v_scale": v_scale, "v_zero": v_zero}
