@@ -49,7 +49,7 @@ from loopkv.ops.triton_config import (  # noqa: F401  (constants re-exported for
     _config,
     check_int32_offsets,
     choose_splits,
-    int32_offsets_fit,
+    int32_offset_overflow,
 )
 from loopkv.ops.triton_far import CC_OPTS, _dot, _exact_scores, cc_opt_bits, choose_far_impl, far_cc
 from loopkv.ops.triton_register import counters, warmup  # noqa: F401  (warmup re-exported here)
@@ -488,7 +488,7 @@ def cell_attention(
                  "v_scale": v_scale, "v_zero": v_zero}
         if cc_opts is not None:  # asked for: refuse a pool it cannot address
             check_int32_offsets(**pools)
-        elif int32_offsets_fit(**pools):  # the default (INT2): 64-bit offsets for a pool this large
+        elif int32_offset_overflow(**pools):  # the default (INT2) on a pool this large: 64-bit offsets
             opt &= ~CC_OPTS["i32"]
     _cell_attn_kernel[(nprog, B * H)](
         q, q.stride(0), q.stride(1), sink_k, sink_v, win_k, win_v, lengths, page_table,

@@ -80,14 +80,14 @@ def _config(bits: int, far_impl: str, rows_heads: int = 1, group: int = 1) -> di
             "near_block": NEAR_BLOCK, "cc_opts": ()}
 
 
-def int32_offsets_fit(**pools: torch.Tensor) -> dict:
+def int32_offset_overflow(**pools: torch.Tensor) -> dict:
     """The pools too large for ``cc_opts`` "i32" (32-bit history offsets): {name: elements}; empty if all fit."""
     return {name: t.numel() for name, t in pools.items() if t.numel() >= INT32_OFFSET_LIMIT}
 
 
 def check_int32_offsets(**pools: torch.Tensor) -> None:
     """``cc_opts`` "i32" computes history offsets in 32 bits: every pool must have fewer than 2**31 elements."""
-    big = int32_offsets_fit(**pools)
+    big = int32_offset_overflow(**pools)
     if big:
         raise ValueError(f"cc_opts 'i32' reads history pools with 32-bit offsets, but {big} have 2**31 or more "
                          "elements: drop 'i32' for this cell (or give it fewer pages)")
