@@ -265,7 +265,11 @@ class LoopKVCache(Cache):
     def warmup(self, *, q_heads: int | None = None) -> None:
         """JIT-compile (CUDA: Triton) every kernel this cache launches, before any CUDA-graph capture.
 
-        Nothing compiles or allocates inside capture afterwards (DESIGN.md §8). A no-op on the CPU.
+        Nothing compiles or allocates inside capture afterwards (DESIGN.md §8). A no-op on the CPU. Besides the
+        kernels on dummy tensors (``triton_register.warmup``), every cell is read once at batch 1 and at
+        ``max_batch_size`` with its own tensors and zero lengths: the reader's launch config depends on the rows
+        read and on the pools' sizes. Between the two ends, a batch can still need one more binary where Triton
+        specializes the split count differently (divisible by 16 at neither end; short caches, large batches).
         """
         if self.device.type != "cuda":
             return
@@ -278,6 +282,19 @@ class LoopKVCache(Cache):
                head_dim=self.head_dim, max_pages=storages[0].page_table.shape[1], dtype=self.dtype,
                read_bits=tuple(sorted({s.read_bits for s in storages})),
                own_bits=tuple(sorted({s.own_bits for s in storages})), tau=self.tau, device=self.device)
+        # The reader's launch config also depends on the rows read (the register cap: B x KV heads) and on the
+        # pools' sizes (32-bit offsets), which dummy tensors do not have: read every cell once as `read_cell`
+        # does, at batch 1 and at the full batch (the two ends of the cap's threshold), with zero lengths (no
+        # history is read, nothing is written to the cache)
+        for batch in sorted({1, self.max_batch_size}):
+            query = torch.zeros(batch, q_heads or self.q_heads, self.head_dim, dtype=self.dtype, device=self.device)
+            for idx in range(len(self.layers)):
+                st = self._rows(idx, batch)
+                torch.ops.loopkv.cell_attention(
+                    query, st.sink_k, st.sink_v, st.win_k, st.win_v, torch.zeros_like(st.lengths), st.page_table,
+                    *st.pool(), st.read_bits, self.tau if st.read_bits == 4 else math.inf, self.head_dim**-0.5,
+                )
+        torch.cuda.synchronize(self.device)
 
     def storage(self, cell: Cell | int) -> CellStorage:
         idx = cell if isinstance(cell, int) else self.layout.flat_index(cell)

@@ -85,3 +85,32 @@ def test_check_compile_reports_one_graph_under_reduce_overhead_in_bf16():
     assert report.ok, str(report)
     assert report.graphs == 1
     assert report.cudagraph_skips == 0
+
+
+def _compiled_variants(kernel) -> int:
+    """Binaries Triton has compiled for a ``@triton.jit`` function, over all devices (3.6 to current)."""
+    return sum(len(caches[0]) for caches in kernel.device_caches.values())
+
+
+def test_warmup_compiles_every_reader_variant_a_decode_step_uses():
+    """After ``cache.warmup()`` no batch size from 1 to ``max_batch_size`` compiles another attention kernel.
+    The reader's launch config depends on the rows read (the register cap from B x KV heads >= 64, with one query
+    head per KV head) and on the pools' sizes (32-bit offsets), so a warmup on dummy tensors alone would miss
+    variants (session 5)."""
+    from loopkv.ops.triton_attention import _cell_attn_kernel
+
+    cfg = OuroConfig(vocab_size=257, hidden_size=256, intermediate_size=512, num_hidden_layers=3,
+                     num_attention_heads=2, num_key_value_heads=2, head_dim=128, total_ut_steps=4,
+                     max_position_embeddings=4096, rope_theta=10000.0, eos_token_id=None, pad_token_id=0)
+    max_batch = 64 // 2 + 2  # crosses the cap's threshold (B x KV heads = 64)
+    cache = loopkv.LoopKVCache(_plan(), config=cfg, max_batch_size=max_batch, max_cache_len=2048,
+                               dtype=torch.bfloat16, device="cuda")
+    cache.warmup()
+    before = _compiled_variants(_cell_attn_kernel)
+    for batch in (1, 2, 31, 32, max_batch):
+        query = torch.randn(batch, 2, 128, dtype=torch.bfloat16, device="cuda")
+        for idx in range(len(cache.layers)):
+            out = cache.read_cell(idx, query, scale=128**-0.5)
+            assert out.shape == query.shape
+    torch.cuda.synchronize()
+    assert _compiled_variants(_cell_attn_kernel) == before
