@@ -43,6 +43,7 @@ from loopkv.ops.layout import RING
 from loopkv.ops.triton_config import (  # noqa: F401  (constants re-exported for benchmarks and tests)
     CC_DEFAULT_OPTS,
     CC_NEAR_BLOCK,
+    KERNEL_OPTIONS,
     MAX_SPLITS,
     NEAR_BLOCK,
     WAVES,
@@ -501,7 +502,7 @@ def cell_attention(
         FIELD=0 if exact else FIELD_MODE[field_mode or DEFAULT_FIELD_MODE],
         NPP=max(16, _next_pow2(nprog)), FAR=1 if impl == "cc" and nsplit else 0, PPI=ppi, TS=ts if impl == "cc" else 0,
         PREFETCH=bool(cfg["prefetch"] if prefetch is None else prefetch) and impl == "cc", OPT=opt,
-        num_warps=nw, num_stages=num_stages or cfg["num_stages"], **launch,
+        num_warps=nw, num_stages=num_stages or cfg["num_stages"], **launch, **KERNEL_OPTIONS,
     )
     return out
 

@@ -46,6 +46,11 @@ CC_DEFAULT_OPTS = ("qk", "vg", "f24")
 # 0.122 at B=8, 0.018 vs 0.020 at B=1. "i32" alone slowed INT4 (0.459 ms; ncu: more long-scoreboard stalls), so
 # INT4 keeps 64-bit offsets.
 CC_DEFAULT_OPTS_BY_BITS = {4: (*CC_DEFAULT_OPTS, "l2"), 2: (*CC_DEFAULT_OPTS, "i32", "l2")}
+# Launch options every loopkv kernel passes. Fused multiply-adds: the kernels were measured and their codes
+# checked bit for bit with fp fusion on, Triton's default up to 3.9; Triton 3.9 warns that 3.10 turns it off by
+# default, which would split the reader's one FFMA per code field into FMUL + FADD and could change the
+# quantizer's rounding. Asked for explicitly, it stays on (the interpreter ignores the option).
+KERNEL_OPTIONS = {"enable_fp_fusion": True}
 # "i32" computes history offsets in 32 bits; from this many elements in a pool the launcher drops a default "i32"
 # (same values, 64-bit offsets) and refuses an explicit one
 INT32_OFFSET_LIMIT = 2**31

@@ -30,6 +30,7 @@ from torch import Tensor
 from loopkv.ops.cache_ops import append_reference, write_pages_reference
 from loopkv.ops.codec import EPS, FP16_MAX, GROUP, PAGE, SINK, WINDOW
 from loopkv.ops.layout import QUANTIZE_LENGTH, RING, capacity
+from loopkv.ops.triton_config import KERNEL_OPTIONS
 from loopkv.ops.triton_register import counters
 
 # The kernels spell these constants out (Triton wants literals); fail loudly if the contract moves.
@@ -242,7 +243,7 @@ def write_pages(
     _write_pages_kernel[(n, H, 2)](
         k, v, pages, *k.stride(), *v.stride(), H,
         k_pages, k_scale, k_zero, v_hi, v_lo, v_scale, v_zero,
-        BITS=bits, D=D, DP=_next_pow2(D), num_warps=num_warps,
+        BITS=bits, D=D, DP=_next_pow2(D), num_warps=num_warps, **KERNEL_OPTIONS,
     )
 
 
@@ -276,6 +277,6 @@ def append(
         v_new.stride(0), v_new.stride(1), v_new.stride(3),
         sink_k, sink_v, win_k, win_v, lengths, page_table, cnt, H, maxp, capacity(maxp),
         k_pages, k_scale, k_zero, v_hi, v_lo, v_scale, v_zero,
-        BITS=bits, D=D, DP=_next_pow2(D), num_warps=num_warps,
+        BITS=bits, D=D, DP=_next_pow2(D), num_warps=num_warps, **KERNEL_OPTIONS,
     )
 

@@ -1,0 +1,110 @@
+"""Compile the fused cell attention for sm_90 exactly as the launcher would launch it on an H100/H200, without a GPU.
+
+Run by ``test_sm90_compile.py`` in a fresh process (the test session runs Triton in the interpreter, and that is
+chosen when ``@triton.jit`` decorates). The launcher is called on CPU tensors with the kernel replaced by a
+recorder; the recorded arguments are then compiled by ``triton.compile`` for ``cuda:90`` with what the launcher
+does only on a GPU put back (the ``maxnreg`` cap, the L2 prefetch, no bf16 upcast). Prints one JSON line:
+registers and what the PTX contains.
+
+    python tests/ops/sm90_compile_check.py '{"bits": 4, "tau": 14.0, "batch": 8, "heads": 8, "group": 1,
+                                             "head_dim": 96}'
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import sys
+
+os.environ.pop("TRITON_INTERPRET", None)
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from loopkv.ops import triton_attention as ta  # noqa: E402
+from loopkv.ops import triton_config  # noqa: E402
+from loopkv.ops.triton_register import _dummy_pool  # noqa: E402
+
+TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32",
+         torch.int64: "i64", torch.uint8: "u8"}
+
+
+class Recorder:
+    """Stands in for the ``@triton.jit`` kernel: ``kernel[grid](*args, **kwargs)`` records the call."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.calls.append((args, kwargs))
+
+
+def main(case: dict) -> dict:
+    bits, tau, B, H, G, D = (case[k] for k in ("bits", "tau", "batch", "heads", "group", "head_dim"))
+    tau = math.inf if tau is None else float(tau)
+    dtype = torch.bfloat16
+    sink = [torch.zeros(B, H, 32, D, dtype=dtype) for _ in range(2)]
+    ring = [torch.zeros(B, H, 288, D, dtype=dtype) for _ in range(2)]
+    lengths = torch.zeros(B, dtype=torch.int32)
+    table = torch.zeros(B, 16, dtype=torch.int32)
+    pool = _dummy_pool(bits, H, D, dtype, torch.device("cpu"))
+    q = torch.zeros(B, H * G, D, dtype=dtype)
+    kernel, rec = ta._cell_attn_kernel, Recorder()
+    ta._cell_attn_kernel = rec
+    try:
+        ta.cell_attention(q, *sink, *ring, lengths, table, *pool, bits, tau, D**-0.5)
+    finally:
+        ta._cell_attn_kernel = kernel
+    (args, kwargs), = rec.calls
+    impl = ta.choose_far_impl(bits, G, None, cc_default=ta.CC_DEFAULT)
+    cfg = triton_config._config(bits, impl, B * H, G)
+    # what the launcher does on a GPU only
+    if impl == "cc":
+        kwargs["OPT"] = ta.cc_opt_bits(cfg["cc_opts"])
+    kwargs["UPCAST"] = False
+    options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages", "maxnreg", "enable_fp_fusion") if k in kwargs}
+    if cfg.get("maxnreg"):
+        options["maxnreg"] = cfg["maxnreg"]
+    names = [n for n in kernel.arg_names if n not in kwargs]
+    sig, constexprs = {}, {}
+    for name, value in zip(names, args, strict=True):
+        if isinstance(value, torch.Tensor):
+            sig[name] = "*" + TYPES[value.dtype]
+        elif isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(f"{name}: unexpected argument {value!r}")
+        else:
+            sig[name] = "i32" if isinstance(value, int) else "fp32"
+    for name, value in kwargs.items():
+        sig[name] = "constexpr"
+        constexprs[name] = value
+    compiled = triton.compile(ASTSource(kernel, sig, constexprs=constexprs), target=GPUTarget("cuda", 90, 32),
+                              options=options)
+    ptx = compiled.asm["ptx"]
+    ftz = [ln.strip() for ln in ptx.splitlines() if ".ftz" in ln]
+    return {"impl": impl, "opt": kwargs.get("OPT"), "options": options, "registers": _registers(compiled),
+            "prefetch_l2": len(re.findall(r"prefetch\.global\.L2", ptx)),
+            "fma": len(re.findall(r"\bfma\.rn\.f32", ptx)), "ftz_not_ex2": [ln for ln in ftz if "ex2" not in ln][:5]}
+
+
+def _registers(compiled) -> int | None:
+    """Registers per thread from the cubin (Triton's own cuobjdump), None where it is not shipped."""
+    import subprocess
+    import tempfile
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    if not os.path.exists(tool):
+        return None
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        res = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
+    m = re.search(r"REG:(\d+)", res)
+    return int(m.group(1)) if m else None
+
+
+if __name__ == "__main__":
+    print(json.dumps(main(json.loads(sys.argv[1]))))

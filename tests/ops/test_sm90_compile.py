@@ -1,0 +1,61 @@
+"""The fused cell attention compiles for sm_90 (H100/H200) as the launcher configures it there, without a GPU.
+
+The interpreter cannot run what only the GPU build has: the L2 prefetch (inline PTX), the register cap
+(``maxnreg``), ``ptxas``. Session 5 found a head_dim-96 bug in the prefetch only on the H200; this compiles those
+paths in CI with Triton's own ``ptxas`` (``tests/ops/sm90_compile_check.py``, in a fresh process because this
+session runs Triton in the interpreter) and checks what the design relies on: the prefetch is there (one
+instruction per region: K words, V hi, V lo unless V precision or INT2, four scale regions), the cap holds, fused
+multiply-adds are on, and no fp32 operation flushes subnormals (the code fields are read as fp32 subnormals,
+docs/kernel-notes.md); only ``ex2.approx`` may.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import triton
+
+ROOT = Path(__file__).resolve().parents[2]
+PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+pytestmark = pytest.mark.skipif(not PTXAS.exists(), reason="this Triton build ships no NVIDIA ptxas")
+
+OPT_I32, OPT_L2 = 8, 64  # triton_far.CC_OPTS
+
+
+def compile_sm90(**case) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    run = subprocess.run([sys.executable, str(ROOT / "tests/ops/sm90_compile_check.py"), json.dumps(case)],
+                         capture_output=True, text=True, env=env, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize(("bits", "tau", "batch", "heads", "group", "head_dim", "regions", "i32"), [
+    (4, 14.0, 8, 8, 1, 96, 6, False),  # V precision: the lo plane is left to its masked load; head_dim 96
+    (4, None, 1, 16, 1, 128, 7, False),  # the Ouro cell at batch 1 (INT4 is capped at every batch)
+    (2, None, 8, 8, 1, 128, 6, True),  # INT2 at B x H = 64: capped, 32-bit offsets
+])
+def test_cuda_core_reader_compiles_for_sm90(bits, tau, batch, heads, group, head_dim, regions, i32):
+    got = compile_sm90(bits=bits, tau=tau, batch=batch, heads=heads, group=group, head_dim=head_dim)
+    assert got["impl"] == "cc"
+    assert got["opt"] & OPT_L2
+    assert bool(got["opt"] & OPT_I32) == i32
+    assert got["prefetch_l2"] == regions
+    assert got["options"]["maxnreg"] == 128
+    assert got["registers"] is None or got["registers"] <= 128
+    assert got["options"]["enable_fp_fusion"] is True
+    assert got["fma"] > 0
+    assert got["ftz_not_ex2"] == []
+
+
+def test_tensor_core_reader_compiles_for_sm90():
+    """Four query heads per KV head at head_dim 256: the tensor-core reader, no prefetch, no cap."""
+    got = compile_sm90(bits=4, tau=None, batch=2, heads=4, group=4, head_dim=256)
+    assert got["impl"] == "dot"
+    assert got["prefetch_l2"] == 0
+    assert "maxnreg" not in got["options"]
+    assert got["ftz_not_ex2"] == []
