@@ -511,7 +511,8 @@ def main(argv=None) -> None:
     if args.steps <= 0 or args.steps % PAGE_CYCLE or 2 * args.steps + PAGE_CYCLE + 8 > LEAD + HEADROOM:
         raise SystemExit(f"--steps must be a positive multiple of {PAGE_CYCLE} (a page cycle: every cell quantizes "
                          f"one page per {PAGE_CYCLE} steps, and the mean step time must include it) of at most "
-                         f"{(LEAD + HEADROOM - PAGE_CYCLE - 8) // 2} (timed twice, per step and back to back, "
+                         f"{(LEAD + HEADROOM - PAGE_CYCLE - 8) // 2 // PAGE_CYCLE * PAGE_CYCLE} (timed twice, per "
+                         "step and back to back, "
                          f"within the cache's headroom), got {args.steps}")
     bad = [b for b in (args.batches or "").split(",") if b and b != "peak" and not b.isdigit()]
     if bad:
