@@ -313,6 +313,13 @@ READERS = {
     "i32_p3": {"cc_opts": (*CC4, "p3")},
     "i32_l2": {"cc_opts": (*CC4, "l2")},
     "l2": {"cc_opts": (*CC3, "l2")},
+    # not measured yet: the split count with the session-5 default. The heuristic (triton_config.choose_splits, set
+    # with session 1's tensor-core reader) gives 32 far programs per (row, KV head) at B = 32 x 16K: 16,384 programs
+    # of ~16 pages in ~8 waves of 2,112 (16 per SM). Fewer splits shorten the merge, more shrink the last wave
+    "split16": {"splits": 16},
+    "split24": {"splits": 24},
+    "split48": {"splits": 48},
+    "split64": {"splits": 64},
 }
 MODES = (("int4", 4, math.inf, False), ("int4_vpdata", 4, math.inf, True), ("int4_vp", 4, TAU, True),
          ("int2", 2, math.inf, False))  # name, bits, tau, V-precision data
