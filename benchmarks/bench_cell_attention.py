@@ -304,13 +304,10 @@ READERS = {
     "i32_r112": {"cc_opts": CC4, "maxnreg": 112},
     # INT2 only (INT4 spills 8 loads per page here): 19 programs per SM, 795 instructions per page-head, 3 spill loads
     "i32_r104": {"cc_opts": CC4, "maxnreg": 104},
-    # session 5 (cell_attention_2026-11-30_session5.json): Triton's software pipeliner on the page loop (next page's
-    # codes to shared memory by cp.async; static at the cap: INT4 1,071 instructions per page-head with 3 spill loads)
-    # lost in every mode; the next page prefetched to L2 (inline `prefetch.global.L2`) is INT4's default since ("l2":
-    # V precision 0.454 vs 0.468 ms) and, with "i32", INT2's ("i32_l2": 0.349 vs 0.396 ms)
-    "i32_p2": {"cc_opts": (*CC4, "p2")},
-    "i32_p2_nocap": {"cc_opts": (*CC4, "p2"), "maxnreg": 0},
-    "i32_p3": {"cc_opts": (*CC4, "p3")},
+    # session 5 (cell_attention_2026-11-30_session5.json): the next page prefetched to L2 (inline
+    # `prefetch.global.L2`) is INT4's default since ("l2": V precision 0.454 vs 0.468 ms) and, with "i32", INT2's
+    # ("i32_l2": 0.349 vs 0.396 ms). (Its arms i32_p2, i32_p2_nocap and i32_p3, Triton's cp.async pipeliner on the
+    # page loop, lost in every mode; the option was removed)
     "i32_l2": {"cc_opts": (*CC4, "l2")},
     "l2": {"cc_opts": (*CC3, "l2")},
     # not measured yet: the split count with the session-5 default. The heuristic (triton_config.choose_splits, set

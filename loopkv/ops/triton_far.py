@@ -107,6 +107,15 @@ def _v_groups(page, t, wv, wvm, ok, NG: tl.constexpr, VWP: tl.constexpr, OPT: tl
 
 
 @triton.jit
+def _page_block(page, H, h, OPT: tl.constexpr):
+    """Block index ``page * H + h`` of a (physical page, KV head) in every pool: 64-bit, or 32-bit under OPT_I32
+    (the launcher checks every pool fits int32 offsets)."""
+    if not (OPT & 8):
+        page = page.to(tl.int64)
+    return page * H + h
+
+
+@triton.jit
 def _fetch(page_table, b64, MAXP, H, h, pg, p1, k_words, k_scale, k_zero, v_hi, v_lo, v_scale, v_zero,
            TS: tl.constexpr, BITS: tl.constexpr, VPREC: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
            WITH_V: tl.constexpr, OPT: tl.constexpr):
@@ -122,10 +131,7 @@ def _fetch(page_table, b64, MAXP, H, h, pg, p1, k_words, k_scale, k_zero, v_hi, 
     VW: tl.constexpr = D // 16
     VWP: tl.constexpr = DP // 16
     ok = pg < p1
-    page = tl.load(page_table + b64 * MAXP + pg, mask=ok, other=0)
-    if not (OPT & 8):  # OPT_I32 (the launcher checks every pool fits int32 offsets): offsets stay 32-bit
-        page = page.to(tl.int64)
-    page = page * H + h
+    page = _page_block(tl.load(page_table + b64 * MAXP + pg, mask=ok, other=0), H, h, OPT)
     w = tl.arange(0, KWP)[None, None, :]
     wm = w < tl.where(ok, KW, 0)  # (not `& ok`: the interpreter turns a scalar & into int32)
     ks = ()
@@ -187,10 +193,7 @@ def _prefetch_page(page_table, b64, MAXP, H, h, pg, p1, k_words, k_scale, k_zero
     KW: tl.constexpr = D // PERW
     VW: tl.constexpr = D // 16
     NG: tl.constexpr = D // 32
-    page = tl.load(page_table + b64 * MAXP + tl.minimum(pg, p1 - 1))
-    if not (OPT & 8):
-        page = page.to(tl.int64)
-    page = page * H + h
+    page = _page_block(tl.load(page_table + b64 * MAXP + tl.minimum(pg, p1 - 1)), H, h, OPT)
     _prefetch_lines(k_words + page * (32 * KW), (32 * KW * 4 + 127) // 128)
     _prefetch_lines(v_hi + page * (32 * VW), (32 * VW * 4 + 127) // 128)
     if BITS == 4 and not VPREC:
@@ -354,9 +357,6 @@ def far_cc(
     KWP: tl.constexpr = DP // PERW
     VWP: tl.constexpr = DP // 16
     NSUB: tl.constexpr = 32 // TS
-    # OPT_P2 / OPT_P3: Triton's software pipeliner copies the next 1 / 2 pages' codes into shared memory
-    # (cp.async) while this page is computed, so loads in flight cost shared memory, not registers
-    STAGES: tl.constexpr = 1 + ((OPT >> 4) & 1) + 2 * ((OPT >> 5) & 1)
     b64 = b.to(tl.int64)
     gq = tl.arange(0, GP)
     g3 = gq[:, None, None]
@@ -404,7 +404,7 @@ def far_cc(
         for pp in tl.static_range(PPI):
             nxt = nxt + (_fetch(page_table, b64, MAXP, H, h, p0 + pp, p1, k_words, k_scale, k_zero, v_hi, v_lo,
                                 v_scale, v_zero, TS, BITS, VPREC, D, DP, True, OPT),)
-    for pg in tl.range(p0, p1, PPI, num_stages=STAGES):
+    for pg in range(p0, p1, PPI):
         if PREFETCH:  # this iteration's loads were issued by the previous one; issue the next iteration's
             cur = nxt
             nxt = ()
@@ -478,17 +478,16 @@ FAR_IMPLS = ("cc", "dot")
 # the zero term per group, the weights widened to words by join + reshape, no layout conversion).
 # "f24": fields below bit 24 read in place (6 of 8 nibbles, 12 of 16 crumbs; the default shifts half the
 # fields of a word down by 16), which also spares the compiler's extra unsigned shift + SGXT per word
-# "i32" (session 4, not measured yet): history offsets in int32 (a pool's element count must be < 2**31; the
-# launcher checks): 64-bit address arithmetic per load becomes one wide multiply-add.
-# (Session 3's "la", V precision's lo plane loaded one page ahead, ran 0.80x of the default's V precision speed on
-# the H200 in session 4 and was removed: docs/kernel-notes.md.)
-# Session 5 (H200, cell_attention_2026-11-30_session5.json): "p2" / "p3", Triton's software pipeliner on the page
-# loop (`tl.range(num_stages=)`: the next 1 / 2 pages' codes are copied to shared memory by cp.async while a page is
-# computed; more instructions, other accumulator layouts, V precision spills): slower in every mode (INT4 0.475-0.670
-# vs 0.437 ms at B=32 x 16K). "l2", the next page's codes and scales prefetched to L2 (`prefetch.global.L2`, inline
-# PTX, dropped under the interpreter): INT4 at par, V precision 3% faster, INT2 with "i32" 12% faster; on by default
+# "i32": history offsets in int32 (a pool's element count must be < 2**31; the launcher checks, and falls back
+# for a default "i32"): 64-bit address arithmetic per load becomes one wide multiply-add. Measured in session 5:
+# INT2 7% faster, INT4 5% slower (ptxas places the V loads later); on by default for INT2.
+# "l2" (session 5): the next page's codes and scales prefetched to L2 (`prefetch.global.L2`, inline PTX, dropped
+# under the interpreter and on ROCm): INT4 at par, V precision 3% faster, INT2 with "i32" 12% faster; on by default
 # (triton_config.CC_DEFAULT_OPTS_BY_BITS).
-CC_OPTS = {"qk": 1, "vg": 2, "f24": 4, "i32": 8, "p2": 16, "p3": 32, "l2": 64}
+# Measured and removed: session 3's "la" (V precision's lo plane one page ahead, 0.80x, session 4) and session 5's
+# "p2" / "p3" (the page loop as `tl.range(num_stages=2|3)`, Triton's cp.async pipeliner: 0.45-0.94x in every
+# mode, cell_attention_2026-11-30_session5.json); docs/kernel-notes.md.
+CC_OPTS = {"qk": 1, "vg": 2, "f24": 4, "i32": 8, "l2": 64}
 
 
 def cc_opt_bits(cc_opts) -> int:

@@ -136,8 +136,7 @@ CC_OPT_CASES = [  # cc_opts, bits, tau, query heads per KV head, head_dim, dtype
     (("qk", "vg", "f24"), 4, 2.0, 1, 128, torch.bfloat16),
     (("qk", "vg", "f24", "i32"), 4, 2.0, 1, 128, torch.bfloat16),  # 32-bit history offsets
     (("i32",), 2, INF, 2, 64, torch.float32),
-    (("qk", "vg", "f24", "i32", "p2"), 4, 2.0, 1, 128, torch.bfloat16),  # software-pipelined page loop
-    (("p3", "l2"), 2, INF, 1, 64, torch.float32),  # l2: a hint the launcher drops under the interpreter
+    (("i32", "l2"), 2, INF, 1, 64, torch.float32),  # l2: a hint the launcher drops under the interpreter
     pytest.param(("vg",), 4, 14.0, 1, 64, torch.float32, marks=pytest.mark.slow),  # single options: slow set
     pytest.param(("f24",), 2, INF, 1, 64, torch.float32, marks=pytest.mark.slow),
     pytest.param(("qk",), 4, 14.0, 2, 64, torch.bfloat16, marks=pytest.mark.slow),
@@ -181,7 +180,7 @@ def test_cuda_core_reader_opt_in_variants_random(seed):
     lengths = torch.randint(0, layout.capacity(maxp) + 1, (batch,), generator=g).tolist()
     st = make_cell(batch, 2, head_dim, maxp, bits, lengths, seed=seed)
     q = torch.randn(batch, 2 * group, head_dim, generator=g)
-    opts = tuple(o for o in ("qk", "vg", "f24", "i32", "p2", "l2") if pick([False, True]))
+    opts = tuple(o for o in ("qk", "vg", "f24", "i32", "l2") if pick([False, True]))
     kw = {"pages_per_iter": pick([1, 2]), "sub_tokens": pick([4, 8, 16, 32]), "prefetch": pick([False, True])}
     out = ta.cell_attention(q, *st, bits, tau, head_dim**-0.5, splits=pick([1, 2, 4]), far_impl="cc",
                             cc_opts=opts, **kw)
@@ -226,8 +225,9 @@ def test_far_impl_choice_and_argument_errors():
         ta.cell_attention(q, *st, 4, INF, 0.125, near_block=48)
     with pytest.raises(ValueError, match="cc_opts"):
         ta.cell_attention(q, *st, 4, INF, 0.125, far_impl="cc", cc_opts=("fast",))
-    with pytest.raises(ValueError, match="cc_opts"):  # session 3's lo-ahead variant, removed in session 4
-        ta.cell_attention(q, *st, 4, 14.0, 0.125, far_impl="cc", cc_opts=("la",))
+    for removed in ("la", "p2"):  # measured slower and removed (sessions 4 and 5)
+        with pytest.raises(ValueError, match="cc_opts"):
+            ta.cell_attention(q, *st, 4, 14.0, 0.125, far_impl="cc", cc_opts=(removed,))
     ta.check_int32_offsets(k_pages=torch.zeros(4), v_scale=torch.zeros(1).expand(2**31 - 1))  # fits
     with pytest.raises(ValueError, match="'i32'.*v_scale"):
         ta.check_int32_offsets(k_pages=torch.zeros(4), v_scale=torch.zeros(1).expand(2**31))
@@ -401,7 +401,7 @@ def test_gpu_cuda_core_reader_real_shape(bits, tau):
                                     num_warps=nw, sub_tokens=ts, pages_per_iter=ppi, prefetch=pf)
             torch.testing.assert_close(out.double(), want, atol=ATTN_BF16_ATOL, rtol=ATTN_BF16_RTOL)
         # session 2's reader, one variant, the default, 32-bit offsets, pipelined / L2-prefetching loops (bench arms)
-        for opts in ((), ("vg", "f24"), None, ("qk", "vg", "f24", "i32"), ("qk", "vg", "f24", "i32", "p2"),
+        for opts in ((), ("vg", "f24"), None, ("qk", "vg", "f24", "i32"),
                      ("qk", "vg", "f24", "i32", "l2"), ("qk", "vg", "f24", "l2")):
             out = ta.cell_attention(q, *st, bits, tau, head_dim**-0.5, far_impl="cc", cc_opts=opts)
             torch.testing.assert_close(out.double(), want, atol=ATTN_BF16_ATOL, rtol=ATTN_BF16_RTOL)
