@@ -310,13 +310,23 @@ READERS = {
     # page loop, lost in every mode; the option was removed)
     "i32_l2": {"cc_opts": (*CC4, "l2")},
     "l2": {"cc_opts": (*CC3, "l2")},
-    # not measured yet: the split count with the session-5 default. The heuristic (triton_config.choose_splits, set
-    # with session 1's tensor-core reader) gives 32 far programs per (row, KV head) at B = 32 x 16K: 16,384 programs
-    # of ~16 pages in ~8 waves of 2,112 (16 per SM). Fewer splits shorten the merge, more shrink the last wave
+    # session 6 (cell_attention_2026-11-30_session6_splits.json, _b24.json): the split count. 32 (the heuristic's
+    # choice at B = 32 x 16K) stayed best there; at B = 1 x 8K and B = 8 x 16K 48 won (INT4 0.018 vs 0.021 ms, 0.131
+    # vs 0.133); at B = 24 the new heuristic's 43 ran as 32. MAX_SPLITS is 48 since (triton_config)
     "split16": {"splits": 16},
     "split24": {"splits": 24},
+    "split32": {"splits": 32},
     "split48": {"splits": 48},
     "split64": {"splits": 64},
+    # session 6, not measured: the next page's page-table entry ("pt") and scales ("sc") carried one iteration
+    # ahead. Nsight Compute's source view of the INT4 default (ncu_2026-11-30_session6_int4_source.json) put 8% of
+    # the page loop's stall samples on the R2UR that waits for the page index and 16% on the first use of the page's
+    # scales. Static (sm_90, Triton 3.6, cap 128, no spill): INT4 951 / 943 instructions per page-head vs 959,
+    # V precision 971 / 964 vs 977, INT2 (with i32) 804 / 803 vs 810
+    "l2_pt": {"cc_opts": (*CC3, "l2", "pt")},
+    "l2_sc": {"cc_opts": (*CC3, "l2", "sc")},
+    "i32_l2_pt": {"cc_opts": (*CC4, "l2", "pt")},
+    "i32_l2_sc": {"cc_opts": (*CC4, "l2", "sc")},
 }
 MODES = (("int4", 4, math.inf, False), ("int4_vpdata", 4, math.inf, True), ("int4_vp", 4, TAU, True),
          ("int2", 2, math.inf, False))  # name, bits, tau, V-precision data

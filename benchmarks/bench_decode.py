@@ -294,19 +294,26 @@ def kernel_times(events) -> dict:
     return out
 
 
-def time_steps(replay, steps: int) -> tuple[float, float]:
-    """(mean, median) of per-step times (ms) over ``steps`` consecutive replays, CUDA events. The mean is the
-    throughput figure: over a multiple of ``PAGE_CYCLE`` steps it includes every cell's window exit (the page
-    quantized when it leaves the window) in proportion; the median of a short run can miss them all."""
+def time_steps(replay, steps: int, event=None) -> tuple[float, float, float]:
+    """(mean, median, host mean) of per-step times (ms) over ``steps`` consecutive replays, CUDA events; the host
+    mean is how long the ``replay()`` call itself took on the host (each step starts on an idle GPU, so this is
+    the submission the GPU may wait for: session 6 found 2.5-3.4 ms between these step times and the
+    back-to-back ones at batch 1). The mean is the throughput figure: over a multiple of ``PAGE_CYCLE`` steps it
+    includes every cell's window exit (the page quantized when it leaves the window) in proportion; the median
+    of a short run can miss them all."""
+    event = event or torch.cuda.Event
     times = []
+    host = []
     for _ in range(steps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a, b = event(enable_timing=True), event(enable_timing=True)
         a.record()
+        t0 = time.perf_counter()
         replay()
+        host.append((time.perf_counter() - t0) * 1e3)
         b.record()
         b.synchronize()
         times.append(a.elapsed_time(b))
-    return sum(times) / len(times), sorted(times)[len(times) // 2]
+    return sum(times) / len(times), sorted(times)[len(times) // 2], sum(host) / len(host)
 
 
 def time_back_to_back(replay, steps: int, event=None) -> float:
@@ -406,7 +413,8 @@ def measure(model, cfg, arm, plans, *, ctx, batch, steps, capture_mode, k_scale,
     if capture_mode == "compile":
         row["compiled_graphs_since_reset"] = compiled_graphs()
     time_steps(replay, 3)
-    ms, ms_median = time_steps(replay, steps)
+    ms, ms_median, host_ms = time_steps(replay, steps)
+    row["replay_host_ms"] = round(host_ms, 3)
     row["step_ms_back_to_back"] = round(time_back_to_back(replay, steps), 3)
     # after capture and timing: a profiler session before capture can break it. The replay is profiled at
     # every batch over one page cycle (GPU time per kernel role, window exits included), the eager step only at
@@ -569,7 +577,8 @@ def main(argv=None) -> None:
                         break
                     rows.append(row)
                     print(f"{arm:9s} ctx={ctx:6d} B={b:3d} step={row['step_ms']:8.3f} ms "
-                          f"(back to back {row['step_ms_back_to_back']:8.3f})  tok/s={row['tok_s']:8.1f}  "
+                          f"(back to back {row['step_ms_back_to_back']:8.3f}, "
+                          f"replay() on host {row['replay_host_ms']:6.3f})  tok/s={row['tok_s']:8.1f}  "
                           f"peak mem={row['max_memory_allocated'] / GIB:6.1f} GiB", flush=True)
                     write()  # after every point: a run cut short keeps what it measured
 

@@ -239,6 +239,41 @@ def test_back_to_back_timing_queues_every_replay_between_two_events(bench):
     assert log == ["a.record"] + ["replay"] * 32 + ["b.record", "b.synchronize"]
 
 
+def test_per_step_timing_waits_for_every_step_and_times_the_host_submission(bench):
+    """``time_steps``: each step is bracketed by its own two events and waited for; the host time is the
+    ``replay()`` call alone (the submission an idle GPU waits for), not the wait."""
+    import time as _time
+
+    log = []
+    names = iter("ab" * 4)
+    elapsed = iter([4.0, 6.0, 5.0, 9.0])
+
+    class Event:
+        def __init__(self, enable_timing):
+            assert enable_timing
+            self.name = next(names)
+
+        def record(self):
+            log.append(f"{self.name}.record")
+
+        def synchronize(self):
+            log.append(f"{self.name}.synchronize")
+            _time.sleep(0.02)  # the wait must not count as host submission time
+
+        def elapsed_time(self, other):
+            assert (self.name, other.name) == ("a", "b")
+            return next(elapsed)
+
+    def replay():
+        log.append("replay")
+        _time.sleep(0.005)
+
+    mean, median, host = bench.time_steps(replay, 4, event=Event)
+    assert (mean, median) == (6.0, 6.0)  # sorted [4, 5, 6, 9]: the element at index 2
+    assert 5.0 <= host < 15.0, host  # about 5 ms per replay call, far below the 20 ms waits
+    assert log == ["a.record", "replay", "b.record", "b.synchronize"] * 4
+
+
 def test_profile_modes_pick_points(bench):
     """``--profile``: every point, only batch 1 and the arm's peak, or none; an unknown mode is an error."""
     points = [1, 8, 32, 36]

@@ -482,6 +482,9 @@ def cell_attention(
     if impl == "cc":  # the CUDA-core reader reads codes as int32 words (rows are multiples of 4 bytes)
         k_pages, v_hi, v_lo = (t.view(torch.int32) if t.numel() else t.new_empty(0, dtype=torch.int32)
                                for t in (k_pages, v_hi, v_lo))
+    if opt & (CC_OPTS["pt"] | CC_OPTS["sc"]) and (ppi != 1 or (prefetch if prefetch is not None else cfg["prefetch"])):
+        raise ValueError("cc_opts 'pt' and 'sc' carry the next page's index and scales across iterations of one "
+                         f"page: they need pages_per_iter=1 and prefetch=False (got {ppi}, {prefetch})")
     if q.device.type != "cuda" or torch.version.hip:  # "l2" is a prefetch hint in inline PTX, which neither the
         opt &= ~CC_OPTS["l2"]  # interpreter nor ROCm can run; without it the reader computes the same values
     if opt & CC_OPTS["i32"]:

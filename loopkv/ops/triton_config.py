@@ -13,9 +13,13 @@ CC_NEAR_BLOCK = 32  # with the cc reader: 10 near programs; the kernel's registe
 # branches, and 64-slot near tiles alone set 112 of them (32: 89, sm_90, docs/kernel-notes.md)
 
 # Measured on the H200 (benchmarks/results/cell_attention_2026-11-29.json, docs/kernel-notes.md): the
-# reader is latency-bound, so it wants many far programs: 32 splits at batch 32 (B*H = 512) and at batch 1.
-WAVES = 125  # far programs per SM the split heuristic aims for
-MAX_SPLITS = 32
+# reader is latency-bound, so it wants many far programs. Session 6 (cell_attention_2026-11-30_session6_splits.json,
+# the CUDA-core reader, 16, 24, 32, 48 and 64 splits): at B*H = 512 (batch 32 x 16 KV heads, 16K) 32 splits were
+# best (INT4 0.439 ms, 48: 0.451); at B*H = 16 (batch 1, 8K) and 128 (batch 8, 16K) 48 were (INT4 0.018 vs 0.021 ms
+# and 0.131 vs 0.133; 64: 0.020 and 0.131). So: about 124 far programs per SM (on 132 SMs, B*H = 512 -> 32 splits,
+# 576 -> 29 as before), at most 48 splits (was 32) for small batches.
+WAVES = 124  # far programs per SM the split heuristic aims for
+MAX_SPLITS = 48
 _SM_COUNT: dict[int, int] = {}
 
 

@@ -116,22 +116,17 @@ def _page_block(page, H, h, OPT: tl.constexpr):
 
 
 @triton.jit
-def _fetch(page_table, b64, MAXP, H, h, pg, p1, k_words, k_scale, k_zero, v_hi, v_lo, v_scale, v_zero,
-           TS: tl.constexpr, BITS: tl.constexpr, VPREC: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
-           WITH_V: tl.constexpr, OPT: tl.constexpr):
-    """Issue the loads of history page ``pg`` (masked off past ``p1``): (page, ok, k_scale per field, k_zero,
-    K words per sub-tile, v_scale, v_zero, hi, lo per sub-tile). WITH_V False leaves V to ``_v_sub`` (the
-    tuples hold placeholders); under V precision lo is always loaded there, masked by the cold test.
-    OPT & OPT_QK: k_scale is one tile [1, KWP, PERW] (16-byte loads); OPT & OPT_VG: v_scale and v_zero are
-    [1, TS, VWP // 2] tiles (one per 32-channel group)."""
-    PERW: tl.constexpr = 32 // BITS
+def _fetch_scales(page, ok, k_scale, k_zero, v_scale, v_zero, TS: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
+                  PERW: tl.constexpr, WITH_V: tl.constexpr, OPT: tl.constexpr):
+    """Issue the scale loads of page block ``page`` (masked off unless ``ok``): (k_scale per field, k_zero,
+    v_scale, v_zero per sub-tile). OPT & OPT_QK: k_scale is one tile [1, KWP, PERW] (16-byte loads); OPT &
+    OPT_VG: v_scale and v_zero are [1, TS, VWP // 2] tiles (one per 32-channel group). WITH_V False: V's are
+    placeholders (loaded by ``_v_sub``)."""
     KW: tl.constexpr = D // PERW
     KWP: tl.constexpr = DP // PERW
     NG: tl.constexpr = D // 32
     VW: tl.constexpr = D // 16
     VWP: tl.constexpr = DP // 16
-    ok = pg < p1
-    page = _page_block(tl.load(page_table + b64 * MAXP + pg, mask=ok, other=0), H, h, OPT)
     w = tl.arange(0, KWP)[None, None, :]
     wm = w < tl.where(ok, KW, 0)  # (not `& ok`: the interpreter turns a scalar & into int32)
     ks = ()
@@ -146,18 +141,42 @@ def _fetch(page_table, b64, MAXP, H, h, pg, p1, k_words, k_scale, k_zero, v_hi, 
     kz = tl.load(k_zero + page * D + c, mask=c < tl.where(ok, D, 0), other=0.0)
     wv = tl.arange(0, VWP)[None, None, :]
     wvm = wv < tl.where(ok, VW, 0)
-    words = ()
     vs = ()
     vz = ()
+    for sb in tl.static_range(32 // TS):
+        t = sb * TS + tl.arange(0, TS)[None, :, None]
+        if WITH_V:
+            goff, gvm = _v_groups(page, t, wv, wvm, ok, NG, VWP, OPT)
+            vs = vs + (tl.load(v_scale + goff, mask=gvm, other=0.0),)
+            vz = vz + (tl.load(v_zero + goff, mask=gvm, other=0.0),)
+        else:
+            vs = vs + (ok,)  # placeholders
+            vz = vz + (ok,)
+    return ks, kz, vs, vz
+
+
+@triton.jit
+def _fetch_codes(page, ok, k_words, v_hi, v_lo, TS: tl.constexpr, BITS: tl.constexpr, VPREC: tl.constexpr,
+                 D: tl.constexpr, DP: tl.constexpr, WITH_V: tl.constexpr):
+    """Issue the code loads of page block ``page`` (masked off unless ``ok``): (K words, hi, lo per sub-tile).
+    Under V precision lo is a placeholder (``_v_sub`` loads it, masked by the cold test); WITH_V False: hi and
+    lo are placeholders."""
+    PERW: tl.constexpr = 32 // BITS
+    KW: tl.constexpr = D // PERW
+    KWP: tl.constexpr = DP // PERW
+    VW: tl.constexpr = D // 16
+    VWP: tl.constexpr = DP // 16
+    w = tl.arange(0, KWP)[None, None, :]
+    wm = w < tl.where(ok, KW, 0)
+    wv = tl.arange(0, VWP)[None, None, :]
+    wvm = wv < tl.where(ok, VW, 0)
+    words = ()
     hi = ()
     lo = ()
     for sb in tl.static_range(32 // TS):
         t = sb * TS + tl.arange(0, TS)[None, :, None]
         words = words + (tl.load(k_words + page * (32 * KW) + t * KW + w, mask=wm, other=0),)
         if WITH_V:
-            goff, gvm = _v_groups(page, t, wv, wvm, ok, NG, VWP, OPT)
-            vs = vs + (tl.load(v_scale + goff, mask=gvm, other=0.0),)
-            vz = vz + (tl.load(v_zero + goff, mask=gvm, other=0.0),)
             voff = page * (32 * VW) + t * VW + wv
             hi = hi + (tl.load(v_hi + voff, mask=wvm, other=0),)  # int32: crumb c at bits 2c = channel 16 w + c
             if BITS == 4 and not VPREC:
@@ -165,10 +184,21 @@ def _fetch(page_table, b64, MAXP, H, h, pg, p1, k_words, k_scale, k_zero, v_hi, 
             else:
                 lo = lo + (hi[sb],)  # placeholder (INT2: no lo plane; V precision: loaded after the cold test)
         else:
-            vs = vs + (ok,)  # placeholders
-            vz = vz + (ok,)
-            hi = hi + (ok,)
+            hi = hi + (ok,)  # placeholders
             lo = lo + (ok,)
+    return words, hi, lo
+
+
+@triton.jit
+def _fetch(page_table, b64, MAXP, H, h, pg, p1, k_words, k_scale, k_zero, v_hi, v_lo, v_scale, v_zero,
+           TS: tl.constexpr, BITS: tl.constexpr, VPREC: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
+           WITH_V: tl.constexpr, OPT: tl.constexpr):
+    """Issue the loads of history page ``pg`` (masked off past ``p1``): (page, ok, k_scale per field, k_zero,
+    K words per sub-tile, v_scale, v_zero, hi, lo per sub-tile); see ``_fetch_scales`` and ``_fetch_codes``."""
+    ok = pg < p1
+    page = _page_block(tl.load(page_table + b64 * MAXP + pg, mask=ok, other=0), H, h, OPT)
+    ks, kz, vs, vz = _fetch_scales(page, ok, k_scale, k_zero, v_scale, v_zero, TS, D, DP, 32 // BITS, WITH_V, OPT)
+    words, hi, lo = _fetch_codes(page, ok, k_words, v_hi, v_lo, TS, BITS, VPREC, D, DP, WITH_V)
     return page, ok, ks, kz, words, vs, vz, hi, lo
 
 
@@ -183,26 +213,25 @@ def _prefetch_lines(base, LINES: tl.constexpr):
 
 
 @triton.jit
-def _prefetch_page(page_table, b64, MAXP, H, h, pg, p1, k_words, k_scale, k_zero, v_hi, v_lo, v_scale,
-                   v_zero, BITS: tl.constexpr, VPREC: tl.constexpr, D: tl.constexpr, OPT: tl.constexpr):
-    """OPT_L2: ask L2 for history page ``pg``'s codes and scales (the last page again past ``p1``) one
-    iteration before ``_fetch`` loads them, so that page's loads wait for L2 instead of HBM. A page-head
-    is contiguous in every pool (``page * H + h`` blocks); V precision leaves the lo plane to its masked
-    load (prefetching it would read the bytes the cold test saves)."""
+def _prefetch_page(page, k_words, k_scale, k_zero, v_hi, v_lo, v_scale, v_zero, BITS: tl.constexpr,
+                   VPREC: tl.constexpr, D: tl.constexpr, SCALES: tl.constexpr):
+    """OPT_L2: ask L2 for page block ``page``'s codes (and scales, if SCALES) one iteration before they are
+    loaded, so that those loads wait for L2 instead of HBM. A page-head is contiguous in every pool (``page * H +
+    h`` blocks); V precision leaves the lo plane to its masked load (prefetching it would read the bytes the
+    cold test saves)."""
     PERW: tl.constexpr = 32 // BITS
     KW: tl.constexpr = D // PERW
     VW: tl.constexpr = D // 16
     NG: tl.constexpr = D // 32
-    page = _page_block(tl.load(page_table + b64 * MAXP + tl.minimum(pg, p1 - 1)), H, h, OPT)
     _prefetch_lines(k_words + page * (32 * KW), (32 * KW * 4 + 127) // 128)
     _prefetch_lines(v_hi + page * (32 * VW), (32 * VW * 4 + 127) // 128)
     if BITS == 4 and not VPREC:
         _prefetch_lines(v_lo + page * (32 * VW), (32 * VW * 4 + 127) // 128)
-    # scales are fp16: a line holds 64; int32 views keep the one-line stride of _prefetch_lines
-    _prefetch_lines((k_scale + page * D).to(tl.pointer_type(tl.int32)), (D * 2 + 127) // 128)
-    _prefetch_lines((k_zero + page * D).to(tl.pointer_type(tl.int32)), (D * 2 + 127) // 128)
-    _prefetch_lines((v_scale + page * (32 * NG)).to(tl.pointer_type(tl.int32)), (32 * NG * 2 + 127) // 128)
-    _prefetch_lines((v_zero + page * (32 * NG)).to(tl.pointer_type(tl.int32)), (32 * NG * 2 + 127) // 128)
+    if SCALES:  # scales are fp16: a line holds 64; int32 views keep the one-line stride of _prefetch_lines
+        _prefetch_lines((k_scale + page * D).to(tl.pointer_type(tl.int32)), (D * 2 + 127) // 128)
+        _prefetch_lines((k_zero + page * D).to(tl.pointer_type(tl.int32)), (D * 2 + 127) // 128)
+        _prefetch_lines((v_scale + page * (32 * NG)).to(tl.pointer_type(tl.int32)), (32 * NG * 2 + 127) // 128)
+        _prefetch_lines((v_zero + page * (32 * NG)).to(tl.pointer_type(tl.int32)), (32 * NG * 2 + 127) // 128)
 
 
 @triton.jit
@@ -399,30 +428,53 @@ def far_cc(
     for _j in tl.static_range(16):
         acc = acc + (tl.zeros([GP, TS, VWP], tl.float32),)
     no_cold = tl.zeros([TS], tl.int32) > 0
+    row = page_table + b64 * MAXP
+    AHEAD: tl.constexpr = (OPT & 384) != 0  # page index (and scales) carried one page ahead; PPI 1
+    if AHEAD:
+        nidx = tl.load(row + p0, mask=p0 < p1, other=0)
+        if OPT & 256:
+            nsc = _fetch_scales(_page_block(nidx, H, h, OPT), p0 < p1, k_scale, k_zero, v_scale, v_zero, TS, D, DP,
+                                PERW, True, OPT)
     nxt = ()
     if PREFETCH:
         for pp in tl.static_range(PPI):
             nxt = nxt + (_fetch(page_table, b64, MAXP, H, h, p0 + pp, p1, k_words, k_scale, k_zero, v_hi, v_lo,
                                 v_scale, v_zero, TS, BITS, VPREC, D, DP, True, OPT),)
     for pg in range(p0, p1, PPI):
-        if PREFETCH:  # this iteration's loads were issued by the previous one; issue the next iteration's
-            cur = nxt
-            nxt = ()
-            first = pg + PPI
-        else:
-            cur = ()
-            first = pg
-        if OPT & 64:  # OPT_L2: the next iteration's pages to L2 while this one's loads are in flight
-            for pp in tl.static_range(PPI):
-                _prefetch_page(page_table, b64, MAXP, H, h, pg + PPI + pp, p1, k_words, k_scale, k_zero, v_hi,
-                               v_lo, v_scale, v_zero, BITS, VPREC, D, OPT)
-        for pp in tl.static_range(PPI):
-            fetched = _fetch(page_table, b64, MAXP, H, h, first + pp, p1, k_words, k_scale, k_zero, v_hi, v_lo,
-                             v_scale, v_zero, TS, BITS, VPREC, D, DP, PREFETCH, OPT)
-            if PREFETCH:
-                nxt = nxt + (fetched,)
+        if AHEAD:  # this page's index (and scales) came from the previous iteration; issue the next page's
+            page = _page_block(nidx, H, h, OPT)
+            ok = pg < p1
+            nidx = tl.load(row + tl.minimum(pg + 1, p1 - 1))
+            if OPT & 256:
+                sc = nsc
+                nsc = _fetch_scales(_page_block(nidx, H, h, OPT), pg + 1 < p1, k_scale, k_zero, v_scale, v_zero,
+                                    TS, D, DP, PERW, True, OPT)
             else:
-                cur = cur + (fetched,)
+                sc = _fetch_scales(page, ok, k_scale, k_zero, v_scale, v_zero, TS, D, DP, PERW, True, OPT)
+            if OPT & 64:
+                _prefetch_page(_page_block(nidx, H, h, OPT), k_words, k_scale, k_zero, v_hi, v_lo, v_scale, v_zero,
+                               BITS, VPREC, D, not (OPT & 256))
+            words, hi, lo = _fetch_codes(page, ok, k_words, v_hi, v_lo, TS, BITS, VPREC, D, DP, True)
+            cur = ((page, ok, sc[0], sc[1], words, sc[2], sc[3], hi, lo),)
+        else:
+            if PREFETCH:  # this iteration's loads were issued by the previous one; issue the next iteration's
+                cur = nxt
+                nxt = ()
+                first = pg + PPI
+            else:
+                cur = ()
+                first = pg
+            if OPT & 64:  # OPT_L2: the next iteration's pages to L2 while this one's loads are in flight
+                for pp in tl.static_range(PPI):
+                    nb = _page_block(tl.load(row + tl.minimum(pg + PPI + pp, p1 - 1)), H, h, OPT)
+                    _prefetch_page(nb, k_words, k_scale, k_zero, v_hi, v_lo, v_scale, v_zero, BITS, VPREC, D, True)
+            for pp in tl.static_range(PPI):
+                fetched = _fetch(page_table, b64, MAXP, H, h, first + pp, p1, k_words, k_scale, k_zero, v_hi, v_lo,
+                                 v_scale, v_zero, TS, BITS, VPREC, D, DP, PREFETCH, OPT)
+                if PREFETCH:
+                    nxt = nxt + (fetched,)
+                else:
+                    cur = cur + (fetched,)
         # ---- scores of every sub-tile of the PPI pages, then one maximum update
         ss = ()
         m_pages = ()
@@ -487,7 +539,12 @@ FAR_IMPLS = ("cc", "dot")
 # Measured and removed: session 3's "la" (V precision's lo plane one page ahead, 0.80x, session 4) and session 5's
 # "p2" / "p3" (the page loop as `tl.range(num_stages=2|3)`, Triton's cp.async pipeliner: 0.45-0.94x in every
 # mode, cell_attention_2026-11-30_session5.json); docs/kernel-notes.md.
-CC_OPTS = {"qk": 1, "vg": 2, "f24": 4, "i32": 8, "l2": 64}
+# "pt" (session 6): the page-table entry of the next page loaded one iteration ahead and carried (ncu's source view
+# of the INT4 reader put 8% of the page loop's stall samples on the R2UR that waits for the page index, before any
+# of the page's loads can issue); "sc": also the next page's scales (4 + 4 fp16 loads per lane), carried in
+# registers (16% of the stall samples were the first use of this page's scales). Both need pages_per_iter 1 and no
+# register prefetch. Not yet measured on the GPU.
+CC_OPTS = {"qk": 1, "vg": 2, "f24": 4, "i32": 8, "l2": 64, "pt": 128, "sc": 256}
 
 
 def cc_opt_bits(cc_opts) -> int:

@@ -137,6 +137,9 @@ CC_OPT_CASES = [  # cc_opts, bits, tau, query heads per KV head, head_dim, dtype
     (("qk", "vg", "f24", "i32"), 4, 2.0, 1, 128, torch.bfloat16),  # 32-bit history offsets
     (("i32",), 2, INF, 2, 64, torch.float32),
     (("i32", "l2"), 2, INF, 1, 64, torch.float32),  # l2: a hint the launcher drops under the interpreter
+    # the next page's index (pt) and scales (sc) carried one iteration ahead
+    (("qk", "vg", "f24", "l2", "sc"), 4, 2.0, 1, 128, torch.bfloat16),
+    (("qk", "vg", "f24", "i32", "pt"), 2, INF, 2, 96, torch.float32),
     pytest.param(("vg",), 4, 14.0, 1, 64, torch.float32, marks=pytest.mark.slow),  # single options: slow set
     pytest.param(("f24",), 2, INF, 1, 64, torch.float32, marks=pytest.mark.slow),
     pytest.param(("qk",), 4, 14.0, 2, 64, torch.bfloat16, marks=pytest.mark.slow),
@@ -182,6 +185,8 @@ def test_cuda_core_reader_opt_in_variants_random(seed):
     q = torch.randn(batch, 2 * group, head_dim, generator=g)
     opts = tuple(o for o in ("qk", "vg", "f24", "i32", "l2") if pick([False, True]))
     kw = {"pages_per_iter": pick([1, 2]), "sub_tokens": pick([4, 8, 16, 32]), "prefetch": pick([False, True])}
+    if kw["pages_per_iter"] == 1 and not kw["prefetch"]:  # the one-page-ahead options need this loop
+        opts += pick([(), ("pt",), ("sc",), ("pt", "sc")])
     out = ta.cell_attention(q, *st, bits, tau, head_dim**-0.5, splits=pick([1, 2, 4]), far_impl="cc",
                             cc_opts=opts, **kw)
     assert_close_to_reference(out, q, st, bits, tau, head_dim**-0.5)
@@ -225,6 +230,9 @@ def test_far_impl_choice_and_argument_errors():
         ta.cell_attention(q, *st, 4, INF, 0.125, near_block=48)
     with pytest.raises(ValueError, match="cc_opts"):
         ta.cell_attention(q, *st, 4, INF, 0.125, far_impl="cc", cc_opts=("fast",))
+    for kw in ({"pages_per_iter": 2}, {"prefetch": True}):  # pt / sc carry one page's index and scales
+        with pytest.raises(ValueError, match="'pt' and 'sc'.*pages_per_iter=1 and prefetch=False"):
+            ta.cell_attention(q, *st, 4, INF, 0.125, far_impl="cc", cc_opts=("sc",), **kw)
     for removed in ("la", "p2"):  # measured slower and removed (sessions 4 and 5)
         with pytest.raises(ValueError, match="cc_opts"):
             ta.cell_attention(q, *st, 4, 14.0, 0.125, far_impl="cc", cc_opts=(removed,))
@@ -402,7 +410,8 @@ def test_gpu_cuda_core_reader_real_shape(bits, tau):
             torch.testing.assert_close(out.double(), want, atol=ATTN_BF16_ATOL, rtol=ATTN_BF16_RTOL)
         # session 2's reader, one variant, the default, 32-bit offsets, pipelined / L2-prefetching loops (bench arms)
         for opts in ((), ("vg", "f24"), None, ("qk", "vg", "f24", "i32"),
-                     ("qk", "vg", "f24", "i32", "l2"), ("qk", "vg", "f24", "l2")):
+                     ("qk", "vg", "f24", "i32", "l2"), ("qk", "vg", "f24", "l2"), ("qk", "vg", "f24", "l2", "pt"),
+                     ("qk", "vg", "f24", "l2", "sc"), ("qk", "vg", "f24", "i32", "l2", "sc")):
             out = ta.cell_attention(q, *st, bits, tau, head_dim**-0.5, far_impl="cc", cc_opts=opts)
             torch.testing.assert_close(out.double(), want, atol=ATTN_BF16_ATOL, rtol=ATTN_BF16_RTOL)
         out = ta.cell_attention(q, *st, bits, tau, head_dim**-0.5, far_impl="dot", near_block=32)
