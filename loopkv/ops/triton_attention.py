@@ -52,7 +52,7 @@ from loopkv.ops.triton_config import (  # noqa: F401  (constants re-exported for
     choose_splits,
     int32_offset_overflow,
 )
-from loopkv.ops.triton_far import CC_OPTS, _dot, _exact_scores, cc_opt_bits, choose_far_impl, far_cc
+from loopkv.ops.triton_far import CC_MAX_GROUP, CC_OPTS, _dot, _exact_scores, cc_opt_bits, choose_far_impl, far_cc
 from loopkv.ops.triton_register import counters, warmup  # noqa: F401  (warmup re-exported here)
 
 assert (SINK, PAGE, GROUP, RING) == (32, 32, 32, 288)  # spelled out as literals in the kernels
@@ -453,8 +453,9 @@ def cell_attention(
     DP = _next_pow2(D)
     NGP = DP // 32
     GR = max(_next_pow2(G), 16 // NGP)  # query-head rows padded so that RP = GR * NGP >= 16
-    impl = choose_far_impl(bits, G, far_impl, cc_default=CC_DEFAULT)
-    cfg = _config(bits, impl, B * H, G)
+    exact = q.dtype == torch.float32
+    impl = choose_far_impl(bits, G, far_impl, cc_default=CC_DEFAULT, exact=exact)
+    cfg = _config(bits, impl, B * H, G, exact)
     bn = near_block or cfg["near_block"]
     if bn not in (16, 32, 64):
         raise ValueError(f"near_block must be 16, 32 or 64, got {near_block}")
@@ -467,13 +468,16 @@ def cell_attention(
     ws_o = torch.empty(B * H * nprog * GR * DP, dtype=torch.float32, device=q.device)
     ws_ml = torch.empty(B * H * nprog * GR * 2, dtype=torch.float32, device=q.device)
     cnt = counters(q.device, B * H, purpose="attention")
-    exact = q.dtype == torch.float32
     vprec = bits == 4 and math.isfinite(tau)
     ppi = pages_per_iter or cfg["pages_per_iter"]
     if ppi not in (1, 2):
         raise ValueError(f"pages_per_iter must be 1 or 2, got {pages_per_iter}")
     nw = num_warps or cfg["num_warps"]
     ts = sub_tokens or cfg["sub_tokens"]
+    if cc_opts and impl != "cc":
+        raise ValueError(f"cc_opts {tuple(cc_opts)} configure the CUDA-core reader, but this call reads its history "
+                         f"with {impl!r} (fp32 inputs, more than {CC_MAX_GROUP} query heads per KV head, or BF16 "
+                         "pages): pass far_impl='cc' for code pages, or drop cc_opts")
     opt = cc_opt_bits(cfg["cc_opts"] if cc_opts is None else cc_opts) if impl == "cc" else 0
     if impl == "cc" and ts not in (4, 8, 16, 32):
         raise ValueError(f"sub_tokens must be 4, 8, 16 or 32, got {sub_tokens}")

@@ -60,7 +60,7 @@ KERNEL_OPTIONS = {"enable_fp_fusion": True}
 INT32_OFFSET_LIMIT = 2**31
 
 
-def _config(bits: int, far_impl: str, rows_heads: int = 1, group: int = 1) -> dict:
+def _config(bits: int, far_impl: str, rows_heads: int = 1, group: int = 1, exact: bool = False) -> dict:
     """Fixed launch config per reader (no autotuning: the op runs inside CUDA graphs).
 
     Measured on the H200 (docs/kernel-notes.md): the tensor-core code reader is latency-bound and runs
@@ -77,12 +77,21 @@ def _config(bits: int, far_impl: str, rows_heads: int = 1, group: int = 1) -> di
     cost 0.001 ms (0.022 vs 0.021), so batch 1 stays uncapped (``cell_attention_2026-11-29_session4_quick.json``).
     Measured with one query head per KV head only: with two (``group``) the reader needs 255 registers and the
     cap would put 152 spill operations into the page loop (static, sm_90), so groups > 1 stay uncapped until
-    measured."""
+    measured.
+
+    ``exact`` (fp32 inputs: ``ieee`` products): code pages take the tensor-core reader with four warps and one
+    stage, like BF16 pages. Static only (sm_90, Triton 3.6; docs/kernel-notes.md, Session 6), not timed: with
+    one warp and three stages the fp32 programs spill heavily (head_dim 128: an 8-9 KB stack per thread; 256 with
+    four query heads per KV head: 31-33 KB, and 90-130 s to compile), with four warps and one stage head_dim 128
+    does not spill (16-24 B) and 256 x 4 heads has 7.6 KB."""
     if bits in (4, 2):
         if far_impl == "cc":
             cap = 128 if group == 1 and (bits == 4 or rows_heads >= 64) else None
             return {"num_warps": 1, "num_stages": 1, "pages_per_iter": 1, "sub_tokens": 8, "prefetch": False,
                     "near_block": CC_NEAR_BLOCK, "cc_opts": CC_DEFAULT_OPTS_BY_BITS[bits], "maxnreg": cap}
+        if exact:
+            return {"num_warps": 4, "num_stages": 1, "pages_per_iter": 1, "sub_tokens": 0, "prefetch": False,
+                    "near_block": NEAR_BLOCK, "cc_opts": ()}
         return {"num_warps": 1, "num_stages": 3, "pages_per_iter": 1, "sub_tokens": 0, "prefetch": False,
                 "near_block": NEAR_BLOCK, "cc_opts": ()}
     return {"num_warps": 4, "num_stages": 2, "pages_per_iter": 1, "sub_tokens": 0, "prefetch": False,

@@ -558,14 +558,17 @@ def cc_opt_bits(cc_opts) -> int:
 CC_MAX_GROUP = 2  # query heads per KV head up to which the CUDA-core reader is the default
 
 
-def choose_far_impl(bits: int, group: int, far_impl: str | None = None, *, cc_default: bool = True) -> str:
+def choose_far_impl(bits: int, group: int, far_impl: str | None = None, *, cc_default: bool = True,
+                    exact: bool = False) -> str:
     """History reader: ``"cc"`` (CUDA cores, ``triton_far``) for code pages read by <= 2 query heads per KV
     head (if ``cc_default``: the launcher passes ``triton_attention.CC_DEFAULT``), ``"dot"`` (tensor cores)
-    otherwise; ``far_impl`` overrides (BF16 pages always use ``"dot"``)."""
+    otherwise; ``far_impl`` overrides (BF16 pages always use ``"dot"``). ``exact`` (fp32 inputs): ``"dot"``,
+    launched with four warps (``triton_config._config``): the one-warp ``"cc"`` program's exact fp32 near part
+    spills (static, sm_90: a 4 KB stack at head_dim 128; docs/kernel-notes.md, Session 6)."""
     if far_impl is not None and far_impl not in FAR_IMPLS:
         raise ValueError(f"far_impl must be one of {FAR_IMPLS} or None (automatic), got {far_impl!r}")
     if bits not in (4, 2):
         return "dot"
     if far_impl is None:
-        return "cc" if group <= CC_MAX_GROUP and cc_default else "dot"
+        return "cc" if group <= CC_MAX_GROUP and cc_default and not exact else "dot"
     return far_impl

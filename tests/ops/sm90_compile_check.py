@@ -4,7 +4,7 @@ Run by ``test_sm90_compile.py`` in a fresh process (the test session runs Triton
 chosen when ``@triton.jit`` decorates). The launcher is called on CPU tensors with the kernel replaced by a
 recorder; the recorded arguments are then compiled by ``triton.compile`` for ``cuda:90`` with what the launcher
 does only on a GPU put back (the ``maxnreg`` cap, the L2 prefetch, no bf16 upcast). Prints one JSON line:
-registers and what the PTX contains.
+registers, stack bytes and what the PTX contains. ``dtype`` (optional, default ``"bfloat16"``): the inputs'.
 
     python tests/ops/sm90_compile_check.py '{"bits": 4, "tau": 14.0, "batch": 8, "heads": 8, "group": 1,
                                              "head_dim": 96}'
@@ -46,7 +46,7 @@ class Recorder:
 def main(case: dict) -> dict:
     bits, tau, B, H, G, D = (case[k] for k in ("bits", "tau", "batch", "heads", "group", "head_dim"))
     tau = math.inf if tau is None else float(tau)
-    dtype = torch.bfloat16
+    dtype = getattr(torch, case.get("dtype", "bfloat16"))
     sink = [torch.zeros(B, H, 32, D, dtype=dtype) for _ in range(2)]
     ring = [torch.zeros(B, H, 288, D, dtype=dtype) for _ in range(2)]
     lengths = torch.zeros(B, dtype=torch.int32)
@@ -60,8 +60,9 @@ def main(case: dict) -> dict:
     finally:
         ta._cell_attn_kernel = kernel
     (args, kwargs), = rec.calls
-    impl = ta.choose_far_impl(bits, G, None, cc_default=ta.CC_DEFAULT)
-    cfg = triton_config._config(bits, impl, B * H, G)
+    exact = dtype == torch.float32
+    impl = ta.choose_far_impl(bits, G, None, cc_default=ta.CC_DEFAULT, exact=exact)
+    cfg = triton_config._config(bits, impl, B * H, G, exact)
     # what the launcher does on a GPU only
     if impl == "cc":
         kwargs["OPT"] = ta.cc_opt_bits(cfg["cc_opts"])
@@ -70,40 +71,46 @@ def main(case: dict) -> dict:
     if cfg.get("maxnreg"):
         options["maxnreg"] = cfg["maxnreg"]
     names = [n for n in kernel.arg_names if n not in kwargs]
-    sig, constexprs = {}, {}
+    sig, constexprs, attrs = {}, {}, {}
     for name, value in zip(names, args, strict=True):
         if isinstance(value, torch.Tensor):
             sig[name] = "*" + TYPES[value.dtype]
+            aligned = value.data_ptr() % 16 == 0
         elif isinstance(value, bool) or not isinstance(value, (int, float)):
             raise TypeError(f"{name}: unexpected argument {value!r}")
         else:
             sig[name] = "i32" if isinstance(value, int) else "fp32"
+            aligned = isinstance(value, int) and value % 16 == 0
+        if aligned:  # what Triton's launcher specializes on a GPU (pointers and integers divisible by 16)
+            attrs[(kernel.arg_names.index(name),)] = [["tt.divisibility", 16]]
     for name, value in kwargs.items():
         sig[name] = "constexpr"
         constexprs[name] = value
-    compiled = triton.compile(ASTSource(kernel, sig, constexprs=constexprs), target=GPUTarget("cuda", 90, 32),
-                              options=options)
+    compiled = triton.compile(ASTSource(kernel, sig, constexprs=constexprs, attrs=attrs),
+                              target=GPUTarget("cuda", 90, 32), options=options)
     ptx = compiled.asm["ptx"]
     ftz = [ln.strip() for ln in ptx.splitlines() if ".ftz" in ln]
-    return {"impl": impl, "opt": kwargs.get("OPT"), "options": options, "registers": _registers(compiled),
+    registers, stack = _resources(compiled)
+    return {"impl": impl, "opt": kwargs.get("OPT"), "options": options, "registers": registers, "stack": stack,
             "prefetch_l2": len(re.findall(r"prefetch\.global\.L2", ptx)),
             "fma": len(re.findall(r"\bfma\.rn\.f32", ptx)), "ftz_not_ex2": [ln for ln in ftz if "ex2" not in ln][:5]}
 
 
-def _registers(compiled) -> int | None:
-    """Registers per thread from the cubin (Triton's own cuobjdump), None where it is not shipped."""
+def _resources(compiled) -> tuple[int | None, int | None]:
+    """Registers and stack bytes per thread from the cubin (Triton's own cuobjdump), None where it is not
+    shipped."""
     import subprocess
     import tempfile
 
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     if not os.path.exists(tool):
-        return None
+        return None, None
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(compiled.asm["cubin"])
         f.flush()
         res = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
-    m = re.search(r"REG:(\d+)", res)
-    return int(m.group(1)) if m else None
+    reg, stack = re.search(r"REG:(\d+)", res), re.search(r"STACK:(\d+)", res)
+    return (int(reg.group(1)) if reg else None), (int(stack.group(1)) if stack else None)
 
 
 if __name__ == "__main__":

@@ -60,3 +60,16 @@ def test_tensor_core_reader_compiles_for_sm90():
     assert got["prefetch_l2"] == 0
     assert "maxnreg" not in got["options"]
     assert got["ftz_not_ex2"] == []
+
+
+def test_fp32_inputs_take_the_four_warp_tensor_core_reader_without_spilling():
+    """fp32 inputs (``ieee`` products): with one warp the programs spilled (static, Triton 3.6: an 8-9 KB stack per
+    thread at head_dim 128 for either reader, docs/kernel-notes.md, Session 6); the launcher now runs them on the
+    tensor-core reader with four warps, which keeps head_dim 128 off the stack."""
+    got = compile_sm90(bits=4, tau=14.0, batch=2, heads=4, group=1, head_dim=128, dtype="float32")
+    assert got["impl"] == "dot"
+    assert got["options"]["num_warps"] == 4
+    assert got["options"]["num_stages"] == 1
+    assert got["stack"] is None or got["stack"] <= 64, got["stack"]
+    assert got["ftz_not_ex2"] == []
+

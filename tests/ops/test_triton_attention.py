@@ -162,8 +162,8 @@ def test_cuda_core_reader_opt_in_variants(cc_opts, bits, tau, group, head_dim, d
     out = ta.cell_attention(q, *st, bits, tau, scale, cc_opts=cc_opts, **kw)
     assert_close_to_reference(out, q, st, bits, tau, scale)
     assert torch.equal(out, ta.cell_attention(q, *st, bits, tau, scale, cc_opts=(), **kw))
-    if cc_opts == ta.CC_DEFAULT_OPTS:  # what the launcher runs when not told
-        assert torch.equal(out, ta.cell_attention(q, *st, bits, tau, scale, splits=2))
+    if cc_opts == ta.CC_DEFAULT_OPTS and dtype != torch.float32:  # what the launcher runs when not told (fp32
+        assert torch.equal(out, ta.cell_attention(q, *st, bits, tau, scale, splits=2))  # inputs take "dot")
 
 
 @pytest.mark.slow
@@ -208,6 +208,9 @@ def test_launch_config_follows_the_measurements():
     assert tc._config(4, "cc", 512)["cc_opts"] == ("qk", "vg", "f24", "l2")
     assert tc._config(2, "cc", 512)["cc_opts"] == ("qk", "vg", "f24", "i32", "l2")
     assert tc._config(4, "dot", 512).get("maxnreg") is None
+    # fp32 inputs on code pages: four warps, one stage (static, session 6: one warp spilled 8-9 KB per thread)
+    assert (tc._config(4, "dot", 512)["num_warps"], tc._config(4, "dot", 512)["num_stages"]) == (1, 3)
+    assert (tc._config(2, "dot", 16, 4, True)["num_warps"], tc._config(2, "dot", 16, 4, True)["num_stages"]) == (4, 1)
     assert tc._config(16, "dot").get("maxnreg") is None
 
 
@@ -218,6 +221,8 @@ def test_far_impl_choice_and_argument_errors():
     assert ta.choose_far_impl(4, 4) == "dot"
     assert ta.choose_far_impl(16, 1, "cc") == "dot"  # BF16 pages: one reader
     assert ta.choose_far_impl(4, 8, "cc") == "cc"
+    assert ta.choose_far_impl(4, 1, exact=True) == "dot"  # fp32 inputs (session 6: one-warp cc spills)
+    assert ta.choose_far_impl(4, 1, "cc", exact=True) == "cc"
     with pytest.raises(ValueError, match="far_impl"):
         ta.choose_far_impl(4, 1, "tensor")
     st = make_cell(1, 1, 64, 1, 4, [330], seed=1)
@@ -230,6 +235,8 @@ def test_far_impl_choice_and_argument_errors():
         ta.cell_attention(q, *st, 4, INF, 0.125, near_block=48)
     with pytest.raises(ValueError, match="cc_opts"):
         ta.cell_attention(q, *st, 4, INF, 0.125, far_impl="cc", cc_opts=("fast",))
+    with pytest.raises(ValueError, match="cc_opts .* CUDA-core reader.*'dot'.*far_impl='cc'"):
+        ta.cell_attention(q, *st, 4, INF, 0.125, cc_opts=("qk",))  # fp32 inputs read with "dot" by default
     for kw in ({"pages_per_iter": 2}, {"prefetch": True}):  # pt / sc carry one page's index and scales
         with pytest.raises(ValueError, match="'pt' and 'sc'.*pages_per_iter=1 and prefetch=False"):
             ta.cell_attention(q, *st, 4, INF, 0.125, far_impl="cc", cc_opts=("sc",), **kw)
@@ -246,20 +253,20 @@ def test_far_impl_choice_and_argument_errors():
 def test_default_int32_offsets_fall_back_for_large_pools(monkeypatch):
     """INT2's default reads with 32-bit offsets ("i32"); a pool with INT32_OFFSET_LIMIT elements or more gets
     64-bit offsets instead (same values), while an explicit "i32" is refused. The limit is lowered so that a
-    small cell crosses it."""
+    small cell crosses it. (fp32 inputs default to the tensor-core reader, so the CUDA-core one is named.)"""
     from loopkv.ops import triton_config as tc
 
     lengths = [288 + 32 * 3 + 5, 300]
     st = make_cell(len(lengths), 2, 64, 4, 2, lengths, seed=41)
     q = torch.randn(len(lengths), 2, 64)
-    want = ta.cell_attention(q, *st, 2, INF, 0.125, splits=2)
+    want = ta.cell_attention(q, *st, 2, INF, 0.125, splits=2, far_impl="cc")
     assert "i32" in tc._config(2, "cc", 512)["cc_opts"]
     monkeypatch.setattr(tc, "INT32_OFFSET_LIMIT", 64)
-    out = ta.cell_attention(q, *st, 2, INF, 0.125, splits=2)
+    out = ta.cell_attention(q, *st, 2, INF, 0.125, splits=2, far_impl="cc")
     assert torch.equal(out, want)
     assert_close_to_reference(out, q, st, 2, INF, 0.125)
     with pytest.raises(ValueError, match="'i32'"):
-        ta.cell_attention(q, *st, 2, INF, 0.125, splits=2, cc_opts=("i32",))
+        ta.cell_attention(q, *st, 2, INF, 0.125, splits=2, far_impl="cc", cc_opts=("i32",))
 
 
 @interpret
