@@ -320,7 +320,7 @@ READERS = {
     "split64": {"splits": 64},
     # session 6, not measured: the next page's page-table entry ("pt") and scales ("sc") carried one iteration
     # ahead. Nsight Compute's source view of the INT4 default (ncu_2026-11-30_session6_int4_source.json) put 8% of
-    # the page loop's stall samples on the R2UR that waits for the page index and 16% on the first use of the page's
+    # the page loop's stall samples on the R2UR that waits for the page index and 17% on the first use of the page's
     # scales. Static (sm_90, Triton 3.6, cap 128, no spill): INT4 951 / 943 instructions per page-head vs 959,
     # V precision 971 / 964 vs 977, INT2 (with i32) 804 / 803 vs 810
     "l2_pt": {"cc_opts": (*CC3, "l2", "pt")},

@@ -297,7 +297,7 @@ def kernel_times(events) -> dict:
 def time_steps(replay, steps: int, event=None) -> tuple[float, float, float]:
     """(mean, median, host mean) of per-step times (ms) over ``steps`` consecutive replays, CUDA events; the host
     mean is how long the ``replay()`` call itself took on the host (each step starts on an idle GPU, so this is
-    the submission the GPU may wait for: session 6 found 2.5-3.4 ms between these step times and the
+    the submission the GPU may wait for: session 6 found up to 3.4 ms between these step times and the
     back-to-back ones at batch 1). The mean is the throughput figure: over a multiple of ``PAGE_CYCLE`` steps it
     includes every cell's window exit (the page quantized when it leaves the window) in proportion; the median
     of a short run can miss them all."""

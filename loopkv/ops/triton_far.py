@@ -541,9 +541,9 @@ FAR_IMPLS = ("cc", "dot")
 # mode, cell_attention_2026-11-30_session5.json); docs/kernel-notes.md.
 # "pt" (session 6): the page-table entry of the next page loaded one iteration ahead and carried (ncu's source view
 # of the INT4 reader put 8% of the page loop's stall samples on the R2UR that waits for the page index, before any
-# of the page's loads can issue); "sc": also the next page's scales (4 + 4 fp16 loads per lane), carried in
-# registers (16% of the stall samples were the first use of this page's scales). Both need pages_per_iter 1 and no
-# register prefetch. Not yet measured on the GPU.
+# of the page's loads can issue); "sc": also the next page's scales (k_scale, k_zero, v_scale, v_zero: 16 fp16
+# values per lane at head_dim 128), carried in registers (17% of the stall samples were on the first use of the
+# page's scales). Both need pages_per_iter 1 and no register prefetch. Not yet measured on the GPU.
 CC_OPTS = {"qk": 1, "vg": 2, "f24": 4, "i32": 8, "l2": 64, "pt": 128, "sc": 256}
 
 
