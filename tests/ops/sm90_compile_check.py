@@ -4,7 +4,8 @@ Run by ``test_sm90_compile.py`` in a fresh process (the test session runs Triton
 chosen when ``@triton.jit`` decorates). The launcher is called on CPU tensors with the kernel replaced by a
 recorder; the recorded arguments are then compiled by ``triton.compile`` for ``cuda:90`` with what the launcher
 does only on a GPU put back (the ``maxnreg`` cap, the L2 prefetch, no bf16 upcast). Prints one JSON line:
-registers, stack bytes and what the PTX contains. ``dtype`` (optional, default ``"bfloat16"``): the inputs'.
+registers, stack bytes and what the PTX contains. ``dtype`` (optional, default ``"bfloat16"``): the inputs';
+``cc_opts`` (optional): a reader variant's options instead of the launcher's default.
 
     python tests/ops/sm90_compile_check.py '{"bits": 4, "tau": 14.0, "batch": 8, "heads": 8, "group": 1,
                                              "head_dim": 96}'
@@ -55,8 +56,10 @@ def main(case: dict) -> dict:
     q = torch.zeros(B, H * G, D, dtype=dtype)
     kernel, rec = ta._cell_attn_kernel, Recorder()
     ta._cell_attn_kernel = rec
+    opts = case.get("cc_opts")  # a variant's options (default: the launcher's)
     try:
-        ta.cell_attention(q, *sink, *ring, lengths, table, *pool, bits, tau, D**-0.5)
+        ta.cell_attention(q, *sink, *ring, lengths, table, *pool, bits, tau, D**-0.5,
+                          **({"cc_opts": tuple(opts)} if opts is not None else {}))
     finally:
         ta._cell_attn_kernel = kernel
     (args, kwargs), = rec.calls
@@ -65,7 +68,7 @@ def main(case: dict) -> dict:
     cfg = triton_config._config(bits, impl, B * H, G, exact)
     # what the launcher does on a GPU only
     if impl == "cc":
-        kwargs["OPT"] = ta.cc_opt_bits(cfg["cc_opts"])
+        kwargs["OPT"] = ta.cc_opt_bits(cfg["cc_opts"] if opts is None else opts)
     kwargs["UPCAST"] = False
     options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages", "maxnreg", "enable_fp_fusion") if k in kwargs}
     if cfg.get("maxnreg"):

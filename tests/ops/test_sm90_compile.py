@@ -73,3 +73,17 @@ def test_fp32_inputs_take_the_four_warp_tensor_core_reader_without_spilling():
     assert got["stack"] is None or got["stack"] <= 64, got["stack"]
     assert got["ftz_not_ex2"] == []
 
+
+@pytest.mark.parametrize("bits", [4, 2])
+def test_page_ahead_variant_compiles_under_the_cap(bits):
+    """``cc_opts`` "sc" (the next page's index and scales carried one iteration ahead; not yet measured on the GPU)
+    compiles for sm_90 under the launcher's register cap with the L2 prefetch of the codes only (3 regions for INT4,
+    2 for INT2: the scales are loaded ahead, not prefetched)."""
+    opts = ["qk", "vg", "f24", "l2", "sc"] + (["i32"] if bits == 2 else [])
+    got = compile_sm90(bits=bits, tau=None, batch=8, heads=8, group=1, head_dim=128, cc_opts=opts)
+    assert got["impl"] == "cc"
+    assert got["options"]["maxnreg"] == 128
+    assert got["registers"] is None or got["registers"] <= 128
+    assert got["prefetch_l2"] == (3 if bits == 4 else 2)
+    assert got["ftz_not_ex2"] == []
+
