@@ -39,7 +39,7 @@ from torch import Tensor
 
 from loopkv.ops.cell_attention import cell_attention_reference
 from loopkv.ops.codec import GROUP, PAGE, SINK
-from loopkv.ops.layout import RING
+from loopkv.ops.layout import RING, capacity
 from loopkv.ops.triton_config import (  # noqa: F401  (constants re-exported for benchmarks and tests)
     CC_DEFAULT_OPTS,
     CC_NEAR_BLOCK,
@@ -53,6 +53,7 @@ from loopkv.ops.triton_config import (  # noqa: F401  (constants re-exported for
     int32_offset_overflow,
 )
 from loopkv.ops.triton_far import CC_MAX_GROUP, CC_OPTS, _dot, _exact_scores, cc_opt_bits, choose_far_impl, far_cc
+from loopkv.ops.triton_quant import _append_token
 from loopkv.ops.triton_register import counters, warmup  # noqa: F401  (warmup re-exported here)
 
 assert (SINK, PAGE, GROUP, RING) == (32, 32, 32, 288)  # spelled out as literals in the kernels
@@ -301,12 +302,21 @@ def _cell_attn_kernel(
     k_pages, k_scale, k_zero, v_hi, v_lo, v_scale, v_zero,
     ws_o, ws_ml, cnt, out, so_b, so_h,
     H, MAXP, NNEAR, NSPLIT, qk_scale, tau,
+    k_new, v_new, skn_b, skn_h, svn_b, svn_h, rcnt, CAP, own_k, own_hi, own_lo,
     G: tl.constexpr, GR: tl.constexpr, GP: tl.constexpr, NGP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
     BITS: tl.constexpr, VPREC: tl.constexpr, BN: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr,
     UPCAST: tl.constexpr, FIELD: tl.constexpr, NPP: tl.constexpr, FAR: tl.constexpr, PPI: tl.constexpr,
-    TS: tl.constexpr, PREFETCH: tl.constexpr, OPT: tl.constexpr,
+    TS: tl.constexpr, PREFETCH: tl.constexpr, OPT: tl.constexpr, APPEND: tl.constexpr, OWN_BITS: tl.constexpr,
 ):
-    """Program (i, b*H + h): near slots (i < NNEAR) or history split i - NNEAR of row b, KV head h."""
+    """Program (i, b*H + h): near slots (i < NNEAR) or history split i - NNEAR of row b, KV head h.
+
+    APPEND (``append_attention_``, docs/design-decisions.md §10): the cell's new token (k_new, v_new [B, H, 1, D],
+    strides skn_*, svn_*) is appended in the same launch. Programs NNEAR + NSPLIT and + 1 write its K and V into
+    sink or ring and encode the page leaving the window into the cell's own pool (own_k / k_scale / k_zero /
+    own_hi / own_lo / v_scale / v_zero at OWN_BITS; 0: a ``share`` cell, no pool). Every program reads with the
+    appended length; the near program whose slot takes the token reads it from k_new / v_new, not from the ring
+    it is being written to. The last of the row's H merges and 2 H append programs (counter ``rcnt[b]``) stores
+    ``lengths[b]``."""
     RP: tl.constexpr = GR * NGP
     pid = tl.program_id(0)
     bh = tl.program_id(1)
@@ -315,6 +325,11 @@ def _cell_attn_kernel(
     nprog = NNEAR + NSPLIT
     slot = bh.to(tl.int64) * nprog + pid  # this program's partial
     length = tl.load(lengths + b).to(tl.int32)
+    pos = length
+    is_app = False
+    if APPEND:
+        length = pos + (pos < CAP).to(tl.int32)  # the appended length (unchanged at capacity)
+        is_app = pid >= nprog
     npg = tl.maximum(length - 288, 0) // 32  # history pages, n_pages(length)
     r = tl.arange(0, RP)
     g_r = r // NGP
@@ -339,10 +354,22 @@ def _cell_attn_kernel(
         in_sink = (v < 32)[:, None]
         s_off = (bh64 * 32 + tl.minimum(v, 31))[:, None] * D + c[None, :]
         w_off = (bh64 * 288 + tl.minimum(ring, 287))[:, None] * D + c[None, :]
-        s = _exact_scores(qx, tl.where(in_sink, sink_k + s_off, win_k + w_off), valid, cm, qk_scale, PREC, UPCAST)
+        kptr = tl.where(in_sink, sink_k + s_off, win_k + w_off)
+        vptr = tl.where(in_sink, sink_v + s_off, win_v + w_off)
+        if APPEND:  # the new token's slot is read from the op's input (its ring / sink write may not be done)
+            fresh = ((v == tl.where(pos < 32, pos, 32 + (pos - 32) % 288)) & (pos < CAP))[:, None]
+            kptr = tl.where(fresh, k_new + b.to(tl.int64) * skn_b + h * skn_h + c[None, :], kptr)
+            vptr = tl.where(fresh, v_new + b.to(tl.int64) * svn_b + h * svn_h + c[None, :], vptr)
+        s = _exact_scores(qx, kptr, valid, cm, qk_scale, PREC, UPCAST)
         m_i, alpha, p, l_i = _online(s, m_i, l_i)
-        acc = _exact_values(p, tl.where(in_sink, sink_v + s_off, win_v + w_off), valid, cm, PREC, UPCAST)
+        acc = _exact_values(p, vptr, valid, cm, PREC, UPCAST)
         _store_partial(ws_o, ws_ml, slot, g_r, gr, m_i, l_i, acc, c, GR, DP)
+    elif is_app:  # APPEND: K (pid == nprog) or V of the new token, and the page leaving the window
+        _append_token(k_new, v_new, skn_b, skn_h, 1, svn_b, svn_h, 1, b, h, pid - nprog, pos,
+                      sink_k, sink_v, win_k, win_v, page_table, H, MAXP, CAP,
+                      own_k, k_scale, k_zero, own_hi, own_lo, v_scale, v_zero, OWN_BITS, D, DP)
+        tl.debug_barrier()  # every thread has read lengths[b]
+        _row_done(rcnt, lengths, b, length, H)
     else:
         chunk = (npg + NSPLIT - 1) // NSPLIT
         p0 = (pid - NNEAR) * chunk
@@ -372,6 +399,25 @@ def _cell_attn_kernel(
                 G, GR, GP, NGP, D, DP, BITS, VPREC, DT, PREC, UPCAST, FIELD,
             )
     # ---- the last program of (b, h) merges the partials by log-sum-exp
+    if not is_app:
+        _merge(ws_o, ws_ml, cnt, out, so_b, so_h, rcnt, lengths, b, h, bh, bh64, nprog, length, H, c, cm, G, GR, DP,
+               NPP, APPEND)
+
+
+@triton.jit
+def _row_done(rcnt, lengths, b, length, H):
+    """APPEND: count one of the row's 3 H finishing programs (H merges, 2 H appends); the last stores the
+    appended length, after every program of the row has read the old one, and resets the counter."""
+    rdone = tl.atomic_add(rcnt + b, 1, sem="acq_rel")
+    if rdone == 3 * H - 1:
+        tl.store(lengths + b, length.to(lengths.dtype.element_ty))
+        tl.atomic_xchg(rcnt + b, 0)
+
+
+@triton.jit
+def _merge(ws_o, ws_ml, cnt, out, so_b, so_h, rcnt, lengths, b, h, bh, bh64, nprog, length, H, c, cm,
+           G: tl.constexpr, GR: tl.constexpr, DP: tl.constexpr, NPP: tl.constexpr, APPEND: tl.constexpr):
+    """The last program of (b, h) (counter ``cnt[bh]``, reset by it) merges the partials by log-sum-exp."""
     tl.debug_barrier()
     done = tl.atomic_add(cnt + bh, 1, sem="acq_rel")
     if done == nprog - 1:
@@ -397,6 +443,8 @@ def _cell_attn_kernel(
             optr = out + b.to(tl.int64) * so_b + (h * G + g) * so_h + c
             tl.store(optr, res.to(out.dtype.element_ty), mask=cm)
         tl.atomic_xchg(cnt + bh, 0)
+        if APPEND:
+            _row_done(rcnt, lengths, b, length, H)
 
 
 FIELD_MODE = {"offset": 1, "subnormal": 2}  # how fp16 code operands are made (see _field)
@@ -414,7 +462,7 @@ def cell_attention(
     num_warps: int | None = None, num_stages: int | None = None, field_mode: str | None = None,
     far_impl: str | None = None, pages_per_iter: int | None = None, sub_tokens: int | None = None,
     prefetch: bool | None = None, near_block: int | None = None, cc_opts: tuple | None = None,
-    maxnreg: int | None = None,
+    maxnreg: int | None = None, append: tuple | None = None,
 ) -> Tensor:
     """Triton ``cell_attention``: q [B, Hq, D] -> [B, Hq, D] (shapes: docs/storage-layout.md).
 
@@ -427,6 +475,8 @@ def cell_attention(
     CUDA-core reader, names of ``triton_far.CC_OPTS`` (None: ``triton_config.CC_DEFAULT_OPTS_BY_BITS``; ``()``:
     session 2's reader).
     ``maxnreg``: register cap per thread handed to ``ptxas`` (more programs per SM; CUDA only).
+    ``append``: ``(k_new, v_new, own_bits)``, used by ``append_attention`` (which checks them): the token is
+    appended in the same launch.
     """
     if bits not in (16, 4, 2, 0):
         raise ValueError(f"bits must be 16, 4, 2 or 0 (no history), got {bits}")
@@ -440,6 +490,8 @@ def cell_attention(
                v_scale, v_zero)
     if q.dtype == torch.float64 or not all(t.is_contiguous() for t in storage):
         # float64 re-computations (tests) and non-contiguous storage stay on the reference
+        if append is not None:  # append_attention runs these as the two ops in turn
+            raise ValueError("cell_attention(append=...) needs contiguous storage and a non-float64 query")
         return cell_attention_reference(
             q, sink_k, sink_v, win_k, win_v, lengths, page_table, k_pages, k_scale, k_zero,
             v_hi, v_lo, v_scale, v_zero, bits, tau, scale,
@@ -483,6 +535,13 @@ def cell_attention(
         raise ValueError(f"sub_tokens must be 4, 8, 16 or 32, got {sub_tokens}")
     reg_cap = cfg.get("maxnreg") if maxnreg is None else maxnreg
     launch = {"maxnreg": int(reg_cap)} if reg_cap and q.device.type == "cuda" else {}
+    own = (k_pages, v_hi, v_lo)  # the pools as stored (the append encodes into them)
+    if append is None:  # placeholders: APPEND=False compiles none of their uses
+        k_new, v_new, own_bits, rcnt, cap = q, q, 0, cnt, 0
+    else:
+        k_new, v_new, own_bits = append
+        own_bits = own_bits if maxp else 0  # no pool: capacity(0) is below QUANTIZE_LENGTH
+        rcnt, cap = counters(q.device, B, purpose="append_attention"), capacity(maxp)
     if impl == "cc":  # the CUDA-core reader reads codes as int32 words (rows are multiples of 4 bytes)
         k_pages, v_hi, v_lo = (t.view(torch.int32) if t.numel() else t.new_empty(0, dtype=torch.int32)
                                for t in (k_pages, v_hi, v_lo))
@@ -498,18 +557,52 @@ def cell_attention(
             check_int32_offsets(**pools)
         elif int32_offset_overflow(**pools):  # the default (INT2) on a pool this large: 64-bit offsets
             opt &= ~CC_OPTS["i32"]
-    _cell_attn_kernel[(nprog, B * H)](
+    _cell_attn_kernel[(nprog + (2 if append is not None else 0), B * H)](
         q, q.stride(0), q.stride(1), sink_k, sink_v, win_k, win_v, lengths, page_table,
         k_pages, k_scale, k_zero, v_hi, v_lo, v_scale, v_zero,
         ws_o, ws_ml, cnt, out, out.stride(0), out.stride(1),
         H, maxp, nnear, nsplit, scale * LOG2E, float(tau) if vprec else 0.0,
+        k_new, v_new, k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1), rcnt, cap, *own,
         G=G, GR=GR, GP=_next_pow2(G), NGP=NGP, D=D, DP=DP, BITS=bits if nsplit else 0, VPREC=vprec, BN=bn,
         DT=tl.float32 if exact else tl.float16, PREC="ieee" if exact else "tf32",
         UPCAST=q.device.type != "cuda" and q.dtype == torch.bfloat16,
         FIELD=0 if exact else FIELD_MODE[field_mode or DEFAULT_FIELD_MODE],
         NPP=max(16, _next_pow2(nprog)), FAR=1 if impl == "cc" and nsplit else 0, PPI=ppi, TS=ts if impl == "cc" else 0,
         PREFETCH=bool(cfg["prefetch"] if prefetch is None else prefetch) and impl == "cc", OPT=opt,
+        APPEND=append is not None, OWN_BITS=own_bits,
         num_warps=nw, num_stages=num_stages or cfg["num_stages"], **launch, **KERNEL_OPTIONS,
     )
     return out
+
+
+def append_attention(
+    q: Tensor, k_new: Tensor, v_new: Tensor, sink_k: Tensor, sink_v: Tensor, win_k: Tensor, win_v: Tensor,
+    lengths: Tensor, page_table: Tensor, k_pages: Tensor, k_scale: Tensor, k_zero: Tensor, v_hi: Tensor,
+    v_lo: Tensor, v_scale: Tensor, v_zero: Tensor, bits: int, own_bits: int, tau: float, scale: float, **kwargs,
+) -> Tensor:
+    """Triton ``append_attention_``: ``append_`` of (k_new, v_new) [B, H, 1, D] at ``own_bits`` (0: a ``share``
+    cell), then ``cell_attention`` of q at ``bits``, in one launch (docs/design-decisions.md §10). ``kwargs``:
+    ``cell_attention``'s launch overrides. Tokens of another dtype than the cache's, strided tokens and what
+    ``cell_attention`` leaves to the reference run as the two ops in turn (same result)."""
+    B, H, D = q.shape[0], sink_k.shape[1], sink_k.shape[3]
+    if k_new.shape != (B, H, 1, D) or v_new.shape != k_new.shape:
+        raise ValueError(f"append_attention_ takes one token per row: k_new, v_new [B, H, 1, D] = [{B}, {H}, 1, {D}], "
+                         f"got {tuple(k_new.shape)}, {tuple(v_new.shape)}")
+    if own_bits not in (0, bits):
+        raise ValueError(f"own_bits must be 0 (a share cell: no pool to write) or the read bits {bits}, got {own_bits}")
+    storage = (sink_k, sink_v, win_k, win_v, lengths, page_table, k_pages, k_scale, k_zero, v_hi, v_lo,
+               v_scale, v_zero)
+    fused = (k_new.dtype == v_new.dtype == sink_k.dtype and k_new.stride(3) == 1 and v_new.stride(3) == 1
+             and q.dtype != torch.float64 and all(t.is_contiguous() for t in storage))
+    if not fused:
+        from loopkv.ops import triton_quant
+
+        triton_quant.append(k_new, v_new, sink_k, sink_v, win_k, win_v, lengths, page_table, k_pages, k_scale,
+                            k_zero, v_hi, v_lo, v_scale, v_zero, own_bits)
+        return cell_attention(q, sink_k, sink_v, win_k, win_v, lengths, page_table, k_pages, k_scale, k_zero,
+                              v_hi, v_lo, v_scale, v_zero, bits, tau, scale, **kwargs)
+    if B == 0:
+        return torch.empty_like(q, memory_format=torch.contiguous_format)
+    return cell_attention(q, sink_k, sink_v, win_k, win_v, lengths, page_table, k_pages, k_scale, k_zero,
+                          v_hi, v_lo, v_scale, v_zero, bits, tau, scale, append=(k_new, v_new, own_bits), **kwargs)
 

@@ -158,23 +158,18 @@ def _write_pages_kernel(
 
 
 @triton.jit
-def _append_kernel(
-    k_new, v_new, sk_b, sk_h, sk_d, sv_b, sv_h, sv_d,
-    sink_k, sink_v, win_k, win_v, lengths, page_table, cnt, H, MAXP, CAP,
+def _append_token(
+    k_new, v_new, sk_b, sk_h, sk_d, sv_b, sv_h, sv_d, b, h, part, pos,
+    sink_k, sink_v, win_k, win_v, page_table, H, MAXP, CAP,
     k_pages, k_scale, k_zero, v_hi, v_lo, v_scale, v_zero,
     BITS: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
 ):
-    """Program (b, h, part): K (part 0) or V (part 1) of head h: the token ``lengths[b]`` into sink/ring, and
-    the page this append completes, quantized.
+    """K (part 0) or V (part 1) of head h of row b: the token at position ``pos`` into sink/ring, and the page
+    this append completes, encoded into the pool (BITS 0: no pool). Returns the row's new length (``pos`` at
+    capacity: the row is left unchanged).
 
-    The append that makes ``n = lengths[b] + 1 = 319 + 32 p`` (``QUANTIZE_LENGTH``, docs/storage-layout.md)
-    encodes page ``p`` from ring slots ``(32 p) % 288 + [0, 32)``. The last of the row's 2 H programs
-    (counter ``cnt[b]``, reset to 0 by that program) stores ``lengths[b] = n``.
-    """
-    b = tl.program_id(0)
-    h = tl.program_id(1)
-    part = tl.program_id(2)  # 0: K, 1: V of head h
-    pos = tl.load(lengths + b).to(tl.int32)
+    The append that makes ``n = pos + 1 = 319 + 32 p`` (``QUANTIZE_LENGTH``, docs/storage-layout.md) encodes page
+    ``p`` from ring slots ``(32 p) % 288 + [0, 32)``."""
     ok = pos < CAP  # rows at capacity are left unchanged
     c = tl.arange(0, DP)
     cm = c < D
@@ -203,6 +198,26 @@ def _append_kernel(
                 win_k + row0, win_v + row0, D, 1, D, 1, phys, h, H, part,
                 k_pages, k_scale, k_zero, v_hi, v_lo, v_scale, v_zero, BITS, D, DP,
             )
+    return new_len
+
+
+@triton.jit
+def _append_kernel(
+    k_new, v_new, sk_b, sk_h, sk_d, sv_b, sv_h, sv_d,
+    sink_k, sink_v, win_k, win_v, lengths, page_table, cnt, H, MAXP, CAP,
+    k_pages, k_scale, k_zero, v_hi, v_lo, v_scale, v_zero,
+    BITS: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
+):
+    """Program (b, h, part): ``_append_token`` for the token ``lengths[b]``. The last of the row's 2 H programs
+    (counter ``cnt[b]``, reset to 0 by that program) stores ``lengths[b] = n``.
+    """
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    part = tl.program_id(2)  # 0: K, 1: V of head h
+    pos = tl.load(lengths + b).to(tl.int32)
+    new_len = _append_token(k_new, v_new, sk_b, sk_h, sk_d, sv_b, sv_h, sv_d, b, h, part, pos,
+                            sink_k, sink_v, win_k, win_v, page_table, H, MAXP, CAP,
+                            k_pages, k_scale, k_zero, v_hi, v_lo, v_scale, v_zero, BITS, D, DP)
     tl.debug_barrier()  # every thread has read lengths[b] before this program counts itself done
     done = tl.atomic_add(cnt + b, 1, sem="acq_rel")
     if done == 2 * H - 1:

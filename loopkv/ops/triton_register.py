@@ -63,10 +63,12 @@ def register_triton_kernels() -> bool:
     if not triton_available():
         return False
     from loopkv.ops import triton_attention, triton_quant
+    from loopkv.ops.append_attention import append_attention_
     from loopkv.ops.cache_ops import append_, write_pages_
     from loopkv.ops.cell_attention import cell_attention
 
     cell_attention.register_kernel("cuda")(triton_attention.cell_attention)
+    append_attention_.register_kernel("cuda")(triton_attention.append_attention)
     append_.register_kernel("cuda")(triton_quant.append)
     write_pages_.register_kernel("cuda")(triton_quant.write_pages)
     _registered = True

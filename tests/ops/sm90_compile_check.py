@@ -5,7 +5,8 @@ chosen when ``@triton.jit`` decorates). The launcher is called on CPU tensors wi
 recorder; the recorded arguments are then compiled by ``triton.compile`` for ``cuda:90`` with what the launcher
 does only on a GPU put back (the ``maxnreg`` cap, the L2 prefetch, no bf16 upcast). Prints one JSON line:
 registers, stack bytes and what the PTX contains. ``dtype`` (optional, default ``"bfloat16"``): the inputs';
-``cc_opts`` (optional): a reader variant's options instead of the launcher's default.
+``cc_opts`` (optional): a reader variant's options instead of the launcher's default; ``append`` (optional,
+true): the fused ``append_attention`` launch.
 
     python tests/ops/sm90_compile_check.py '{"bits": 4, "tau": 14.0, "batch": 8, "heads": 8, "group": 1,
                                              "head_dim": 96}'
@@ -57,9 +58,13 @@ def main(case: dict) -> dict:
     kernel, rec = ta._cell_attn_kernel, Recorder()
     ta._cell_attn_kernel = rec
     opts = case.get("cc_opts")  # a variant's options (default: the launcher's)
+    kw = {"cc_opts": tuple(opts)} if opts is not None else {}
     try:
-        ta.cell_attention(q, *sink, *ring, lengths, table, *pool, bits, tau, D**-0.5,
-                          **({"cc_opts": tuple(opts)} if opts is not None else {}))
+        if case.get("append"):  # the fused append_attention launch, own pool at the read bits
+            tok = torch.zeros(B, H, 1, D, dtype=dtype)
+            ta.append_attention(q, tok, tok, *sink, *ring, lengths, table, *pool, bits, bits, tau, D**-0.5, **kw)
+        else:
+            ta.cell_attention(q, *sink, *ring, lengths, table, *pool, bits, tau, D**-0.5, **kw)
     finally:
         ta._cell_attn_kernel = kernel
     (args, kwargs), = rec.calls
@@ -91,6 +96,9 @@ def main(case: dict) -> dict:
         constexprs[name] = value
     compiled = triton.compile(ASTSource(kernel, sig, constexprs=constexprs, attrs=attrs),
                               target=GPUTarget("cuda", 90, 32), options=options)
+    if case.get("cubin"):  # keep the binary (e.g. for cuobjdump -sass)
+        with open(case["cubin"], "wb") as f:
+            f.write(compiled.asm["cubin"])
     ptx = compiled.asm["ptx"]
     ftz = [ln.strip() for ln in ptx.splitlines() if ".ftz" in ln]
     registers, stack = _resources(compiled)

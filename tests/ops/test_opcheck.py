@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from loopkv.ops import cache_ops, cell_attention, codec, layout  # noqa: F401  (registers torch.ops.loopkv.*)
+from loopkv.ops import append_attention, cache_ops, cell_attention, codec, layout  # noqa: F401  (registers torch.ops.loopkv.*)
 
 HEADS, HEAD_DIM, BATCH, MAXP = 2, 64, 3, 2
 
@@ -69,10 +69,21 @@ def write_samples(device="cpu", dtype=torch.float32):
     return samples
 
 
+def append_attention_samples(device="cpu", dtype=torch.float32):
+    """``append_`` samples (every own bits, a window exit on two rows) with a query; bits 0 (a shared cell)
+    reads the INT4 pool it does not own."""
+    samples = []
+    for kn, vn, *st, own in append_samples(device, dtype):
+        q = torch.randn(3, 2 * HEADS, HEAD_DIM, dtype=dtype, device=device)
+        samples.append((q, kn, vn, *st, own or 4, own, 14.0 if own in (0, 4) else math.inf, HEAD_DIM**-0.5))
+    return samples
+
+
 OPS = {
     "cell_attention": (lambda: torch.ops.loopkv.cell_attention.default, attention_samples),
     "append_": (lambda: torch.ops.loopkv.append_.default, append_samples),
     "write_pages_": (lambda: torch.ops.loopkv.write_pages_.default, write_samples),
+    "append_attention_": (lambda: torch.ops.loopkv.append_attention_.default, append_attention_samples),
 }
 
 
