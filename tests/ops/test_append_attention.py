@@ -103,3 +103,26 @@ def test_tokens_the_fused_launch_cannot_take_run_as_two_ops():
         ta.append_attention(q, kn[:, :, :0], vn, *st, 4, 4, INF, 0.125)
     with pytest.raises(ValueError, match="own_bits"):
         ta.append_attention(q, kn, vn, *st, 4, 2, INF, 0.125)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("bits", "tau"), [(4, 14.0), (4, INF), (2, INF)])
+def test_gpu_fused_append_equals_append_then_attention(bits, tau):
+    """On the GPU the programs of one launch run concurrently, so this is where a race between the append programs
+    and the readers would show: 40 decode steps of an Ouro-sized cell (16 KV heads x 128, bf16, 8 rows whose
+    lengths cross window exits at different steps), outputs and storage bit for bit equal to the two ops."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    maxp = 12
+    lengths = [0, 20, 300, 318, 319, 340, 500, layout.capacity(maxp) - 5]
+    st = make_cell(len(lengths), 16, 128, maxp, bits, lengths, dtype=torch.bfloat16, device="cuda", seed=11)
+    ref = [t.clone() for t in st]
+    g = torch.Generator(device="cuda").manual_seed(bits)
+    for _ in range(40):
+        q = torch.randn(len(lengths), 16, 128, generator=g, device="cuda").to(torch.bfloat16)
+        kn, vn = (torch.randn(len(lengths), 16, 1, 128, generator=g, device="cuda").to(torch.bfloat16)
+                  for _ in range(2))
+        want = split_step(q, kn, vn, ref, bits, bits, tau, 128**-0.5)
+        got = ta.append_attention(q, kn, vn, *st, bits, bits, tau, 128**-0.5)
+        assert torch.equal(got, want)
+        assert_same_state(st, ref)
