@@ -367,7 +367,7 @@ def _cell_attn_kernel(
     elif is_app:  # APPEND: K (pid == nprog) or V of the new token, and the page leaving the window
         _append_token(k_new, v_new, skn_b, skn_h, 1, svn_b, svn_h, 1, b, h, pid - nprog, pos,
                       sink_k, sink_v, win_k, win_v, page_table, H, MAXP, CAP,
-                      own_k, k_scale, k_zero, own_hi, own_lo, v_scale, v_zero, OWN_BITS, D, DP)
+                      own_k, k_scale, k_zero, own_hi, own_lo, v_scale, v_zero, OWN_BITS, D, DP, True)
         tl.debug_barrier()  # every thread has read lengths[b]
         _row_done(rcnt, lengths, b, length, H)
     else:

@@ -142,6 +142,76 @@ def _encode_page(
 
 
 @triton.jit
+def _encode_page_sliced(
+    k_src, v_src, sk_t, sk_d, sv_t, sv_d, phys, h, H, part,
+    k_pages, k_scale, k_zero, v_hi, v_lo, v_scale, v_zero,
+    BITS: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
+):
+    """``_encode_page`` for BITS 4 / 2 in slices, the same codes: K in slices of 32 channels (its statistics are per
+    channel over the page's tokens), V in slices of 8 tokens (its statistics are per token and 32-channel group).
+    For kernels whose registers go elsewhere: the fused ``append_attention_`` launch, whose page encoder would
+    otherwise set the register count of its history reader (session 6: 10 spill loads per INT4 page)."""
+    t = tl.arange(0, 32)  # PAGE
+    page = phys.to(tl.int64) * H + h
+    LEVELS: tl.constexpr = (1 << BITS) - 1
+    if part == 0:
+        KPER: tl.constexpr = 8 // BITS
+        KBD: tl.constexpr = D // KPER
+        SB: tl.constexpr = 32 // KPER  # packed bytes per slice of 32 channels
+        for s0 in tl.static_range(0, DP // KPER, SB):
+            j = s0 + tl.arange(0, SB)
+            jm = (t[:, None] < 32) & (j[None, :] < KBD)
+            packed = tl.zeros([32, SB], dtype=tl.int32)
+            for i in tl.static_range(KPER):
+                ch = j * KPER + i
+                x = tl.load(k_src + t[:, None] * sk_t + ch[None, :] * sk_d, mask=jm, other=0.0).to(tl.float32)
+                scale, zero = _qparams(tl.min(x, axis=0), tl.max(x, axis=0), LEVELS)
+                q = _rne_codes(x, zero[None, :], scale[None, :], LEVELS)
+                packed = packed | (q << (BITS * i))
+                tl.store(k_scale + page * D + ch, scale, mask=j < KBD)
+                tl.store(k_zero + page * D + ch, zero, mask=j < KBD)
+            tl.store(k_pages + page * (32 * KBD) + t[:, None] * KBD + j[None, :], packed.to(tl.uint8), mask=jm)
+    else:
+        VB: tl.constexpr = DP // 4
+        VBD: tl.constexpr = D // 4
+        NGP: tl.constexpr = DP // 32
+        NG: tl.constexpr = D // 32
+        jv = tl.arange(0, VB)
+        g = tl.arange(0, NGP)
+        for t0 in tl.static_range(0, 32, 8):
+            ts = t0 + tl.arange(0, 8)
+            vm = (ts[:, None] < 32) & (jv[None, :] < VBD)
+            vptr = v_src + ts[:, None] * sv_t + (jv[None, :] * 4) * sv_d
+            x0 = tl.load(vptr, mask=vm, other=0.0).to(tl.float32)
+            x1 = tl.load(vptr + sv_d, mask=vm, other=0.0).to(tl.float32)
+            x2 = tl.load(vptr + 2 * sv_d, mask=vm, other=0.0).to(tl.float32)
+            x3 = tl.load(vptr + 3 * sv_d, mask=vm, other=0.0).to(tl.float32)
+            mn = tl.minimum(tl.minimum(x0, x1), tl.minimum(x2, x3))
+            mx = tl.maximum(tl.maximum(x0, x1), tl.maximum(x2, x3))
+            gmin = tl.min(tl.reshape(mn, [8, NGP, 8]), axis=2)
+            gmax = tl.max(tl.reshape(mx, [8, NGP, 8]), axis=2)
+            vscale, vzero = _qparams(gmin, gmax, LEVELS)
+            gm = (ts[:, None] < 32) & (g[None, :] < NG)
+            goff = page * (32 * NG) + ts[:, None] * NG + g[None, :]
+            tl.store(v_scale + goff, vscale, mask=gm)
+            tl.store(v_zero + goff, vzero, mask=gm)
+            s_b = tl.reshape(tl.broadcast_to(vscale[:, :, None], [8, NGP, 8]), [8, VB])
+            z_b = tl.reshape(tl.broadcast_to(vzero[:, :, None], [8, NGP, 8]), [8, VB])
+            c0 = _rne_codes(x0, z_b, s_b, LEVELS)
+            c1 = _rne_codes(x1, z_b, s_b, LEVELS)
+            c2 = _rne_codes(x2, z_b, s_b, LEVELS)
+            c3 = _rne_codes(x3, z_b, s_b, LEVELS)
+            voff = page * (32 * VBD) + ts[:, None] * VBD + jv[None, :]
+            if BITS == 4:
+                hi = (c0 >> 2) | ((c1 >> 2) << 2) | ((c2 >> 2) << 4) | ((c3 >> 2) << 6)
+                lo = (c0 & 3) | ((c1 & 3) << 2) | ((c2 & 3) << 4) | ((c3 & 3) << 6)
+                tl.store(v_hi + voff, hi.to(tl.uint8), mask=vm)
+                tl.store(v_lo + voff, lo.to(tl.uint8), mask=vm)
+            else:
+                tl.store(v_hi + voff, (c0 | (c1 << 2) | (c2 << 4) | (c3 << 6)).to(tl.uint8), mask=vm)
+
+
+@triton.jit
 def _write_pages_kernel(
     k, v, pages, sk_n, sk_h, sk_t, sk_d, sv_n, sv_h, sv_t, sv_d, H,
     k_pages, k_scale, k_zero, v_hi, v_lo, v_scale, v_zero,
@@ -162,7 +232,7 @@ def _append_token(
     k_new, v_new, sk_b, sk_h, sk_d, sv_b, sv_h, sv_d, b, h, part, pos,
     sink_k, sink_v, win_k, win_v, page_table, H, MAXP, CAP,
     k_pages, k_scale, k_zero, v_hi, v_lo, v_scale, v_zero,
-    BITS: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
+    BITS: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, SLICED: tl.constexpr = False,
 ):
     """K (part 0) or V (part 1) of head h of row b: the token at position ``pos`` into sink/ring, and the page
     this append completes, encoded into the pool (BITS 0: no pool). Returns the row's new length (``pos`` at
@@ -194,10 +264,16 @@ def _append_token(
             p = (new_len - 319) // 32
             phys = tl.load(page_table + b.to(tl.int64) * MAXP + p)
             row0 = (bh * 288 + (32 * p) % 288) * D
-            _encode_page(
-                win_k + row0, win_v + row0, D, 1, D, 1, phys, h, H, part,
-                k_pages, k_scale, k_zero, v_hi, v_lo, v_scale, v_zero, BITS, D, DP,
-            )
+            if SLICED and BITS != 16:
+                _encode_page_sliced(
+                    win_k + row0, win_v + row0, D, 1, D, 1, phys, h, H, part,
+                    k_pages, k_scale, k_zero, v_hi, v_lo, v_scale, v_zero, BITS, D, DP,
+                )
+            else:
+                _encode_page(
+                    win_k + row0, win_v + row0, D, 1, D, 1, phys, h, H, part,
+                    k_pages, k_scale, k_zero, v_hi, v_lo, v_scale, v_zero, BITS, D, DP,
+                )
     return new_len
 
 

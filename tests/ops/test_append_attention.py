@@ -45,15 +45,17 @@ def assert_same_state(a, b):
 
 @interpret
 @pytest.mark.interpret
-@pytest.mark.parametrize(("bits", "tau", "far_impl", "group", "dtype"), [
-    (4, 14.0, "cc", 1, torch.bfloat16),
-    (2, INF, "cc", 2, torch.float32),
-    (4, INF, "dot", 4, torch.float32),
-    (16, INF, None, 1, torch.float32),
+@pytest.mark.parametrize(("bits", "tau", "far_impl", "group", "dtype", "head_dim"), [
+    (4, 14.0, "cc", 1, torch.bfloat16, 64),
+    (2, INF, "cc", 2, torch.float32, 64),
+    (4, INF, "dot", 4, torch.float32, 64),
+    (16, INF, None, 1, torch.float32, 64),
+    (4, INF, "cc", 1, torch.bfloat16, 96),  # padded channels in the sliced page encoder
 ])
-def test_fused_append_equals_append_then_attention(bits, tau, far_impl, group, dtype):
-    """Three decode steps from every length in ``LENGTHS``: outputs and storage bit for bit equal."""
-    heads, head_dim = 2, 64
+def test_fused_append_equals_append_then_attention(bits, tau, far_impl, group, dtype, head_dim):
+    """Three decode steps from every length in ``LENGTHS``: outputs and storage bit for bit equal (the fused
+    launch encodes pages in slices, ``_encode_page_sliced``; the two ops with the whole-page encoder)."""
+    heads = 2
     st = make_cell(len(LENGTHS), heads, head_dim, MAXP, bits, LENGTHS, dtype=dtype, seed=3 + bits)
     ref = [t.clone() for t in st]
     g = torch.Generator().manual_seed(bits)
