@@ -59,7 +59,10 @@ ARMS = ("bf16", "kivi4", "kivi4v", "loopkv-r", "loopkv-m")
 # measured only when named in --arms: M's grid with V precision off (tau = inf; the same 155 / 220 KiB in
 # Plan's accounting, which does not count V precision's savings). The speed setting docs/kernels.md
 # recommends while V precision costs more than it saves on this reader.
-EXTRA_ARMS = ("loopkv-m-notau",)
+EXTRA_ARMS = ("loopkv-m-notau", "loopkv-m-fused")
+# "loopkv-m-fused": M with LoopKVCache(fused_append=True): each decode append inside its cell's attention launch
+# (append_attention_, docs/design-decisions.md §10; session 6, not yet measured)
+FUSED_ARMS = {"loopkv-m-fused": "loopkv-m"}
 TAU = 14.0
 GIB = 1 << 30
 PAGE_CYCLE = codec.PAGE  # each cell quantizes one page (its window exit) every PAGE_CYCLE decode steps
@@ -115,6 +118,7 @@ def paper_plans(loops: int, layers: int) -> dict[str, loopkv.Plan]:
         "loopkv-r": loopkv.Plan.from_grid(r, tau=TAU),
         "loopkv-m": loopkv.Plan.from_grid(m, tau=TAU),
         "loopkv-m-notau": loopkv.Plan.from_grid(m, tau=math.inf),
+        "loopkv-m-fused": loopkv.Plan.from_grid(m, tau=TAU),
     }
 
 
@@ -127,7 +131,7 @@ def build_cache(arm, plans, cfg, *, batch, capacity, dtype, device):
             layer.lazy_initialization(kv, kv)
         return cache
     return loopkv.LoopKVCache(plans[arm], config=cfg, max_batch_size=batch, max_cache_len=capacity,
-                              dtype=dtype, device=device)
+                              dtype=dtype, device=device, fused_append=arm in FUSED_ARMS)
 
 
 def cache_bytes(cache) -> int:
@@ -338,18 +342,25 @@ def capture_queries(model, cache, tok, pos, *, cells: int = 8) -> list[tuple[int
     """(cell index, row 0's query [1, Hq, D] fp32, softmax scale) of the first ``cells`` INT4-reading cells
     in one eager decode step (which appends one token to the cache)."""
     seen: list[tuple[int, torch.Tensor, float]] = []
-    original = cache.read_cell
+    original, original_fused = cache.read_cell, cache.append_read_cell
 
-    def spy(layer_idx, query, *, scale):
+    def note(layer_idx, query, scale):
         if len(seen) < cells and cache.layers[layer_idx].storage.read_bits == 4:
             seen.append((layer_idx, query[:1].float(), scale))
+
+    def spy(layer_idx, query, *, scale):
+        note(layer_idx, query, scale)
         return original(layer_idx, query, scale=scale)
 
-    cache.read_cell = spy
+    def spy_fused(layer_idx, query, k, v, *, scale):  # fused_append: the decode read appends too
+        note(layer_idx, query, scale)
+        return original_fused(layer_idx, query, k, v, scale=scale)
+
+    cache.read_cell, cache.append_read_cell = spy, spy_fused
     try:
         make_step(model, cache, tok.clone(), pos.clone(), dense=False, capacity=cache.max_cache_len)()
     finally:
-        del cache.read_cell
+        del cache.read_cell, cache.append_read_cell
     return seen
 
 
@@ -628,7 +639,7 @@ def smoke() -> None:
     plans = paper_plans(cfg.total_ut_steps, cfg.num_hidden_layers)
     register()
     ctx = 700
-    for arm in ARMS:
+    for arm in (*ARMS, *FUSED_ARMS):
         model.set_attn_implementation("sdpa" if arm == "bf16" else "loopkv")
         cache = build_cache(arm, plans, cfg, batch=2, capacity=ctx + 64, dtype=torch.float32, device="cpu")
         fill(cache, ctx, k_scale=0.5)

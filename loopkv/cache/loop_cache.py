@@ -25,7 +25,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from loopkv.cache.storage import POOL_FIELDS, CellStorage, allocate_cell
 from loopkv.cells import Cell, CellLayout
-from loopkv.ops import cache_ops, cell_attention, codec  # noqa: F401  (registers torch.ops.loopkv.*)
+from loopkv.ops import append_attention, cache_ops, cell_attention, codec  # noqa: F401  (registers torch.ops.loopkv.*)
 from loopkv.ops.codec import PAGE, SINK
 from loopkv.ops.layout import RING, capacity, n_pages, stored_pages
 
@@ -46,16 +46,19 @@ class LoopKVHandle:
     """What ``LoopKVCache.update`` returns in place of dense K/V: the cache, the cell and new tokens.
 
     k_new, v_new: [B, H, S, D] for prefill/continuation (the attention function writes them); None in
-    decode (``update`` already appended them).
+    decode (``update`` already appended them), or, with ``pending`` (a cache built with ``fused_append=True``),
+    the decode token [B, H, 1, D] that the attention function appends and reads in one op.
     """
 
     is_loopkv_handle = True
 
-    def __init__(self, cache: LoopKVCache, cell_index: int, k_new: Tensor | None, v_new: Tensor | None):
+    def __init__(self, cache: LoopKVCache, cell_index: int, k_new: Tensor | None, v_new: Tensor | None, *,
+                 pending: bool = False):
         self.cache = cache
         self.cell_index = cell_index
         self.k_new = k_new
         self.v_new = v_new
+        self.pending = pending
 
 
 class LoopKVCell(CacheLayerMixin):
@@ -123,10 +126,15 @@ class LoopKVCache(Cache):
         max_cache_len: tokens per row (prompt + generated), preallocated.
         dtype: the model's activation dtype (exact sink/window/bf16 pages); default ``config.dtype`` or fp32.
         device: where the storage lives; default CUDA if available, else CPU.
+        fused_append: decode appends the token inside the cell's attention op (``append_attention_``: one launch
+            per cell instead of two; docs/design-decisions.md §10) instead of in ``update``. Off by default: not
+            yet measured on a GPU (session 6). With it, a decode ``update`` must be followed by the ``"loopkv"``
+            attention function on the same cell, which is what the model does.
     """
 
     def __init__(self, plan, *, config, max_batch_size: int, max_cache_len: int,
-                 dtype: torch.dtype | None = None, device: torch.device | str | None = None):
+                 dtype: torch.dtype | None = None, device: torch.device | str | None = None,
+                 fused_append: bool = False):
         from loopkv.cache.attention import register
 
         register()
@@ -157,6 +165,7 @@ class LoopKVCache(Cache):
         self.kv_heads, self.head_dim = kv_heads, head_dim
         self.q_heads = config.num_attention_heads
         self.tau = float(plan.tau)
+        self.fused_append = bool(fused_append)
 
         dims = dict(batch=max_batch_size, heads=kv_heads, head_dim=head_dim, max_cache_len=max_cache_len,
                     dtype=dtype, device=device)
@@ -212,6 +221,8 @@ class LoopKVCache(Cache):
         if checks and int(st.lengths.max()) >= self.max_cache_len:
             raise ValueError(f"a row already holds max_cache_len={self.max_cache_len} tokens; build the "
                              "LoopKVCache with a larger max_cache_len")
+        if self.fused_append:  # appended by the attention function, in the same op as the read
+            return (LoopKVHandle(self, layer_idx, key_states, value_states, pending=True),) * 2
         torch.ops.loopkv.append_(key_states, value_states, st.sink_k, st.sink_v, st.win_k, st.win_v,
                                  st.lengths, st.page_table, *st.pool(), st.own_bits)
         return (LoopKVHandle(self, layer_idx, None, None),) * 2
@@ -288,12 +299,20 @@ class LoopKVCache(Cache):
         # history is read, nothing is written to the cache)
         for batch in sorted({1, self.max_batch_size}):
             query = torch.zeros(batch, q_heads or self.q_heads, self.head_dim, dtype=self.dtype, device=self.device)
+            token = torch.zeros(batch, self.kv_heads, 1, self.head_dim, dtype=self.dtype, device=self.device)
             for idx in range(len(self.layers)):
                 st = self._rows(idx, batch)
+                tau = self.tau if st.read_bits == 4 else math.inf
                 torch.ops.loopkv.cell_attention(
                     query, st.sink_k, st.sink_v, st.win_k, st.win_v, torch.zeros_like(st.lengths), st.page_table,
-                    *st.pool(), st.read_bits, self.tau if st.read_bits == 4 else math.inf, self.head_dim**-0.5,
+                    *st.pool(), st.read_bits, tau, self.head_dim**-0.5,
                 )
+                if self.fused_append:  # it writes: scratch exact parts and lengths (length 0: no page is encoded)
+                    scratch = [torch.zeros_like(t) for t in (st.sink_k, st.sink_v, st.win_k, st.win_v, st.lengths)]
+                    torch.ops.loopkv.append_attention_(
+                        query, token, token, *scratch, st.page_table, *st.pool(), st.read_bits, st.own_bits, tau,
+                        self.head_dim**-0.5,
+                    )
         torch.cuda.synchronize(self.device)
 
     def storage(self, cell: Cell | int) -> CellStorage:
@@ -318,6 +337,15 @@ class LoopKVCache(Cache):
         return torch.ops.loopkv.cell_attention(
             query, st.sink_k, st.sink_v, st.win_k, st.win_v, st.lengths, st.page_table, *st.pool(),
             st.read_bits, self.tau if st.read_bits == 4 else math.inf, scale,
+        )
+
+    def append_read_cell(self, layer_idx: int, query: Tensor, k: Tensor, v: Tensor, *, scale: float) -> Tensor:
+        """Append one decode token (k, v [B, H, 1, D]) to cell ``layer_idx`` and read it with query [B, Hq, D],
+        in one op (``append_attention_``): what ``update`` + ``read_cell`` do with ``fused_append``."""
+        st = self._rows(layer_idx, query.shape[0])
+        return torch.ops.loopkv.append_attention_(
+            query, k, v, st.sink_k, st.sink_v, st.win_k, st.win_v, st.lengths, st.page_table, *st.pool(),
+            st.read_bits, st.own_bits, self.tau if st.read_bits == 4 else math.inf, scale,
         )
 
     def prefill_cell(self, layer_idx: int, k: Tensor, v: Tensor, pad: Tensor) -> None:

@@ -6,10 +6,11 @@ the reference below is exactly those two references in turn; the Triton kernel
 decode step needs one launch per cell instead of two. ``own_bits`` is the cell's own pool (``append_``'s
 ``bits``; 0 for a ``share`` cell, which has no pool), ``bits`` the pages it reads.
 
-Not yet used by ``LoopKVCache`` (session 6): the kernel is built and tested against the two ops under the
-interpreter, and nothing of it has run on a GPU. Its append programs encode pages in slices so that the encoder's
-registers do not spill the reader's page loop (static, sm_90, Triton 3.6: INT4 974 instructions per page-head and
-no spill, against 959 for the plain reader; with V precision 996 and 5 spill loads).
+``LoopKVCache`` uses it only when built with ``fused_append=True`` (off by default, session 6): the kernel is
+built and tested against the two ops under the interpreter, and nothing of it has run on a GPU. Its append
+programs encode pages in slices so that the encoder's registers do not spill the reader's page loop (static,
+sm_90, Triton 3.6: INT4 974 instructions per page-head and no spill, against 959 for the plain reader; with V
+precision 996 and 5 spill loads).
 """
 
 from __future__ import annotations

@@ -36,9 +36,9 @@ def _plan() -> "loopkv.Plan":
     return loopkv.Plan.from_grid(grid, tau=14.0)
 
 
-def _cache(model: OuroForCausalLM, dtype: torch.dtype) -> "loopkv.LoopKVCache":
+def _cache(model: OuroForCausalLM, dtype: torch.dtype, **kw) -> "loopkv.LoopKVCache":
     return loopkv.LoopKVCache(_plan(), config=model.config, max_batch_size=2, max_cache_len=PROMPT + NEW_TOKENS,
-                              dtype=dtype, device="cuda")
+                              dtype=dtype, device="cuda", **kw)
 
 
 def test_generate_is_one_cuda_graph_for_1024_steps_and_equals_eager(error_on_recompile):
@@ -114,3 +114,25 @@ def test_warmup_compiles_every_reader_variant_a_decode_step_uses():
             assert out.shape == query.shape
     torch.cuda.synchronize()
     assert _compiled_variants(_cell_attn_kernel) == before
+
+
+def test_fused_append_is_one_cuda_graph_and_equals_the_two_ops(error_on_recompile):
+    """``fused_append=True`` (``append_attention_``, session 6, not yet run on a GPU): compiled ``generate`` is one
+    graph with no break or skip, and its tokens equal the default cache's compiled tokens over 300 steps (window
+    exits and a share cell included); bf16, the dtype the fused kernel is for."""
+    model = _model(torch.bfloat16)
+    ids = torch.randint(3, 257, (2, PROMPT), generator=torch.Generator().manual_seed(2)).cuda()
+    gen = dict(max_new_tokens=300, min_new_tokens=300, do_sample=False, attention_mask=torch.ones_like(ids))
+    config = CompileConfig(fullgraph=True, mode="reduce-overhead")
+    outs = []
+    for fused in (False, True):
+        cache = _cache(model, torch.bfloat16, fused_append=fused)
+        cache.warmup()
+        torch._dynamo.reset()
+        counters.clear()
+        outs.append(model.generate(ids, past_key_values=cache, compile_config=config, **gen))
+        assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+        assert not counters["graph_break"], dict(counters["graph_break"])
+        assert counters["inductor"]["cudagraph_skips"] == 0
+    assert torch.equal(outs[0], outs[1])
+

@@ -196,3 +196,31 @@ def test_no_host_sync_while_a_cuda_graph_is_captured(model, monkeypatch):
     monkeypatch.setattr(loop_cache, "_capturing", lambda device: False)
     with pytest.raises(ValueError, match="max_cache_len=12"):
         cache.update(k, k, 0)
+
+
+@pytest.mark.parametrize(
+    "plan",
+    [
+        loopkv.Plan.uniform(loops=LOOPS, layers=LAYERS, option="int4", tau=14.0),
+        loopkv.Plan.from_loops(loops=LOOPS, layers=LAYERS, per_loop=["share", "int2"]),
+    ],
+    ids=["int4-tau14", "share+int2"],
+)
+def test_fused_append_generates_what_the_two_ops_do(model, plan):
+    """``fused_append=True`` (decode appends inside the attention op, ``append_attention_``): two rows, 70 decode
+    steps across window exits, tokens and logits bit for bit those of the default cache, lengths and storage
+    equal at the end."""
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(3, 97, (2, 300), generator=g)
+    caches = [loopkv.LoopKVCache(plan, config=model.config, max_batch_size=2, max_cache_len=400, dtype=torch.float32,
+                                 device="cpu", fused_append=fused) for fused in (False, True)]
+    fused_reads = []
+    read = caches[1].append_read_cell
+    caches[1].append_read_cell = lambda *a, **kw: (fused_reads.append(a[0]), read(*a, **kw))[1]
+    (t0, l0), (t1, l1) = (_generate(model, ids, 70, c) for c in caches)
+    assert len(fused_reads) == 69 * LOOPS * LAYERS  # every decode step of every cell took the fused op
+    assert torch.equal(t0, t1)
+    assert torch.equal(l0, l1)
+    for a, b in zip(caches[0].layers, caches[1].layers, strict=True):
+        for name, t in a.storage.own_tensors().items():
+            assert torch.equal(t, b.storage.own_tensors()[name]), name
