@@ -62,7 +62,7 @@ ARMS = ("bf16", "kivi4", "kivi4v", "loopkv-r", "loopkv-m")
 EXTRA_ARMS = ("loopkv-m-notau", "loopkv-m-fused")
 # "loopkv-m-fused": M with LoopKVCache(fused_append=True): each decode append inside its cell's attention launch
 # (append_attention_, docs/design-decisions.md §10; session 6, not yet measured)
-FUSED_ARMS = {"loopkv-m-fused": "loopkv-m"}
+FUSED_ARMS = ("loopkv-m-fused",)
 TAU = 14.0
 GIB = 1 << 30
 PAGE_CYCLE = codec.PAGE  # each cell quantizes one page (its window exit) every PAGE_CYCLE decode steps

@@ -214,10 +214,13 @@ def test_batches_for_default_sweep_and_explicit_order(bench):
         bench.main(["--batches", "peak,max", "--contexts", "64"])
 
 
-def test_back_to_back_timing_queues_every_replay_between_two_events(bench):
-    """``time_back_to_back``: both events bracket all replays and nothing waits in between (the host queues the
-    next step while the GPU runs the last); the result is the bracketed time divided by the steps."""
-    log, names = [], iter("ab")
+def fake_event(log, elapsed, *, wait_s=0.0):
+    """A ``torch.cuda.Event`` stand-in: events named a, b, a, b, ... log their calls; ``elapsed_time`` (always a to
+    b) returns the next of ``elapsed``; ``synchronize`` sleeps ``wait_s`` (a GPU the host waits for)."""
+    import itertools
+    import time
+
+    names, times = itertools.cycle("ab"), iter(elapsed)
 
     class Event:
         def __init__(self, enable_timing):
@@ -229,12 +232,20 @@ def test_back_to_back_timing_queues_every_replay_between_two_events(bench):
 
         def synchronize(self):
             log.append(f"{self.name}.synchronize")
+            time.sleep(wait_s)
 
         def elapsed_time(self, other):
             assert (self.name, other.name) == ("a", "b")
-            return 96.0
+            return next(times)
 
-    got = bench.time_back_to_back(lambda: log.append("replay"), 32, event=Event)
+    return Event
+
+
+def test_back_to_back_timing_queues_every_replay_between_two_events(bench):
+    """``time_back_to_back``: both events bracket all replays and nothing waits in between (the host queues the
+    next step while the GPU runs the last); the result is the bracketed time divided by the steps."""
+    log = []
+    got = bench.time_back_to_back(lambda: log.append("replay"), 32, event=fake_event(log, [96.0]))
     assert got == 3.0
     assert log == ["a.record"] + ["replay"] * 32 + ["b.record", "b.synchronize"]
 
@@ -242,33 +253,16 @@ def test_back_to_back_timing_queues_every_replay_between_two_events(bench):
 def test_per_step_timing_waits_for_every_step_and_times_the_host_submission(bench):
     """``time_steps``: each step is bracketed by its own two events and waited for; the host time is the
     ``replay()`` call alone (the submission an idle GPU waits for), not the wait."""
-    import time as _time
+    import time
 
     log = []
-    names = iter("ab" * 4)
-    elapsed = iter([4.0, 6.0, 5.0, 9.0])
-
-    class Event:
-        def __init__(self, enable_timing):
-            assert enable_timing
-            self.name = next(names)
-
-        def record(self):
-            log.append(f"{self.name}.record")
-
-        def synchronize(self):
-            log.append(f"{self.name}.synchronize")
-            _time.sleep(0.02)  # the wait must not count as host submission time
-
-        def elapsed_time(self, other):
-            assert (self.name, other.name) == ("a", "b")
-            return next(elapsed)
 
     def replay():
         log.append("replay")
-        _time.sleep(0.005)
+        time.sleep(0.005)
 
-    mean, median, host = bench.time_steps(replay, 4, event=Event)
+    event = fake_event(log, [4.0, 6.0, 5.0, 9.0], wait_s=0.02)  # the wait must not count as host submission time
+    mean, median, host = bench.time_steps(replay, 4, event=event)
     assert (mean, median) == (6.0, 6.0)  # sorted [4, 5, 6, 9]: the element at index 2
     assert 5.0 <= host < 15.0, host  # about 5 ms per replay call, far below the 20 ms waits
     assert log == ["a.record", "replay", "b.record", "b.synchronize"] * 4

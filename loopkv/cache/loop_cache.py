@@ -300,6 +300,9 @@ class LoopKVCache(Cache):
         for batch in sorted({1, self.max_batch_size}):
             query = torch.zeros(batch, q_heads or self.q_heads, self.head_dim, dtype=self.dtype, device=self.device)
             token = torch.zeros(batch, self.kv_heads, 1, self.head_dim, dtype=self.dtype, device=self.device)
+            if self.fused_append:  # the fused op writes: scratch exact parts and lengths (every cell's shape)
+                st = self._rows(0, batch)
+                scratch = [torch.zeros_like(t) for t in (st.sink_k, st.sink_v, st.win_k, st.win_v, st.lengths)]
             for idx in range(len(self.layers)):
                 st = self._rows(idx, batch)
                 tau = self.tau if st.read_bits == 4 else math.inf
@@ -307,8 +310,8 @@ class LoopKVCache(Cache):
                     query, st.sink_k, st.sink_v, st.win_k, st.win_v, torch.zeros_like(st.lengths), st.page_table,
                     *st.pool(), st.read_bits, tau, self.head_dim**-0.5,
                 )
-                if self.fused_append:  # it writes: scratch exact parts and lengths (length 0: no page is encoded)
-                    scratch = [torch.zeros_like(t) for t in (st.sink_k, st.sink_v, st.win_k, st.win_v, st.lengths)]
+                if self.fused_append:  # from length 0 (re-zeroed): no page is encoded
+                    scratch[4].zero_()
                     torch.ops.loopkv.append_attention_(
                         query, token, token, *scratch, st.page_table, *st.pool(), st.read_bits, st.own_bits, tau,
                         self.head_dim**-0.5,

@@ -545,9 +545,10 @@ def cell_attention(
     if impl == "cc":  # the CUDA-core reader reads codes as int32 words (rows are multiples of 4 bytes)
         k_pages, v_hi, v_lo = (t.view(torch.int32) if t.numel() else t.new_empty(0, dtype=torch.int32)
                                for t in (k_pages, v_hi, v_lo))
-    if opt & (CC_OPTS["pt"] | CC_OPTS["sc"]) and (ppi != 1 or (prefetch if prefetch is not None else cfg["prefetch"])):
+    pf = bool(cfg["prefetch"] if prefetch is None else prefetch) and impl == "cc"
+    if opt & (CC_OPTS["pt"] | CC_OPTS["sc"]) and (ppi != 1 or pf):
         raise ValueError("cc_opts 'pt' and 'sc' carry the next page's index and scales across iterations of one "
-                         f"page: they need pages_per_iter=1 and prefetch=False (got {ppi}, {prefetch})")
+                         f"page: they need pages_per_iter=1 and prefetch=False (got {ppi}, {pf})")
     if q.device.type != "cuda" or torch.version.hip:  # "l2" is a prefetch hint in inline PTX, which neither the
         opt &= ~CC_OPTS["l2"]  # interpreter nor ROCm can run; without it the reader computes the same values
     if opt & CC_OPTS["i32"]:
@@ -568,7 +569,7 @@ def cell_attention(
         UPCAST=q.device.type != "cuda" and q.dtype == torch.bfloat16,
         FIELD=0 if exact else FIELD_MODE[field_mode or DEFAULT_FIELD_MODE],
         NPP=max(16, _next_pow2(nprog)), FAR=1 if impl == "cc" and nsplit else 0, PPI=ppi, TS=ts if impl == "cc" else 0,
-        PREFETCH=bool(cfg["prefetch"] if prefetch is None else prefetch) and impl == "cc", OPT=opt,
+        PREFETCH=pf, OPT=opt,
         APPEND=append is not None, OWN_BITS=own_bits,
         num_warps=nw, num_stages=num_stages or cfg["num_stages"], **launch, **KERNEL_OPTIONS,
     )

@@ -62,12 +62,16 @@ def _qparams(xmin, xmax, LEVELS: tl.constexpr):
 def _encode_page(
     k_src, v_src, sk_t, sk_d, sv_t, sv_d, phys, h, H, part,
     k_pages, k_scale, k_zero, v_hi, v_lo, v_scale, v_zero,
-    BITS: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
+    BITS: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, SLICED: tl.constexpr = False,
 ):
     """Encode K (part 0) or V (part 1) of one page of one head (token t, channel c at
     ``src + t * s_t + c * s_d``) into physical page ``phys``. K and V go to two programs: half the latency.
 
-    BITS 16: exact copy into k_pages/v_hi [N, H, PAGE, D]. BITS 4/2: codes as in codec.encode_pages.
+    BITS 16: exact copy into k_pages/v_hi [N, H, PAGE, D]. BITS 4/2: codes as in codec.encode_pages, the whole
+    page at once, or with SLICED in slices with the same codes: K by 32 channels (its statistics are per channel
+    over the page's tokens), V by 8 tokens (per token and 32-channel group). SLICED is for kernels whose registers
+    go elsewhere: the fused ``append_attention_`` launch, whose whole-page encoder set the register count of its
+    history reader (session 6: 10 spill loads per INT4 page).
     """
     t = tl.arange(0, 32)  # PAGE
     page = phys.to(tl.int64) * H + h  # (page, head) index into the pool's first two dims
@@ -87,19 +91,21 @@ def _encode_page(
         KPER: tl.constexpr = 8 // BITS
         KB: tl.constexpr = DP // KPER  # packed bytes per token (padded)
         KBD: tl.constexpr = D // KPER
-        j = tl.arange(0, KB)
-        jm = (t[:, None] < 32) & (j[None, :] < KBD)
-        packed = tl.zeros([32, KB], dtype=tl.int32)
-        for i in tl.static_range(KPER):
-            ch = j * KPER + i  # [KB]
-            x = tl.load(k_src + t[:, None] * sk_t + ch[None, :] * sk_d, mask=jm, other=0.0)
-            x = x.to(tl.float32)
-            scale, zero = _qparams(tl.min(x, axis=0), tl.max(x, axis=0), LEVELS)  # [KB]
-            q = _rne_codes(x, zero[None, :], scale[None, :], LEVELS)
-            packed = packed | (q << (BITS * i))
-            tl.store(k_scale + page * D + ch, scale, mask=j < KBD)
-            tl.store(k_zero + page * D + ch, zero, mask=j < KBD)
-        tl.store(k_pages + page * (32 * KBD) + t[:, None] * KBD + j[None, :], packed.to(tl.uint8), mask=jm)
+        KS: tl.constexpr = (32 // KPER) if SLICED else KB  # packed bytes per slice
+        for s0 in tl.static_range(0, KB, KS):
+            j = s0 + tl.arange(0, KS)
+            jm = (t[:, None] < 32) & (j[None, :] < KBD)
+            packed = tl.zeros([32, KS], dtype=tl.int32)
+            for i in tl.static_range(KPER):
+                ch = j * KPER + i  # [KS]
+                x = tl.load(k_src + t[:, None] * sk_t + ch[None, :] * sk_d, mask=jm, other=0.0)
+                x = x.to(tl.float32)
+                scale, zero = _qparams(tl.min(x, axis=0), tl.max(x, axis=0), LEVELS)  # [KS]
+                q = _rne_codes(x, zero[None, :], scale[None, :], LEVELS)
+                packed = packed | (q << (BITS * i))
+                tl.store(k_scale + page * D + ch, scale, mask=j < KBD)
+                tl.store(k_zero + page * D + ch, zero, mask=j < KBD)
+            tl.store(k_pages + page * (32 * KBD) + t[:, None] * KBD + j[None, :], packed.to(tl.uint8), mask=jm)
     else:
         LEVELS: tl.constexpr = (1 << BITS) - 1
         # ---- V: per token in groups of 32 channels; tiles by crumb position, channel 4 * j + i
@@ -107,96 +113,28 @@ def _encode_page(
         VBD: tl.constexpr = D // 4
         NGP: tl.constexpr = DP // 32
         NG: tl.constexpr = D // 32
-        jv = tl.arange(0, VB)
-        vm = (t[:, None] < 32) & (jv[None, :] < VBD)
-        vptr = v_src + t[:, None] * sv_t + (jv[None, :] * 4) * sv_d
-        x0 = tl.load(vptr, mask=vm, other=0.0).to(tl.float32)
-        x1 = tl.load(vptr + sv_d, mask=vm, other=0.0).to(tl.float32)
-        x2 = tl.load(vptr + 2 * sv_d, mask=vm, other=0.0).to(tl.float32)
-        x3 = tl.load(vptr + 3 * sv_d, mask=vm, other=0.0).to(tl.float32)
-        mn = tl.minimum(tl.minimum(x0, x1), tl.minimum(x2, x3))  # [32, VB]; a group = 8 bytes of j
-        mx = tl.maximum(tl.maximum(x0, x1), tl.maximum(x2, x3))
-        gmin = tl.min(tl.reshape(mn, [32, NGP, 8]), axis=2)  # [32, NGP]
-        gmax = tl.max(tl.reshape(mx, [32, NGP, 8]), axis=2)
-        vscale, vzero = _qparams(gmin, gmax, LEVELS)  # [32, NGP] fp16
-        g = tl.arange(0, NGP)
-        gm = (t[:, None] < 32) & (g[None, :] < NG)
-        goff = page * (32 * NG) + t[:, None] * NG + g[None, :]
-        tl.store(v_scale + goff, vscale, mask=gm)
-        tl.store(v_zero + goff, vzero, mask=gm)
-        s_b = tl.reshape(tl.broadcast_to(vscale[:, :, None], [32, NGP, 8]), [32, VB])
-        z_b = tl.reshape(tl.broadcast_to(vzero[:, :, None], [32, NGP, 8]), [32, VB])
-        c0 = _rne_codes(x0, z_b, s_b, LEVELS)
-        c1 = _rne_codes(x1, z_b, s_b, LEVELS)
-        c2 = _rne_codes(x2, z_b, s_b, LEVELS)
-        c3 = _rne_codes(x3, z_b, s_b, LEVELS)
-        voff = page * (32 * VBD) + t[:, None] * VBD + jv[None, :]
-        if BITS == 4:
-            hi = (c0 >> 2) | ((c1 >> 2) << 2) | ((c2 >> 2) << 4) | ((c3 >> 2) << 6)
-            lo = (c0 & 3) | ((c1 & 3) << 2) | ((c2 & 3) << 4) | ((c3 & 3) << 6)
-            tl.store(v_hi + voff, hi.to(tl.uint8), mask=vm)
-            tl.store(v_lo + voff, lo.to(tl.uint8), mask=vm)
-        else:
-            codes = c0 | (c1 << 2) | (c2 << 4) | (c3 << 6)
-            tl.store(v_hi + voff, codes.to(tl.uint8), mask=vm)
-
-
-@triton.jit
-def _encode_page_sliced(
-    k_src, v_src, sk_t, sk_d, sv_t, sv_d, phys, h, H, part,
-    k_pages, k_scale, k_zero, v_hi, v_lo, v_scale, v_zero,
-    BITS: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
-):
-    """``_encode_page`` for BITS 4 / 2 in slices, the same codes: K in slices of 32 channels (its statistics are per
-    channel over the page's tokens), V in slices of 8 tokens (its statistics are per token and 32-channel group).
-    For kernels whose registers go elsewhere: the fused ``append_attention_`` launch, whose page encoder would
-    otherwise set the register count of its history reader (session 6: 10 spill loads per INT4 page)."""
-    t = tl.arange(0, 32)  # PAGE
-    page = phys.to(tl.int64) * H + h
-    LEVELS: tl.constexpr = (1 << BITS) - 1
-    if part == 0:
-        KPER: tl.constexpr = 8 // BITS
-        KBD: tl.constexpr = D // KPER
-        SB: tl.constexpr = 32 // KPER  # packed bytes per slice of 32 channels
-        for s0 in tl.static_range(0, DP // KPER, SB):
-            j = s0 + tl.arange(0, SB)
-            jm = (t[:, None] < 32) & (j[None, :] < KBD)
-            packed = tl.zeros([32, SB], dtype=tl.int32)
-            for i in tl.static_range(KPER):
-                ch = j * KPER + i
-                x = tl.load(k_src + t[:, None] * sk_t + ch[None, :] * sk_d, mask=jm, other=0.0).to(tl.float32)
-                scale, zero = _qparams(tl.min(x, axis=0), tl.max(x, axis=0), LEVELS)
-                q = _rne_codes(x, zero[None, :], scale[None, :], LEVELS)
-                packed = packed | (q << (BITS * i))
-                tl.store(k_scale + page * D + ch, scale, mask=j < KBD)
-                tl.store(k_zero + page * D + ch, zero, mask=j < KBD)
-            tl.store(k_pages + page * (32 * KBD) + t[:, None] * KBD + j[None, :], packed.to(tl.uint8), mask=jm)
-    else:
-        VB: tl.constexpr = DP // 4
-        VBD: tl.constexpr = D // 4
-        NGP: tl.constexpr = DP // 32
-        NG: tl.constexpr = D // 32
+        TSL: tl.constexpr = 8 if SLICED else 32  # tokens per slice
         jv = tl.arange(0, VB)
         g = tl.arange(0, NGP)
-        for t0 in tl.static_range(0, 32, 8):
-            ts = t0 + tl.arange(0, 8)
+        for t0 in tl.static_range(0, 32, TSL):
+            ts = t0 + tl.arange(0, TSL)
             vm = (ts[:, None] < 32) & (jv[None, :] < VBD)
             vptr = v_src + ts[:, None] * sv_t + (jv[None, :] * 4) * sv_d
             x0 = tl.load(vptr, mask=vm, other=0.0).to(tl.float32)
             x1 = tl.load(vptr + sv_d, mask=vm, other=0.0).to(tl.float32)
             x2 = tl.load(vptr + 2 * sv_d, mask=vm, other=0.0).to(tl.float32)
             x3 = tl.load(vptr + 3 * sv_d, mask=vm, other=0.0).to(tl.float32)
-            mn = tl.minimum(tl.minimum(x0, x1), tl.minimum(x2, x3))
+            mn = tl.minimum(tl.minimum(x0, x1), tl.minimum(x2, x3))  # [TSL, VB]; a group = 8 bytes of j
             mx = tl.maximum(tl.maximum(x0, x1), tl.maximum(x2, x3))
-            gmin = tl.min(tl.reshape(mn, [8, NGP, 8]), axis=2)
-            gmax = tl.max(tl.reshape(mx, [8, NGP, 8]), axis=2)
-            vscale, vzero = _qparams(gmin, gmax, LEVELS)
+            gmin = tl.min(tl.reshape(mn, [TSL, NGP, 8]), axis=2)  # [TSL, NGP]
+            gmax = tl.max(tl.reshape(mx, [TSL, NGP, 8]), axis=2)
+            vscale, vzero = _qparams(gmin, gmax, LEVELS)  # [TSL, NGP] fp16
             gm = (ts[:, None] < 32) & (g[None, :] < NG)
             goff = page * (32 * NG) + ts[:, None] * NG + g[None, :]
             tl.store(v_scale + goff, vscale, mask=gm)
             tl.store(v_zero + goff, vzero, mask=gm)
-            s_b = tl.reshape(tl.broadcast_to(vscale[:, :, None], [8, NGP, 8]), [8, VB])
-            z_b = tl.reshape(tl.broadcast_to(vzero[:, :, None], [8, NGP, 8]), [8, VB])
+            s_b = tl.reshape(tl.broadcast_to(vscale[:, :, None], [TSL, NGP, 8]), [TSL, VB])
+            z_b = tl.reshape(tl.broadcast_to(vzero[:, :, None], [TSL, NGP, 8]), [TSL, VB])
             c0 = _rne_codes(x0, z_b, s_b, LEVELS)
             c1 = _rne_codes(x1, z_b, s_b, LEVELS)
             c2 = _rne_codes(x2, z_b, s_b, LEVELS)
@@ -208,7 +146,8 @@ def _encode_page_sliced(
                 tl.store(v_hi + voff, hi.to(tl.uint8), mask=vm)
                 tl.store(v_lo + voff, lo.to(tl.uint8), mask=vm)
             else:
-                tl.store(v_hi + voff, (c0 | (c1 << 2) | (c2 << 4) | (c3 << 6)).to(tl.uint8), mask=vm)
+                codes = c0 | (c1 << 2) | (c2 << 4) | (c3 << 6)
+                tl.store(v_hi + voff, codes.to(tl.uint8), mask=vm)
 
 
 @triton.jit
@@ -264,16 +203,10 @@ def _append_token(
             p = (new_len - 319) // 32
             phys = tl.load(page_table + b.to(tl.int64) * MAXP + p)
             row0 = (bh * 288 + (32 * p) % 288) * D
-            if SLICED and BITS != 16:
-                _encode_page_sliced(
-                    win_k + row0, win_v + row0, D, 1, D, 1, phys, h, H, part,
-                    k_pages, k_scale, k_zero, v_hi, v_lo, v_scale, v_zero, BITS, D, DP,
-                )
-            else:
-                _encode_page(
-                    win_k + row0, win_v + row0, D, 1, D, 1, phys, h, H, part,
-                    k_pages, k_scale, k_zero, v_hi, v_lo, v_scale, v_zero, BITS, D, DP,
-                )
+            _encode_page(
+                win_k + row0, win_v + row0, D, 1, D, 1, phys, h, H, part,
+                k_pages, k_scale, k_zero, v_hi, v_lo, v_scale, v_zero, BITS, D, DP, SLICED,
+            )
     return new_len
 
 

@@ -9,6 +9,10 @@ from tests.cache.driver import tiny_config
 from tests.tolerances import LOGITS_FP32_ATOL, LOGITS_FP32_RTOL
 
 LOOPS, LAYERS = 2, 2
+QUANTIZED_PLANS = [
+    loopkv.Plan.uniform(loops=LOOPS, layers=LAYERS, option="int4", tau=14.0),
+    loopkv.Plan.from_loops(loops=LOOPS, layers=LAYERS, per_loop=["share", "int2"]),
+]
 
 
 @pytest.fixture(scope="module")
@@ -44,14 +48,7 @@ def test_bf16_plan_equals_dense_cache(model, prompt):
     assert cache.get_seq_length() == prompt + 99  # the last generated token is never fed back
 
 
-@pytest.mark.parametrize(
-    "plan",
-    [
-        loopkv.Plan.uniform(loops=LOOPS, layers=LAYERS, option="int4", tau=14.0),
-        loopkv.Plan.from_loops(loops=LOOPS, layers=LAYERS, per_loop=["share", "int2"]),
-    ],
-    ids=["int4-tau14", "share+int2"],
-)
+@pytest.mark.parametrize("plan", QUANTIZED_PLANS, ids=["int4-tau14", "share+int2"])
 def test_left_padded_rows_equal_batch_one(model, plan):
     lens = [3, 40, 300, 700]
     g = torch.Generator().manual_seed(1)
@@ -198,14 +195,7 @@ def test_no_host_sync_while_a_cuda_graph_is_captured(model, monkeypatch):
         cache.update(k, k, 0)
 
 
-@pytest.mark.parametrize(
-    "plan",
-    [
-        loopkv.Plan.uniform(loops=LOOPS, layers=LAYERS, option="int4", tau=14.0),
-        loopkv.Plan.from_loops(loops=LOOPS, layers=LAYERS, per_loop=["share", "int2"]),
-    ],
-    ids=["int4-tau14", "share+int2"],
-)
+@pytest.mark.parametrize("plan", QUANTIZED_PLANS, ids=["int4-tau14", "share+int2"])
 def test_fused_append_generates_what_the_two_ops_do(model, plan):
     """``fused_append=True`` (decode appends inside the attention op, ``append_attention_``): two rows, 70 decode
     steps across window exits, tokens and logits bit for bit those of the default cache, lengths and storage

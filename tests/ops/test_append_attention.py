@@ -54,7 +54,7 @@ def assert_same_state(a, b):
 ])
 def test_fused_append_equals_append_then_attention(bits, tau, far_impl, group, dtype, head_dim):
     """Three decode steps from every length in ``LENGTHS``: outputs and storage bit for bit equal (the fused
-    launch encodes pages in slices, ``_encode_page_sliced``; the two ops with the whole-page encoder)."""
+    launch encodes pages in slices, ``_encode_page(SLICED=True)``; the two ops the whole page at once)."""
     heads = 2
     st = make_cell(len(LENGTHS), heads, head_dim, MAXP, bits, LENGTHS, dtype=dtype, seed=3 + bits)
     ref = [t.clone() for t in st]
