@@ -27,10 +27,14 @@ graph replay, counted with the profiler), and ``torch.cuda.max_memory_allocated`
 batch, so use it on a few points, ``--batches peak,1``). The step time is the mean over a whole page cycle
 (``--steps``, a multiple of 32 consecutive steps: every cell quantizes one page per 32 steps, so the mean
 includes the window exits in proportion; before session 4 it was the median of 10 steps right after the fill,
-which contained no exit). ``step_ms`` waits for every step; ``step_ms_back_to_back`` queues the same number of
-replays without waiting (the difference is host-side time per step). The replay is profiled over one page cycle
-for the GPU time per kernel role (cell attention, the quantizer) and the idle time before each. Writes JSON
-(device, versions, date, every measurement) to ``--out`` and prints a table last.
+which contained no exit). Each point runs in a process of its own (``--shared-process`` to run them all in this
+one): once ``torch.profiler`` has traced CUDA in a process, every later graph launch holds the host 4-9x longer
+(session 7, ``benchmarks/probe_graph_launch.py --profiler-effect``: the BF16 step's ``replay()`` 0.32 -> 2.76 ms),
+so in one process every point after the first profiled one was timed with that overhead; within a point the timing
+comes before the profiling. ``step_ms`` waits for every step; ``step_ms_back_to_back`` queues the same number of
+replays without waiting (the difference is host-side time per step). The replay is profiled over one page cycle for
+the GPU time per kernel role (cell attention, the quantizer) and the idle time before each. Writes JSON (device,
+versions, date, every measurement) to ``--out`` and prints a table last.
 
     PYTHONPATH=. python benchmarks/bench_decode.py --out benchmarks/results/decode_$(date +%F).json
     PYTHONPATH=. python benchmarks/bench_decode.py --smoke   # tiny model on CPU: checks the script runs
@@ -43,7 +47,11 @@ import datetime
 import itertools
 import json
 import math
+import os
 import platform
+import subprocess
+import sys
+import tempfile
 import time
 import traceback
 
@@ -502,7 +510,31 @@ def summarize(rows: list[dict], contexts: list[int]) -> list[dict]:
     return out
 
 
-def main(argv=None) -> None:
+def point_argv(args, ctx: int, arm: str, batch: int, *, profile: bool, launches: bool, out: str) -> list[str]:
+    """The command line of a child process that measures one point (``--point``) with this run's settings."""
+    argv = [sys.executable, os.path.abspath(__file__), "--point", f"{ctx},{arm},{batch}",
+            "--point-profile", str(int(profile)), "--point-launches", str(int(launches)), "--out", out,
+            "--capture", args.capture, "--steps", str(args.steps), "--k-scale", str(args.k_scale),
+            "--far-impl", args.far_impl]
+    return argv + (["--dynamic"] if args.dynamic else [])
+
+
+def run_point_in_child(args, ctx: int, arm: str, batch: int, *, profile: bool, launches: bool) -> dict:
+    """``measure`` in a fresh process (see the module docstring for why); its stderr tail on failure."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "row.json")
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # loopkv importable from the tree
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+        proc = subprocess.run(point_argv(args, ctx, arm, batch, profile=profile, launches=launches, out=out),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        if proc.returncode or not os.path.exists(out):
+            raise RuntimeError(f"point {arm} ctx={ctx} B={batch} failed in its process (rc={proc.returncode}):\n"
+                               + proc.stdout[-3000:])
+        with open(out) as f:
+            return json.load(f)
+
+
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--contexts", default="8192,16384", help="comma-separated context lengths")
     p.add_argument("--arms", default=",".join(ARMS))
@@ -525,7 +557,18 @@ def main(argv=None) -> None:
     p.add_argument("--far-impl", choices=("auto", "cc", "dot"), default="auto",
                    help="history reader of the INT4/INT2 cells (auto: the library's default)")
     p.add_argument("--smoke", action="store_true", help="tiny model, CPU-sized: check the script end to end")
+    p.add_argument("--shared-process", action="store_true",
+                   help="measure every point in this process (default: one process per point; after a profiled "
+                        "point, graph launches in the same process are slower on the host)")
+    p.add_argument("--point", default=None, help=argparse.SUPPRESS)  # "ctx,arm,batch": a child process's point
+    p.add_argument("--point-profile", type=int, default=1, help=argparse.SUPPRESS)
+    p.add_argument("--point-launches", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--out", default=None, help="JSON path")
+    return p
+
+
+def main(argv=None) -> None:
+    p = build_parser()
     args = p.parse_args(argv)
     if args.steps <= 0 or args.steps % PAGE_CYCLE or 2 * args.steps + PAGE_CYCLE + 8 > LEAD + HEADROOM:
         raise SystemExit(f"--steps must be a positive multiple of {PAGE_CYCLE} (a page cycle: every cell quantizes "
@@ -548,13 +591,30 @@ def main(argv=None) -> None:
         triton_attention.CC_DEFAULT = args.far_impl == "cc"  # choose_far_impl's default for small groups
     torch.manual_seed(0)
     cfg = ouro_1p4b_config()
-    model = OuroForCausalLM(cfg).to(device=device, dtype=dtype).eval()
+    if args.point or args.shared_process:
+        model = OuroForCausalLM(cfg).to(device=device, dtype=dtype).eval()
+    else:  # the points run in processes of their own; this one only needs the shapes
+        with torch.device("meta"):
+            model = OuroForCausalLM(cfg).to(dtype=dtype).eval()
     plans = paper_plans(cfg.total_ut_steps, cfg.num_hidden_layers)
     kib = {a: plans[a].bytes_per_token(cfg) for a in plans}
     plan_kib = {a: (b.stored_kib, b.read_kib) for a, b in kib.items()}
     assert plan_kib["loopkv-r"] == (215.0, 215.0), plan_kib  # the paper's R and M (§3.2, Table 8)
     assert plan_kib["loopkv-m"] == (155.0, 220.0), plan_kib
     register()  # the "loopkv" attention/mask functions, before set_attn_implementation
+    if args.point:  # a child process: one point, its row to --out
+        ctx_s, arm, b_s = args.point.split(",")
+        if args.capture == "compile":
+            prepare_compile()
+        model.set_attn_implementation("sdpa" if arm == "bf16" else "loopkv")
+        row = measure(model, cfg, arm, plans, ctx=int(ctx_s), batch=int(b_s), steps=args.steps,
+                      capture_mode=args.capture, k_scale=args.k_scale, dtype=dtype, device=device,
+                      launches=bool(args.point_launches), dynamic=True if args.dynamic else None,
+                      profile=bool(args.point_profile))
+        row["process"] = "own"
+        with open(args.out, "w") as f:
+            json.dump(row, f, default=str)
+        return
     contexts = [int(c) for c in args.contexts.split(",")]
     arms = [a for a in args.arms.split(",") if a]
     unknown = sorted(set(arms) - set(ARMS + EXTRA_ARMS))
@@ -576,10 +636,15 @@ def main(argv=None) -> None:
                 for b in batches_for(peak, sweep, args.common_batch, args.batches):
                     model.set_attn_implementation("sdpa" if arm == "bf16" else "loopkv")
                     try:
-                        row = measure(model, cfg, arm, plans, ctx=ctx, batch=b, steps=args.steps,
-                                      capture_mode=args.capture, k_scale=args.k_scale, dtype=dtype, device=device,
-                                      launches=b == 1, dynamic=True if args.dynamic else None,
-                                      profile=profiled(b, peak, args.profile))
+                        if args.shared_process:
+                            row = measure(model, cfg, arm, plans, ctx=ctx, batch=b, steps=args.steps,
+                                          capture_mode=args.capture, k_scale=args.k_scale, dtype=dtype,
+                                          device=device, launches=b == 1, dynamic=True if args.dynamic else None,
+                                          profile=profiled(b, peak, args.profile))
+                            row["process"] = "shared"
+                        else:
+                            row = run_point_in_child(args, ctx, arm, b, profile=profiled(b, peak, args.profile),
+                                                     launches=b == 1)
                     except Exception as exc:  # record and go on: one broken point must not lose the run
                         errors.append({"arm": arm, "ctx": ctx, "batch": b, "error": traceback.format_exc()[-3000:]})
                         print(f"{arm} ctx={ctx} B={b} FAILED: {exc!r}", flush=True)

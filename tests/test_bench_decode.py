@@ -276,3 +276,23 @@ def test_profile_modes_pick_points(bench):
     assert [bench.profiled(b, 36, "none") for b in points] == [False] * 4
     with pytest.raises(ValueError, match="--profile"):
         bench.profiled(1, 36, "peak")
+
+
+def test_a_point_runs_in_its_own_process_with_this_runs_settings(bench):
+    """Each point runs in a child process (a profiled point slows later graph launches in its process, session 7):
+    the child's command line parses back to the same settings, with its one point, and a failing child is an
+    error that carries its output."""
+    p = bench.build_parser()
+    args = p.parse_args(["--capture", "compile", "--steps", "64", "--k-scale", "2.5", "--far-impl", "dot",
+                         "--dynamic"])
+    argv = bench.point_argv(args, 16384, "loopkv-m", 36, profile=False, launches=True, out="/tmp/row.json")
+    assert argv[1].endswith("bench_decode.py")
+    child = p.parse_args(argv[2:])
+    assert (child.point, child.point_profile, child.point_launches, child.out) == ("16384,loopkv-m,36", 0, 1,
+                                                                                  "/tmp/row.json")
+    for key in ("capture", "steps", "k_scale", "far_impl", "dynamic"):
+        assert getattr(child, key) == getattr(args, key), key
+    assert not p.parse_args([]).shared_process
+    args.capture = "no-such-mode"  # the child's parser rejects it: the parent reports the child's message
+    with pytest.raises(RuntimeError, match="invalid choice"):
+        bench.run_point_in_child(args, 8192, "bf16", 1, profile=False, launches=False)

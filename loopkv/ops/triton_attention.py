@@ -546,6 +546,8 @@ def cell_attention(
         k_pages, v_hi, v_lo = (t.view(torch.int32) if t.numel() else t.new_empty(0, dtype=torch.int32)
                                for t in (k_pages, v_hi, v_lo))
     pf = bool(cfg["prefetch"] if prefetch is None else prefetch) and impl == "cc"
+    if cc_opts is None and (ppi != 1 or pf):  # the default's "pt" needs one page per iteration and no prefetch:
+        opt &= ~CC_OPTS["pt"]  # an explicit pages_per_iter=2 / prefetch=True reads without it (same values)
     if opt & (CC_OPTS["pt"] | CC_OPTS["sc"]) and (ppi != 1 or pf):
         raise ValueError("cc_opts 'pt' and 'sc' carry the next page's index and scales across iterations of one "
                          f"page: they need pages_per_iter=1 and prefetch=False (got {ppi}, {pf})")

@@ -49,7 +49,13 @@ CC_DEFAULT_OPTS = ("qk", "vg", "f24")
 # (0.454 vs 0.468; 0.138 vs 0.144 at B=8); INT2 with "i32" and "l2" ran 0.349 vs 0.396 ms (2.76x cuDNN), 0.107 vs
 # 0.122 at B=8, 0.018 vs 0.020 at B=1. "i32" alone slowed INT4 (0.459 ms; ncu: more long-scoreboard stalls), so
 # INT4 keeps 64-bit offsets.
-CC_DEFAULT_OPTS_BY_BITS = {4: (*CC_DEFAULT_OPTS, "l2"), 2: (*CC_DEFAULT_OPTS, "i32", "l2")}
+# Session 7 (cell_attention_2026-11-30_session7_pagehead.json): "pt" (the next page's page-table entry loaded one
+# iteration ahead; ncu, session 6: 8.4% of the page loop's stall samples waited on it) ran INT4 at B=32 x 16K in
+# 0.426 vs 0.435 ms (2.26x cuDNN), 0.128 vs 0.131 at B=8 x 16K, 0.018 vs 0.018 at B=1 x 8K; V precision 0.441 vs
+# 0.451; INT2 (with "i32") 0.344 vs 0.351, 0.103 vs 0.105, 0.016 vs 0.016. One run; every arm within 4.9e-4 of
+# the tensor-core reader. "sc" (the next page's scales carried in registers too) was slower everywhere (INT4
+# 0.463, INT2 0.389 at B=32), so it stays an opt-in variant.
+CC_DEFAULT_OPTS_BY_BITS = {4: (*CC_DEFAULT_OPTS, "l2", "pt"), 2: (*CC_DEFAULT_OPTS, "i32", "l2", "pt")}
 # Launch options every loopkv kernel passes. Fused multiply-adds: the kernels were measured and their codes
 # checked bit for bit with fp fusion on, Triton's default up to 3.9; Triton 3.9 warns that 3.10 turns it off by
 # default, which would split the reader's one FFMA per code field into FMUL + FADD and could change the
@@ -66,7 +72,8 @@ def _config(bits: int, far_impl: str, rows_heads: int = 1, group: int = 1, exact
     Measured on the H200 (docs/kernel-notes.md): the tensor-core code reader is latency-bound and runs
     best as one warp per program with three pipeline stages; exact BF16 pages as four warps. The CUDA-core
     reader (``triton_far``): one warp, 8-token sub-tiles, one page per iteration, 32-slot near programs and
-    the ``CC_DEFAULT_OPTS_BY_BITS`` variants (session 5: plus the L2 prefetch, and 32-bit offsets for INT2). The
+    the ``CC_DEFAULT_OPTS_BY_BITS`` variants (session 5: plus the L2 prefetch, and 32-bit offsets for INT2;
+    session 7: plus the page-table entry loaded a page ahead). The
     ``CC_DEFAULT_OPTS`` variants were the fastest of the ten reader configs at every INT4 shape of the
     session-3 sweep. INT4 runs with ``maxnreg=128`` (``ptxas`` fits the uncapped 183 registers into 128 with a
     200-byte stack and no spill in the page loop: 16 one-warp programs per SM instead of 11): B=32 x 16K 0.437 ms

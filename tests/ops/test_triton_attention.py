@@ -20,7 +20,7 @@ if not torch.cuda.is_available():
 
 triton = pytest.importorskip("triton")
 
-from loopkv.ops import codec, layout  # noqa: E402
+from loopkv.ops import codec, layout, triton_config  # noqa: E402
 from loopkv.ops import triton_attention as ta  # noqa: E402
 from loopkv.ops.cell_attention import cell_attention_reference  # noqa: E402
 from tests.tolerances import ATTN_BF16_ATOL, ATTN_BF16_RTOL, ATTN_FP32_ATOL, ATTN_FP32_RTOL  # noqa: E402
@@ -204,9 +204,10 @@ def test_launch_config_follows_the_measurements():
     assert [tc._config(2, "cc", bh, 1)["maxnreg"] for bh in (16, 63, 64, 512)] == [None, None, 128, 128]
     assert tc._config(2, "cc", 512, 2)["maxnreg"] is None
     assert {tc._config(b, "cc", bh)["sub_tokens"] for b in (4, 2) for bh in (16, 64, 512)} == {8}
-    # session 5: INT4 prefetches the next page to L2, INT2 also uses 32-bit offsets (measured faster there only)
-    assert tc._config(4, "cc", 512)["cc_opts"] == ("qk", "vg", "f24", "l2")
-    assert tc._config(2, "cc", 512)["cc_opts"] == ("qk", "vg", "f24", "i32", "l2")
+    # session 5: INT4 prefetches the next page to L2, INT2 also uses 32-bit offsets (measured faster there only);
+    # session 7: both load the next page's page-table entry a page ahead
+    assert tc._config(4, "cc", 512)["cc_opts"] == ("qk", "vg", "f24", "l2", "pt")
+    assert tc._config(2, "cc", 512)["cc_opts"] == ("qk", "vg", "f24", "i32", "l2", "pt")
     assert tc._config(4, "dot", 512).get("maxnreg") is None
     # fp32 inputs on code pages: four warps, one stage (static, session 6: one warp spilled 8-9 KB per thread)
     assert (tc._config(4, "dot", 512)["num_warps"], tc._config(4, "dot", 512)["num_stages"]) == (1, 3)
@@ -240,6 +241,10 @@ def test_far_impl_choice_and_argument_errors():
     for kw in ({"pages_per_iter": 2}, {"prefetch": True}):  # pt / sc carry one page's index and scales
         with pytest.raises(ValueError, match="'pt' and 'sc'.*pages_per_iter=1 and prefetch=False"):
             ta.cell_attention(q, *st, 4, INF, 0.125, far_impl="cc", cc_opts=("sc",), **kw)
+        # the default carries "pt" (session 7); with these it reads without it instead of refusing
+        assert "pt" in triton_config.CC_DEFAULT_OPTS_BY_BITS[4]
+        out = ta.cell_attention(q, *st, 4, INF, 0.125, far_impl="cc", **kw)
+        assert_close_to_reference(out, q, st, 4, INF, 0.125)
     for removed in ("la", "p2"):  # measured slower and removed (sessions 4 and 5)
         with pytest.raises(ValueError, match="cc_opts"):
             ta.cell_attention(q, *st, 4, 14.0, 0.125, far_impl="cc", cc_opts=(removed,))

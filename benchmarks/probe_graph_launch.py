@@ -1,0 +1,268 @@
+"""Where batch 1's host time goes: how long ``CUDAGraph.replay()`` holds the host, per kind of graph node.
+
+Session 6 found that a synchronized decode step of LoopKV-M at batch 1 x 8K waits 2.5-3.0 ms for the host to
+submit its CUDA graph, against 0.1 ms for the BF16 arm's graph (``docs/decode-benchmark.md``). This probe
+measures, in one process on the GPU:
+
+* synthetic graphs of ``N`` launches each: an ATen kernel (``add_``), a one-program Triton kernel with one
+  pointer, and the same kernel with 24 more pointers (is a Triton node dearer to submit than an ATen node?);
+* the decode step of each named arm of ``bench_decode`` captured with ``torch.cuda.graph`` (no Dynamo): the
+  graph's nodes by type (``cudaGraphDebugDotPrint``), the most frequent kernels, and the host and GPU times.
+
+``replay_host_ms`` is how long ``replay()`` blocks the host (mean of ``--reps``, the GPU idle before each);
+``step_ms`` the GPU time of a synchronized replay; ``b2b_ms`` per replay queued back to back.
+Writes JSON (``--out``) and prints a table last. GPU only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import datetime
+import json
+import os
+import re
+import sys
+import tempfile
+import time
+
+import torch
+import triton
+import triton.language as tl
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_decode as bd  # noqa: E402
+
+
+@triton.jit
+def _tiny(x_ptr):
+    tl.store(x_ptr, tl.load(x_ptr) + 1.0)
+
+
+@triton.jit
+def _tiny_wide(x_ptr, a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13, a14, a15, a16, a17, a18, a19,
+               a20, a21, a22, a23):
+    tl.store(x_ptr, tl.load(x_ptr) + 1.0)
+
+
+def timed(replay, reps: int) -> dict:
+    """Host ms of ``replay()`` on an idle GPU, GPU ms of a synchronized replay, ms per back-to-back replay."""
+    host, gpu = [], []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        t0 = time.perf_counter()
+        replay()
+        host.append((time.perf_counter() - t0) * 1e3)
+        b.record()
+        b.synchronize()
+        gpu.append(a.elapsed_time(b))
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(reps):
+        replay()
+    b.record()
+    b.synchronize()
+    mean = lambda xs: round(sum(xs) / len(xs), 4)  # noqa: E731
+    return {"replay_host_ms": mean(host), "step_ms": mean(gpu), "b2b_ms": round(a.elapsed_time(b) / reps, 4)}
+
+
+def graph_of(fn, *, dump: str | None = None) -> torch.cuda.CUDAGraph:
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    if dump:
+        g.enable_debug_mode()
+    with torch.cuda.graph(g, capture_error_mode="thread_local"):
+        fn()
+    if dump:
+        g.debug_dump(dump)
+    return g
+
+
+def node_census(dot_path: str, top: int = 12) -> dict:
+    """Node types and the most frequent kernel names of a ``cudaGraphDebugDotPrint`` file."""
+    if not os.path.exists(dot_path):  # debug_dump writes nothing on some torch builds
+        return {"node_types": {}, "top_names": [], "dot_bytes": 0}
+    text = open(dot_path, errors="replace").read()
+    kinds = collections.Counter(re.findall(r'label="\{?\s*([A-Z][A-Z_]+)', text))
+    names = collections.Counter(re.findall(r"(?:_Z\w+|triton_\w+|_\w+_kernel\w*)", text))
+    return {"node_types": dict(kinds), "top_names": names.most_common(top), "dot_bytes": len(text)}
+
+
+def synthetic(n: int, reps: int) -> list[dict]:
+    x = torch.zeros(1, device="cuda")
+    ptrs = [torch.zeros(1, device="cuda") for _ in range(24)]
+    src, dst = torch.zeros(64, device="cuda"), torch.zeros(64, device="cuda")
+
+    def with_copies(k: int):  # Triton nodes with k device-to-device cudaMemcpyAsync nodes spread among them
+        def fn():
+            for i in range(n):
+                _tiny[(1,)](x)
+                if k and i % (n // k) == n // (2 * k):
+                    dst.copy_(src)
+        return fn
+    cases = {
+        "aten add_": lambda: [x.add_(1.0) for _ in range(n)],
+        "triton + 1 memcpy": with_copies(1),
+        "triton + 3 memcpy": with_copies(3),
+        "triton 1 arg": lambda: [_tiny[(1,)](x) for _ in range(n)],
+        "triton 25 args": lambda: [_tiny_wide[(1,)](x, *ptrs) for _ in range(n)],
+    }
+    rows = []
+    for name, fn in cases.items():
+        g = graph_of(fn)
+        rows.append({"graph": f"{name} x{n}", "nodes": n, **timed(g.replay, reps)})
+        del g
+    return rows
+
+
+def kernel_graphs(n: int, reps: int) -> list[dict]:
+    """Graphs of ``n`` launches of one loopkv kernel on one Ouro-sized cell (B1, 16 KV heads x 128, 8K, INT4)."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "ops"))
+    from test_triton_attention import make_cell
+
+    from loopkv.ops import layout
+    from loopkv.ops import triton_attention as ta
+    from loopkv.ops import triton_quant as tq
+
+    maxp = layout.stored_pages(16384)
+    st = make_cell(1, 16, 128, maxp, 4, [8192], dtype=torch.bfloat16, device="cuda", seed=1)
+    q = torch.randn(1, 16, 128, device="cuda").to(torch.bfloat16)
+    kn = torch.randn(1, 16, 1, 128, device="cuda").to(torch.bfloat16)
+    x = torch.zeros(1, device="cuda")
+    cases = {
+        "tiny triton": lambda: _tiny[(1,)](x),
+        "cell_attention cc": lambda: ta.cell_attention(q, *st, 4, 14.0, 0.088),
+        "cell_attention cc 1 split": lambda: ta.cell_attention(q, *st, 4, 14.0, 0.088, splits=1),
+        "cell_attention cc uncapped": lambda: ta.cell_attention(q, *st, 4, 14.0, 0.088, maxnreg=255),
+        "cell_attention dot": lambda: ta.cell_attention(q, *st, 4, 14.0, 0.088, far_impl="dot"),
+        "append_": lambda: tq.append(kn, kn, *st, 4),
+    }
+    rows = []
+    for name, one in cases.items():
+        g = graph_of(lambda one=one: [one() for _ in range(n)])
+        rows.append({"graph": f"{name} x{n}", "nodes": n, **timed(g.replay, reps)})
+        del g
+    return rows
+
+
+def memcpy_sources(step, limit: int = 8) -> list[str]:
+    """The Python frames (loopkv / transformers / model code) of each ``cudaMemcpyAsync`` of one eager step."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA],
+                                with_stack=True) as prof:
+        step()
+        torch.cuda.synchronize()
+    out = []
+    for e in prof.events():
+        if "Memcpy" not in e.name or len(out) >= limit:
+            continue
+        chain, p = [], e
+        while p is not None:
+            chain.append(p.name)
+            frames = [f for f in (p.stack or []) if "loopkv" in f or "transformers" in f or "bench" in f]
+            if frames:
+                out.append(" <- ".join(chain) + " @ " + " | ".join(frames[:4]))
+                break
+            p = p.cpu_parent
+        else:
+            out.append(" <- ".join(chain))
+    return out
+
+
+def decode_graph(arm: str, model, cfg, plans, *, ctx: int, batch: int, reps: int, dump_dir: str) -> dict:
+    capacity = ctx + bd.HEADROOM
+    cache = bd.build_cache(arm, plans, cfg, batch=batch, capacity=capacity, dtype=torch.bfloat16, device="cuda")
+    if hasattr(cache, "warmup"):
+        cache.warmup()
+    bd.fill(cache, ctx - bd.LEAD, k_scale=1.8)
+    tok = torch.randint(3, cfg.vocab_size, (batch, 1), device="cuda")
+    pos = torch.full((batch, 1), ctx - bd.LEAD, dtype=torch.long, device="cuda")
+    model.set_attn_implementation("sdpa" if arm == "bf16" else "loopkv")
+    step = bd.make_step(model, cache, tok, pos, dense=arm == "bf16", capacity=capacity)
+    dot = os.path.join(dump_dir, f"{arm}.dot")
+    g = graph_of(step, dump=dot)
+    row = {"graph": f"{arm} B{batch} ctx{ctx}", **node_census(dot), **timed(g.replay, reps)}
+    row["memcpy_sources"] = memcpy_sources(step)
+    row["eager_calls"] = bd.count_launches(step)  # host API calls by name (memcpy / memset nodes show here)
+    row["nodes"] = sum(row["node_types"].values()) or int(row["eager_calls"]["gpu_kernels"])
+    del g, cache
+    torch.cuda.empty_cache()
+    return row
+
+
+def profiler_effect(arm: str, model, cfg, plans, *, ctx: int, batch: int, n: int, reps: int) -> list[dict]:
+    """The same two graphs (``n`` tiny Triton launches; ``arm``'s decode step) timed before and after one
+    ``torch.profiler`` session with CUDA activities has run in the process (on another tiny op)."""
+    x = torch.zeros(1, device="cuda")
+    tiny = graph_of(lambda: [_tiny[(1,)](x) for _ in range(n)])
+    capacity = ctx + bd.HEADROOM
+    cache = bd.build_cache(arm, plans, cfg, batch=batch, capacity=capacity, dtype=torch.bfloat16, device="cuda")
+    if hasattr(cache, "warmup"):
+        cache.warmup()
+    bd.fill(cache, ctx - bd.LEAD, k_scale=1.8)
+    tok = torch.randint(3, cfg.vocab_size, (batch, 1), device="cuda")
+    pos = torch.full((batch, 1), ctx - bd.LEAD, dtype=torch.long, device="cuda")
+    model.set_attn_implementation("sdpa" if arm == "bf16" else "loopkv")
+    step = graph_of(bd.make_step(model, cache, tok, pos, dense=arm == "bf16", capacity=capacity))
+    rows = []
+    for when in ("before", "after"):
+        if when == "after":
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                    torch.profiler.ProfilerActivity.CUDA]):
+                x.add_(1.0)
+                torch.cuda.synchronize()
+        rows.append({"graph": f"tiny triton x{n}, {when} profiler", "nodes": n, **timed(tiny.replay, reps)})
+        rows.append({"graph": f"{arm} B{batch}, {when} profiler", "nodes": 0, **timed(step.replay, reps)})
+    return rows
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--arms", default="bf16,loopkv-m")
+    p.add_argument("--ctx", type=int, default=8192)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--nodes", type=int, default=4000, help="launches per synthetic graph")
+    p.add_argument("--reps", type=int, default=30)
+    p.add_argument("--profiler-effect", action="store_true",
+                   help="only time the first arm's graph and a tiny one before and after a profiler session")
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("probe_graph_launch needs a CUDA GPU")
+    torch.manual_seed(0)
+    cfg = bd.ouro_1p4b_config()
+    model = bd.OuroForCausalLM(cfg).to(device="cuda", dtype=torch.bfloat16).eval()
+    plans = bd.paper_plans(cfg.total_ut_steps, cfg.num_hidden_layers)
+    bd.register()
+    if args.profiler_effect:
+        rows = profiler_effect(args.arms.split(",")[0], model, cfg, plans, ctx=args.ctx, batch=args.batch,
+                               n=args.nodes, reps=args.reps)
+    else:
+        rows = synthetic(args.nodes, args.reps) + kernel_graphs(96, 10)
+    with tempfile.TemporaryDirectory() as tmp:
+        for arm in [a for a in args.arms.split(",") if a and not args.profiler_effect]:
+            rows.append(decode_graph(arm, model, cfg, plans, ctx=args.ctx, batch=args.batch, reps=args.reps,
+                                     dump_dir=tmp))
+    result = {"benchmark": "probe_graph_launch", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+              "device": torch.cuda.get_device_name(), "versions": bd.versions(), "args": vars(args), "rows": rows}
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+    for r in rows:
+        if "node_types" in r:
+            print(r["graph"], r["node_types"], r["top_names"][:8], r["eager_calls"]["host_calls"])
+            print("\n  ".join(["memcpy from:", *r["memcpy_sources"]]))
+    print(f"{'graph':28s} {'nodes':>6s} {'host ms':>8s} {'step ms':>8s} {'b2b ms':>8s} {'us/node host':>12s}")
+    for r in rows:
+        print(f"{r['graph']:28s} {r['nodes']:6d} {r['replay_host_ms']:8.3f} {r['step_ms']:8.3f} {r['b2b_ms']:8.3f} "
+              f"{1e3 * r['replay_host_ms'] / max(r['nodes'], 1):12.3f}")
+
+
+if __name__ == "__main__":
+    main()
