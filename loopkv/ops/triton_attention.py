@@ -58,6 +58,10 @@ from loopkv.ops.triton_register import counters, warmup  # noqa: F401  (warmup r
 
 assert (SINK, PAGE, GROUP, RING) == (32, 32, 32, 288)  # spelled out as literals in the kernels
 LOG2E = 1.0 / math.log(2.0)
+# append_attention_: programs per part (K, V) that share the encoding of the page leaving the window (slices of
+# 32 channels of K, 8 tokens of V; session 7: with 1 program per part the fused launch's encoder was 14,100 of its
+# 17,800 instructions, one warp encoding a whole page, and the launch was 9 us slower per cell than the two ops)
+APPEND_SLICES = 4
 CC_DEFAULT = True  # the CUDA-core reader for <= 2 query heads per KV head (False: tensor-core reader always)
 
 
@@ -307,16 +311,17 @@ def _cell_attn_kernel(
     BITS: tl.constexpr, VPREC: tl.constexpr, BN: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr,
     UPCAST: tl.constexpr, FIELD: tl.constexpr, NPP: tl.constexpr, FAR: tl.constexpr, PPI: tl.constexpr,
     TS: tl.constexpr, PREFETCH: tl.constexpr, OPT: tl.constexpr, APPEND: tl.constexpr, OWN_BITS: tl.constexpr,
+    NSL: tl.constexpr,
 ):
     """Program (i, b*H + h): near slots (i < NNEAR) or history split i - NNEAR of row b, KV head h.
 
     APPEND (``append_attention_``, docs/design-decisions.md §10): the cell's new token (k_new, v_new [B, H, 1, D],
-    strides skn_*, svn_*) is appended in the same launch. Programs NNEAR + NSPLIT and + 1 write its K and V into
-    sink or ring and encode the page leaving the window into the cell's own pool (own_k / k_scale / k_zero /
-    own_hi / own_lo / v_scale / v_zero at OWN_BITS; 0: a ``share`` cell, no pool). Every program reads with the
-    appended length; the near program whose slot takes the token reads it from k_new / v_new, not from the ring
-    it is being written to. The last of the row's H merges and 2 H append programs (counter ``rcnt[b]``) stores
-    ``lengths[b]``."""
+    strides skn_*, svn_*) is appended in the same launch. Programs NNEAR + NSPLIT + 2 s and + 2 s + 1
+    (s < NSL) write its K and V into sink or ring (s = 0) and encode slices s, s + NSL, ... of the page leaving the
+    window into the cell's own pool (own_k / k_scale / k_zero / own_hi / own_lo / v_scale / v_zero at OWN_BITS; 0:
+    a ``share`` cell, no pool). Every program reads with the appended length; the near program whose slot takes
+    the token reads it from k_new / v_new, not from the ring it is being written to. The last of the row's H
+    merges and 2 NSL H append programs (counter ``rcnt[b]``) stores ``lengths[b]``."""
     RP: tl.constexpr = GR * NGP
     pid = tl.program_id(0)
     bh = tl.program_id(1)
@@ -364,12 +369,13 @@ def _cell_attn_kernel(
         m_i, alpha, p, l_i = _online(s, m_i, l_i)
         acc = _exact_values(p, vptr, valid, cm, PREC, UPCAST)
         _store_partial(ws_o, ws_ml, slot, g_r, gr, m_i, l_i, acc, c, GR, DP)
-    elif is_app:  # APPEND: K (pid == nprog) or V of the new token, and the page leaving the window
-        _append_token(k_new, v_new, skn_b, skn_h, 1, svn_b, svn_h, 1, b, h, pid - nprog, pos,
+    elif is_app:  # APPEND: K (even) or V (odd) of the new token, and a share of the page leaving the window
+        _append_token(k_new, v_new, skn_b, skn_h, 1, svn_b, svn_h, 1, b, h, (pid - nprog) % 2, pos,
                       sink_k, sink_v, win_k, win_v, page_table, H, MAXP, CAP,
-                      own_k, k_scale, k_zero, own_hi, own_lo, v_scale, v_zero, OWN_BITS, D, DP, True)
+                      own_k, k_scale, k_zero, own_hi, own_lo, v_scale, v_zero, OWN_BITS, D, DP, True,
+                      (pid - nprog) // 2, NSL)
         tl.debug_barrier()  # every thread has read lengths[b]
-        _row_done(rcnt, lengths, b, length, H)
+        _row_done(rcnt, lengths, b, length, H, NSL)
     else:
         chunk = (npg + NSPLIT - 1) // NSPLIT
         p0 = (pid - NNEAR) * chunk
@@ -401,22 +407,23 @@ def _cell_attn_kernel(
     # ---- the last program of (b, h) merges the partials by log-sum-exp
     if not is_app:
         _merge(ws_o, ws_ml, cnt, out, so_b, so_h, rcnt, lengths, b, h, bh, bh64, nprog, length, H, c, cm, G, GR, DP,
-               NPP, APPEND)
+               NPP, APPEND, NSL)
 
 
 @triton.jit
-def _row_done(rcnt, lengths, b, length, H):
-    """APPEND: count one of the row's 3 H finishing programs (H merges, 2 H appends); the last stores the
-    appended length, after every program of the row has read the old one, and resets the counter."""
+def _row_done(rcnt, lengths, b, length, H, NSL: tl.constexpr):
+    """APPEND: count one of the row's (1 + 2 NSL) H finishing programs (H merges, 2 NSL H appends); the last
+    stores the appended length, after every program of the row has read the old one, and resets the counter."""
     rdone = tl.atomic_add(rcnt + b, 1, sem="acq_rel")
-    if rdone == 3 * H - 1:
+    if rdone == (1 + 2 * NSL) * H - 1:
         tl.store(lengths + b, length.to(lengths.dtype.element_ty))
         tl.atomic_xchg(rcnt + b, 0)
 
 
 @triton.jit
 def _merge(ws_o, ws_ml, cnt, out, so_b, so_h, rcnt, lengths, b, h, bh, bh64, nprog, length, H, c, cm,
-           G: tl.constexpr, GR: tl.constexpr, DP: tl.constexpr, NPP: tl.constexpr, APPEND: tl.constexpr):
+           G: tl.constexpr, GR: tl.constexpr, DP: tl.constexpr, NPP: tl.constexpr, APPEND: tl.constexpr,
+           NSL: tl.constexpr):
     """The last program of (b, h) (counter ``cnt[bh]``, reset by it) merges the partials by log-sum-exp."""
     tl.debug_barrier()
     done = tl.atomic_add(cnt + bh, 1, sem="acq_rel")
@@ -444,7 +451,7 @@ def _merge(ws_o, ws_ml, cnt, out, so_b, so_h, rcnt, lengths, b, h, bh, bh64, npr
             tl.store(optr, res.to(out.dtype.element_ty), mask=cm)
         tl.atomic_xchg(cnt + bh, 0)
         if APPEND:
-            _row_done(rcnt, lengths, b, length, H)
+            _row_done(rcnt, lengths, b, length, H, NSL)
 
 
 FIELD_MODE = {"offset": 1, "subnormal": 2}  # how fp16 code operands are made (see _field)
@@ -560,7 +567,7 @@ def cell_attention(
             check_int32_offsets(**pools)
         elif int32_offset_overflow(**pools):  # the default (INT2) on a pool this large: 64-bit offsets
             opt &= ~CC_OPTS["i32"]
-    _cell_attn_kernel[(nprog + (2 if append is not None else 0), B * H)](
+    _cell_attn_kernel[(nprog + (2 * APPEND_SLICES if append is not None else 0), B * H)](
         q, q.stride(0), q.stride(1), sink_k, sink_v, win_k, win_v, lengths, page_table,
         k_pages, k_scale, k_zero, v_hi, v_lo, v_scale, v_zero,
         ws_o, ws_ml, cnt, out, out.stride(0), out.stride(1),
@@ -572,7 +579,7 @@ def cell_attention(
         FIELD=0 if exact else FIELD_MODE[field_mode or DEFAULT_FIELD_MODE],
         NPP=max(16, _next_pow2(nprog)), FAR=1 if impl == "cc" and nsplit else 0, PPI=ppi, TS=ts if impl == "cc" else 0,
         PREFETCH=pf, OPT=opt,
-        APPEND=append is not None, OWN_BITS=own_bits,
+        APPEND=append is not None, OWN_BITS=own_bits, NSL=APPEND_SLICES,
         num_warps=nw, num_stages=num_stages or cfg["num_stages"], **launch, **KERNEL_OPTIONS,
     )
     return out

@@ -59,95 +59,122 @@ def _qparams(xmin, xmax, LEVELS: tl.constexpr):
 
 
 @triton.jit
+def _encode_k_slice(
+    k_src, sk_t, sk_d, page, s0, k_pages, k_scale, k_zero,
+    BITS: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, KS: tl.constexpr,
+):
+    """K of one page: packed bytes ``[s0, s0 + KS)`` of every token (channel KPER * j + i at bits BITS * i of
+    byte j), with their per-channel statistics over the page's tokens."""
+    LEVELS: tl.constexpr = (1 << BITS) - 1
+    KPER: tl.constexpr = 8 // BITS
+    KBD: tl.constexpr = D // KPER
+    t = tl.arange(0, 32)  # PAGE
+    j = s0 + tl.arange(0, KS)
+    jm = (t[:, None] < 32) & (j[None, :] < KBD)
+    packed = tl.zeros([32, KS], dtype=tl.int32)
+    for i in tl.static_range(KPER):
+        ch = j * KPER + i  # [KS]
+        x = tl.load(k_src + t[:, None] * sk_t + ch[None, :] * sk_d, mask=jm, other=0.0)
+        x = x.to(tl.float32)
+        scale, zero = _qparams(tl.min(x, axis=0), tl.max(x, axis=0), LEVELS)  # [KS]
+        q = _rne_codes(x, zero[None, :], scale[None, :], LEVELS)
+        packed = packed | (q << (BITS * i))
+        tl.store(k_scale + page * D + ch, scale, mask=j < KBD)
+        tl.store(k_zero + page * D + ch, zero, mask=j < KBD)
+    tl.store(k_pages + page * (32 * KBD) + t[:, None] * KBD + j[None, :], packed.to(tl.uint8), mask=jm)
+
+
+@triton.jit
+def _encode_v_slice(
+    v_src, sv_t, sv_d, page, t0, v_hi, v_lo, v_scale, v_zero,
+    BITS: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, TSL: tl.constexpr,
+):
+    """V of one page: tokens ``[t0, t0 + TSL)``, per token in groups of 32 channels (tiles by crumb position,
+    channel 4 * j + i)."""
+    LEVELS: tl.constexpr = (1 << BITS) - 1
+    VB: tl.constexpr = DP // 4
+    VBD: tl.constexpr = D // 4
+    NGP: tl.constexpr = DP // 32
+    NG: tl.constexpr = D // 32
+    jv = tl.arange(0, VB)
+    g = tl.arange(0, NGP)
+    ts = t0 + tl.arange(0, TSL)
+    vm = (ts[:, None] < 32) & (jv[None, :] < VBD)
+    vptr = v_src + ts[:, None] * sv_t + (jv[None, :] * 4) * sv_d
+    x0 = tl.load(vptr, mask=vm, other=0.0).to(tl.float32)
+    x1 = tl.load(vptr + sv_d, mask=vm, other=0.0).to(tl.float32)
+    x2 = tl.load(vptr + 2 * sv_d, mask=vm, other=0.0).to(tl.float32)
+    x3 = tl.load(vptr + 3 * sv_d, mask=vm, other=0.0).to(tl.float32)
+    mn = tl.minimum(tl.minimum(x0, x1), tl.minimum(x2, x3))  # [TSL, VB]; a group = 8 bytes of j
+    mx = tl.maximum(tl.maximum(x0, x1), tl.maximum(x2, x3))
+    gmin = tl.min(tl.reshape(mn, [TSL, NGP, 8]), axis=2)  # [TSL, NGP]
+    gmax = tl.max(tl.reshape(mx, [TSL, NGP, 8]), axis=2)
+    vscale, vzero = _qparams(gmin, gmax, LEVELS)  # [TSL, NGP] fp16
+    gm = (ts[:, None] < 32) & (g[None, :] < NG)
+    goff = page * (32 * NG) + ts[:, None] * NG + g[None, :]
+    tl.store(v_scale + goff, vscale, mask=gm)
+    tl.store(v_zero + goff, vzero, mask=gm)
+    s_b = tl.reshape(tl.broadcast_to(vscale[:, :, None], [TSL, NGP, 8]), [TSL, VB])
+    z_b = tl.reshape(tl.broadcast_to(vzero[:, :, None], [TSL, NGP, 8]), [TSL, VB])
+    c0 = _rne_codes(x0, z_b, s_b, LEVELS)
+    c1 = _rne_codes(x1, z_b, s_b, LEVELS)
+    c2 = _rne_codes(x2, z_b, s_b, LEVELS)
+    c3 = _rne_codes(x3, z_b, s_b, LEVELS)
+    voff = page * (32 * VBD) + ts[:, None] * VBD + jv[None, :]
+    if BITS == 4:
+        hi = (c0 >> 2) | ((c1 >> 2) << 2) | ((c2 >> 2) << 4) | ((c3 >> 2) << 6)
+        lo = (c0 & 3) | ((c1 & 3) << 2) | ((c2 & 3) << 4) | ((c3 & 3) << 6)
+        tl.store(v_hi + voff, hi.to(tl.uint8), mask=vm)
+        tl.store(v_lo + voff, lo.to(tl.uint8), mask=vm)
+    else:
+        codes = c0 | (c1 << 2) | (c2 << 4) | (c3 << 6)
+        tl.store(v_hi + voff, codes.to(tl.uint8), mask=vm)
+
+
+@triton.jit
 def _encode_page(
     k_src, v_src, sk_t, sk_d, sv_t, sv_d, phys, h, H, part,
     k_pages, k_scale, k_zero, v_hi, v_lo, v_scale, v_zero,
-    BITS: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, SLICED: tl.constexpr = False,
+    BITS: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, SLICED: tl.constexpr = False, sl=0,
+    NSL: tl.constexpr = 1,
 ):
     """Encode K (part 0) or V (part 1) of one page of one head (token t, channel c at
     ``src + t * s_t + c * s_d``) into physical page ``phys``. K and V go to two programs: half the latency.
 
     BITS 16: exact copy into k_pages/v_hi [N, H, PAGE, D]. BITS 4/2: codes as in codec.encode_pages, the whole
     page at once, or with SLICED in slices with the same codes: K by 32 channels (its statistics are per channel
-    over the page's tokens), V by 8 tokens (per token and 32-channel group). SLICED is for kernels whose registers
-    go elsewhere: the fused ``append_attention_`` launch, whose whole-page encoder set the register count of its
-    history reader (session 6: 10 spill loads per INT4 page).
+    over the page's tokens), V by 8 tokens (per token and 32-channel group). This program encodes slices ``sl``,
+    ``sl + NSL``, ... (a runtime loop: one slice's code). SLICED is for kernels whose registers go elsewhere: the
+    fused ``append_attention_`` launch, whose whole-page encoder set the register count of its history reader
+    (session 6: 10 spill loads per INT4 page), and whose one-warp programs share the page (session 7).
     """
-    t = tl.arange(0, 32)  # PAGE
     page = phys.to(tl.int64) * H + h  # (page, head) index into the pool's first two dims
     if BITS == 16:
+        t = tl.arange(0, 32)  # PAGE
         c = tl.arange(0, DP)
         m = (t[:, None] < 32) & (c[None, :] < D)
         dst = page * (32 * D) + t[:, None] * D + c[None, :]
-        if part == 0:
-            kx = tl.load(k_src + t[:, None] * sk_t + c[None, :] * sk_d, mask=m)
-            tl.store(k_pages + dst, kx.to(k_pages.dtype.element_ty), mask=m)
-        else:
-            vx = tl.load(v_src + t[:, None] * sv_t + c[None, :] * sv_d, mask=m)
-            tl.store(v_hi + dst, vx.to(v_hi.dtype.element_ty), mask=m)
-    elif part == 0:
-        LEVELS: tl.constexpr = (1 << BITS) - 1
-        # ---- K: per channel over the page's tokens; channel KPER * j + i at bits BITS * i of byte j
-        KPER: tl.constexpr = 8 // BITS
-        KB: tl.constexpr = DP // KPER  # packed bytes per token (padded)
-        KBD: tl.constexpr = D // KPER
-        KS: tl.constexpr = (32 // KPER) if SLICED else KB  # packed bytes per slice
-        for s0 in tl.static_range(0, KB, KS):
-            j = s0 + tl.arange(0, KS)
-            jm = (t[:, None] < 32) & (j[None, :] < KBD)
-            packed = tl.zeros([32, KS], dtype=tl.int32)
-            for i in tl.static_range(KPER):
-                ch = j * KPER + i  # [KS]
-                x = tl.load(k_src + t[:, None] * sk_t + ch[None, :] * sk_d, mask=jm, other=0.0)
-                x = x.to(tl.float32)
-                scale, zero = _qparams(tl.min(x, axis=0), tl.max(x, axis=0), LEVELS)  # [KS]
-                q = _rne_codes(x, zero[None, :], scale[None, :], LEVELS)
-                packed = packed | (q << (BITS * i))
-                tl.store(k_scale + page * D + ch, scale, mask=j < KBD)
-                tl.store(k_zero + page * D + ch, zero, mask=j < KBD)
-            tl.store(k_pages + page * (32 * KBD) + t[:, None] * KBD + j[None, :], packed.to(tl.uint8), mask=jm)
-    else:
-        LEVELS: tl.constexpr = (1 << BITS) - 1
-        # ---- V: per token in groups of 32 channels; tiles by crumb position, channel 4 * j + i
-        VB: tl.constexpr = DP // 4
-        VBD: tl.constexpr = D // 4
-        NGP: tl.constexpr = DP // 32
-        NG: tl.constexpr = D // 32
-        TSL: tl.constexpr = 8 if SLICED else 32  # tokens per slice
-        jv = tl.arange(0, VB)
-        g = tl.arange(0, NGP)
-        for t0 in tl.static_range(0, 32, TSL):
-            ts = t0 + tl.arange(0, TSL)
-            vm = (ts[:, None] < 32) & (jv[None, :] < VBD)
-            vptr = v_src + ts[:, None] * sv_t + (jv[None, :] * 4) * sv_d
-            x0 = tl.load(vptr, mask=vm, other=0.0).to(tl.float32)
-            x1 = tl.load(vptr + sv_d, mask=vm, other=0.0).to(tl.float32)
-            x2 = tl.load(vptr + 2 * sv_d, mask=vm, other=0.0).to(tl.float32)
-            x3 = tl.load(vptr + 3 * sv_d, mask=vm, other=0.0).to(tl.float32)
-            mn = tl.minimum(tl.minimum(x0, x1), tl.minimum(x2, x3))  # [TSL, VB]; a group = 8 bytes of j
-            mx = tl.maximum(tl.maximum(x0, x1), tl.maximum(x2, x3))
-            gmin = tl.min(tl.reshape(mn, [TSL, NGP, 8]), axis=2)  # [TSL, NGP]
-            gmax = tl.max(tl.reshape(mx, [TSL, NGP, 8]), axis=2)
-            vscale, vzero = _qparams(gmin, gmax, LEVELS)  # [TSL, NGP] fp16
-            gm = (ts[:, None] < 32) & (g[None, :] < NG)
-            goff = page * (32 * NG) + ts[:, None] * NG + g[None, :]
-            tl.store(v_scale + goff, vscale, mask=gm)
-            tl.store(v_zero + goff, vzero, mask=gm)
-            s_b = tl.reshape(tl.broadcast_to(vscale[:, :, None], [TSL, NGP, 8]), [TSL, VB])
-            z_b = tl.reshape(tl.broadcast_to(vzero[:, :, None], [TSL, NGP, 8]), [TSL, VB])
-            c0 = _rne_codes(x0, z_b, s_b, LEVELS)
-            c1 = _rne_codes(x1, z_b, s_b, LEVELS)
-            c2 = _rne_codes(x2, z_b, s_b, LEVELS)
-            c3 = _rne_codes(x3, z_b, s_b, LEVELS)
-            voff = page * (32 * VBD) + ts[:, None] * VBD + jv[None, :]
-            if BITS == 4:
-                hi = (c0 >> 2) | ((c1 >> 2) << 2) | ((c2 >> 2) << 4) | ((c3 >> 2) << 6)
-                lo = (c0 & 3) | ((c1 & 3) << 2) | ((c2 & 3) << 4) | ((c3 & 3) << 6)
-                tl.store(v_hi + voff, hi.to(tl.uint8), mask=vm)
-                tl.store(v_lo + voff, lo.to(tl.uint8), mask=vm)
+        if sl == 0:  # one program copies the page
+            if part == 0:
+                kx = tl.load(k_src + t[:, None] * sk_t + c[None, :] * sk_d, mask=m)
+                tl.store(k_pages + dst, kx.to(k_pages.dtype.element_ty), mask=m)
             else:
-                codes = c0 | (c1 << 2) | (c2 << 4) | (c3 << 6)
-                tl.store(v_hi + voff, codes.to(tl.uint8), mask=vm)
+                vx = tl.load(v_src + t[:, None] * sv_t + c[None, :] * sv_d, mask=m)
+                tl.store(v_hi + dst, vx.to(v_hi.dtype.element_ty), mask=m)
+    elif part == 0:
+        KB: tl.constexpr = DP // (8 // BITS)  # packed bytes per token (padded)
+        if SLICED:
+            KS: tl.constexpr = 32 // (8 // BITS)  # 32 channels
+            for s0 in range(sl * KS, KB, NSL * KS):
+                _encode_k_slice(k_src, sk_t, sk_d, page, s0, k_pages, k_scale, k_zero, BITS, D, DP, KS)
+        else:
+            _encode_k_slice(k_src, sk_t, sk_d, page, 0, k_pages, k_scale, k_zero, BITS, D, DP, KB)
+    else:
+        if SLICED:
+            for t0 in range(sl * 8, 32, NSL * 8):
+                _encode_v_slice(v_src, sv_t, sv_d, page, t0, v_hi, v_lo, v_scale, v_zero, BITS, D, DP, 8)
+        else:
+            _encode_v_slice(v_src, sv_t, sv_d, page, 0, v_hi, v_lo, v_scale, v_zero, BITS, D, DP, 32)
 
 
 @triton.jit
@@ -171,11 +198,13 @@ def _append_token(
     k_new, v_new, sk_b, sk_h, sk_d, sv_b, sv_h, sv_d, b, h, part, pos,
     sink_k, sink_v, win_k, win_v, page_table, H, MAXP, CAP,
     k_pages, k_scale, k_zero, v_hi, v_lo, v_scale, v_zero,
-    BITS: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, SLICED: tl.constexpr = False,
+    BITS: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, SLICED: tl.constexpr = False, sl=0,
+    NSL: tl.constexpr = 1,
 ):
     """K (part 0) or V (part 1) of head h of row b: the token at position ``pos`` into sink/ring, and the page
     this append completes, encoded into the pool (BITS 0: no pool). Returns the row's new length (``pos`` at
-    capacity: the row is left unchanged).
+    capacity: the row is left unchanged). With ``NSL`` programs per part (``sl`` = 0 .. NSL - 1, the fused
+    launch), program ``sl`` encodes its share of the page's slices and only ``sl == 0`` writes the token.
 
     The append that makes ``n = pos + 1 = 319 + 32 p`` (``QUANTIZE_LENGTH``, docs/storage-layout.md) encodes page
     ``p`` from ring slots ``(32 p) % 288 + [0, 32)``."""
@@ -188,14 +217,15 @@ def _append_token(
     in_win = cm & (pos_c < CAP) & (pos_c >= 32)
     s_off = (bh * 32 + tl.minimum(pos, 31)) * D + c
     w_off = (bh * 288 + tl.maximum(pos - 32, 0) % 288) * D + c  # RING = 288
-    if part == 0:
-        kn = tl.load(k_new + b.to(tl.int64) * sk_b + h * sk_h + c * sk_d, mask=cm)
-        tl.store(sink_k + s_off, kn.to(sink_k.dtype.element_ty), mask=in_sink)
-        tl.store(win_k + w_off, kn.to(win_k.dtype.element_ty), mask=in_win)
-    else:
-        vn = tl.load(v_new + b.to(tl.int64) * sv_b + h * sv_h + c * sv_d, mask=cm)
-        tl.store(sink_v + s_off, vn.to(sink_v.dtype.element_ty), mask=in_sink)
-        tl.store(win_v + w_off, vn.to(win_v.dtype.element_ty), mask=in_win)
+    if sl == 0:
+        if part == 0:
+            kn = tl.load(k_new + b.to(tl.int64) * sk_b + h * sk_h + c * sk_d, mask=cm)
+            tl.store(sink_k + s_off, kn.to(sink_k.dtype.element_ty), mask=in_sink)
+            tl.store(win_k + w_off, kn.to(win_k.dtype.element_ty), mask=in_win)
+        else:
+            vn = tl.load(v_new + b.to(tl.int64) * sv_b + h * sv_h + c * sv_d, mask=cm)
+            tl.store(sink_v + s_off, vn.to(sink_v.dtype.element_ty), mask=in_sink)
+            tl.store(win_v + w_off, vn.to(win_v.dtype.element_ty), mask=in_win)
     new_len = pos + ok.to(tl.int32)
     if BITS != 0:
         exits = ok & (new_len >= 319) & ((new_len - 319) % 32 == 0)  # QUANTIZE_LENGTH
@@ -205,7 +235,7 @@ def _append_token(
             row0 = (bh * 288 + (32 * p) % 288) * D
             _encode_page(
                 win_k + row0, win_v + row0, D, 1, D, 1, phys, h, H, part,
-                k_pages, k_scale, k_zero, v_hi, v_lo, v_scale, v_zero, BITS, D, DP, SLICED,
+                k_pages, k_scale, k_zero, v_hi, v_lo, v_scale, v_zero, BITS, D, DP, SLICED, sl, NSL,
             )
     return new_len
 
