@@ -13,7 +13,6 @@ operand cost more than the whole CUDA-core loop (907 per page for K and V). Not 
 import os
 import re
 import subprocess
-import sys
 
 os.environ.pop("TRITON_INTERPRET", None)
 import triton
@@ -70,4 +69,11 @@ def main(maxnreg=0, nw=1, out_dir="/tmp"):
     print(out, re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+)", res).groups())
 
 if __name__ == "__main__":
-    main(*(int(a) for a in sys.argv[1:3]))
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("maxnreg", type=int, nargs="?", default=0, help="register cap for ptxas (0: none)")
+    ap.add_argument("num_warps", type=int, nargs="?", default=1)
+    ap.add_argument("--out-dir", default="/tmp", help="where the cubin, TTGIR and SASS go")
+    a = ap.parse_args()
+    main(a.maxnreg, a.num_warps, a.out_dir)

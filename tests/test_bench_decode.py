@@ -296,3 +296,17 @@ def test_a_point_runs_in_its_own_process_with_this_runs_settings(bench):
     args.capture = "no-such-mode"  # the child's parser rejects it: the parent reports the child's message
     with pytest.raises(RuntimeError, match="invalid choice"):
         bench.run_point_in_child(args, 8192, "bf16", 1, profile=False, launches=False)
+
+
+@pytest.mark.parametrize("script", sorted(p.name for p in (ROOT / "benchmarks").glob("*.py")))
+def test_every_benchmark_script_imports_and_parses_its_arguments(script):
+    """``--help`` of each script under benchmarks/ in a fresh process: its imports resolve from the tree (the GPU
+    machine runs them with PYTHONPATH=.) and its argument parser builds, so a device call does not fail there."""
+    import os
+    import subprocess
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), "--help"], capture_output=True,
+                         text=True, env=env, cwd=ROOT, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "usage:" in res.stdout
