@@ -510,22 +510,37 @@ def summarize(rows: list[dict], contexts: list[int]) -> list[dict]:
     return out
 
 
-def point_argv(args, ctx: int, arm: str, batch: int, *, profile: bool, launches: bool, out: str) -> list[str]:
+def load_model(cfg, weights: str, *, device, dtype):
+    """The model whose parameters the parent process saved to ``weights`` (its seeded CPU initialization, which
+    takes about 25 s at Ouro-1.4B's size on 2 cores): built on ``device`` (whose own random init is fast and then
+    overwritten), parameters loaded, cast to ``dtype``. Non-persistent buffers (the rotary frequencies) are computed
+    on ``device`` from the config."""
+    with torch.device(device):
+        model = OuroForCausalLM(cfg)
+    state = torch.load(weights, map_location=device, weights_only=True, mmap=True)
+    model.load_state_dict(state, strict=True)
+    return model.to(dtype=dtype).eval()
+
+
+def point_argv(args, ctx: int, arm: str, batch: int, *, profile: bool, launches: bool, out: str,
+               weights: str | None = None) -> list[str]:
     """The command line of a child process that measures one point (``--point``) with this run's settings."""
     argv = [sys.executable, os.path.abspath(__file__), "--point", f"{ctx},{arm},{batch}",
             "--point-profile", str(int(profile)), "--point-launches", str(int(launches)), "--out", out,
             "--capture", args.capture, "--steps", str(args.steps), "--k-scale", str(args.k_scale),
             "--far-impl", args.far_impl]
-    return argv + (["--dynamic"] if args.dynamic else [])
+    return argv + (["--dynamic"] if args.dynamic else []) + (["--weights", weights] if weights else [])
 
 
-def run_point_in_child(args, ctx: int, arm: str, batch: int, *, profile: bool, launches: bool) -> dict:
+def run_point_in_child(args, ctx: int, arm: str, batch: int, *, profile: bool, launches: bool,
+                       weights: str | None = None) -> dict:
     """``measure`` in a fresh process (see the module docstring for why); its stderr tail on failure."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "row.json")
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # loopkv importable from the tree
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
-        proc = subprocess.run(point_argv(args, ctx, arm, batch, profile=profile, launches=launches, out=out),
+        proc = subprocess.run(point_argv(args, ctx, arm, batch, profile=profile, launches=launches, out=out,
+                                         weights=weights),
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
         if proc.returncode or not os.path.exists(out):
             raise RuntimeError(f"point {arm} ctx={ctx} B={batch} failed in its process (rc={proc.returncode}):\n"
@@ -563,6 +578,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--point", default=None, help=argparse.SUPPRESS)  # "ctx,arm,batch": a child process's point
     p.add_argument("--point-profile", type=int, default=1, help=argparse.SUPPRESS)
     p.add_argument("--point-launches", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--weights", default=None, help=argparse.SUPPRESS)  # the parent's saved parameters
     p.add_argument("--out", default=None, help="JSON path")
     return p
 
@@ -591,11 +607,16 @@ def main(argv=None) -> None:
         triton_attention.CC_DEFAULT = args.far_impl == "cc"  # choose_far_impl's default for small groups
     torch.manual_seed(0)
     cfg = ouro_1p4b_config()
-    if args.point or args.shared_process:
+    weights = None
+    if args.point and args.weights:
+        model = load_model(cfg, args.weights, device=device, dtype=dtype)
+    elif args.point or args.shared_process:
         model = OuroForCausalLM(cfg).to(device=device, dtype=dtype).eval()
-    else:  # the points run in processes of their own; this one only needs the shapes
-        with torch.device("meta"):
-            model = OuroForCausalLM(cfg).to(dtype=dtype).eval()
+    else:  # the points run in processes of their own, which load these parameters instead of initializing
+        model = OuroForCausalLM(cfg).to(dtype=dtype).eval()
+        weights_dir = tempfile.TemporaryDirectory()  # removed when this process ends
+        weights = os.path.join(weights_dir.name, "weights.pt")
+        torch.save(model.state_dict(), weights)
     plans = paper_plans(cfg.total_ut_steps, cfg.num_hidden_layers)
     kib = {a: plans[a].bytes_per_token(cfg) for a in plans}
     plan_kib = {a: (b.stored_kib, b.read_kib) for a, b in kib.items()}
@@ -644,7 +665,7 @@ def main(argv=None) -> None:
                             row["process"] = "shared"
                         else:
                             row = run_point_in_child(args, ctx, arm, b, profile=profiled(b, peak, args.profile),
-                                                     launches=b == 1)
+                                                     launches=b == 1, weights=weights)
                     except Exception as exc:  # record and go on: one broken point must not lose the run
                         errors.append({"arm": arm, "ctx": ctx, "batch": b, "error": traceback.format_exc()[-3000:]})
                         print(f"{arm} ctx={ctx} B={b} FAILED: {exc!r}", flush=True)

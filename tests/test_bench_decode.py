@@ -293,6 +293,9 @@ def test_a_point_runs_in_its_own_process_with_this_runs_settings(bench):
     for key in ("capture", "steps", "k_scale", "far_impl", "dynamic"):
         assert getattr(child, key) == getattr(args, key), key
     assert not p.parse_args([]).shared_process
+    with_weights = p.parse_args(bench.point_argv(args, 8192, "bf16", 1, profile=True, launches=False, out="x",
+                                                 weights="/tmp/w.pt")[2:])
+    assert (with_weights.weights, child.weights) == ("/tmp/w.pt", None)
     args.capture = "no-such-mode"  # the child's parser rejects it: the parent reports the child's message
     with pytest.raises(RuntimeError, match="invalid choice"):
         bench.run_point_in_child(args, 8192, "bf16", 1, profile=False, launches=False)
@@ -310,3 +313,19 @@ def test_every_benchmark_script_imports_and_parses_its_arguments(script):
                          text=True, env=env, cwd=ROOT, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
     assert "usage:" in res.stdout
+
+
+def test_a_child_loads_the_parents_parameters_exactly(bench, tmp_path):
+    """The parent initializes the model once (seeded, on CPU) and saves its parameters; a child builds the model
+    on its device and loads them: every parameter and buffer equals the parent's."""
+    cfg = bench.smoke_config()
+    torch.manual_seed(0)
+    parent = bench.OuroForCausalLM(cfg).to(torch.bfloat16).eval()
+    torch.save(parent.state_dict(), tmp_path / "w.pt")
+    torch.manual_seed(1)  # the child's own init differs; loading must overwrite all of it
+    child = bench.load_model(cfg, str(tmp_path / "w.pt"), device="cpu", dtype=torch.bfloat16)
+    want, got = dict(parent.named_parameters()), dict(child.named_parameters())
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+    want_b, got_b = dict(parent.named_buffers()), dict(child.named_buffers())
+    assert want_b.keys() == got_b.keys() and all(torch.equal(want_b[k], got_b[k]) for k in want_b)
+    assert not child.training and next(child.parameters()).dtype == torch.bfloat16
