@@ -325,7 +325,10 @@ def test_a_child_loads_the_parents_parameters_exactly(bench, tmp_path):
     torch.manual_seed(1)  # the child's own init differs; loading must overwrite all of it
     child = bench.load_model(cfg, str(tmp_path / "w.pt"), device="cpu", dtype=torch.bfloat16)
     want, got = dict(parent.named_parameters()), dict(child.named_parameters())
-    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+    assert want.keys() == got.keys()
+    assert all(torch.equal(want[k], got[k]) for k in want)
     want_b, got_b = dict(parent.named_buffers()), dict(child.named_buffers())
-    assert want_b.keys() == got_b.keys() and all(torch.equal(want_b[k], got_b[k]) for k in want_b)
-    assert not child.training and next(child.parameters()).dtype == torch.bfloat16
+    assert want_b.keys() == got_b.keys()
+    assert all(torch.equal(want_b[k], got_b[k]) for k in want_b)
+    assert not child.training
+    assert next(child.parameters()).dtype == torch.bfloat16
