@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from loopkv.cache.storage import POOL_FIELDS, CellStorage, allocate_cell
+from loopkv.cache.storage import OWN_FIELDS, POOL_FIELDS, CellStorage, allocate_cell, is_placeholder, stack_cells
 from loopkv.cells import Cell, CellLayout
 from loopkv.ops import append_attention, cache_ops, cell_attention, codec  # noqa: F401  (registers torch.ops.loopkv.*)
 from loopkv.ops.codec import PAGE, SINK
@@ -168,18 +168,24 @@ class LoopKVCache(Cache):
         self.fused_append = bool(fused_append)
 
         dims = dict(batch=max_batch_size, heads=kv_heads, head_dim=head_dim, max_cache_len=max_cache_len,
-                    dtype=dtype, device=device)
+                    dtype=dtype, device="meta")  # shapes first; the memory is allocated as stacks below
         storages: dict[Cell, CellStorage] = {}
         final = [c for c in self.layout if c.loop == self.layout.final_loop]
         for cell in final + [c for c in self.layout if c.loop != self.layout.final_loop]:
             option = plan.option(cell)
             source = storages.get(self.layout.source(cell)) if option == "share" else None
             storages[cell] = allocate_cell(option, source=source, **dims)
-        cells = [LoopKVCell(storages[c], max_cache_len=max_cache_len) for c in self.layout]
+        ordered = [storages[c] for c in self.layout]
+        self._stacks = stack_cells(ordered, device)  # the cells' fields become views of these
+        cells = [LoopKVCell(st, max_cache_len=max_cache_len) for st in ordered]
         super().__init__(layers=cells)
-        for layer in cells:
-            for t in layer.storage.own_tensors().values():
+        for t in self._stacks.tensors():
+            if not is_placeholder(t):
                 torch._dynamo.mark_static_address(t)
+        for layer in cells:  # the views too (a compiled step reads cell 0's lengths through get_seq_length)
+            for t in layer.storage.own_tensors().values():
+                if not is_placeholder(t):
+                    torch._dynamo.mark_static_address(t)
         if device.type == "cuda":
             from loopkv.ops.triton_register import register_triton_kernels
 
@@ -323,8 +329,17 @@ class LoopKVCache(Cache):
         return self.layers[idx].storage
 
     def _rows(self, layer_idx: int, batch: int) -> CellStorage:
-        """The cell's storage restricted to the first ``batch`` rows (the whole tensors when full)."""
-        st = self.layers[layer_idx].storage
+        """The cell's storage restricted to the first ``batch`` rows (the whole tensors when full).
+
+        Built from the stacks with constant indices (not from the cell's view fields), so that a compiled step
+        lifts the stacks, a few tensors, instead of every cell's views (``CellStacks``)."""
+        meta = self.layers[layer_idx].storage
+        stacks = self._stacks
+        bits, j = stacks.pool_of[layer_idx]
+        pool = stacks.pools[bits]
+        st = CellStorage(option=meta.option, own_bits=meta.own_bits, read_bits=meta.read_bits,
+                         **{n: stacks.own[n][layer_idx] for n in OWN_FIELDS},
+                         **{n: (t if is_placeholder(t) else t[j]) for n, t in pool.items()})
         if batch == self.max_batch_size:
             return st
         pages = st.page_table.shape[1] * batch
