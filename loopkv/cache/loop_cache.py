@@ -336,10 +336,9 @@ class LoopKVCache(Cache):
         meta = self.layers[layer_idx].storage
         stacks = self._stacks
         bits, j = stacks.pool_of[layer_idx]
-        pool = stacks.pools[bits]
         st = CellStorage(option=meta.option, own_bits=meta.own_bits, read_bits=meta.read_bits,
-                         **{n: stacks.own[n][layer_idx] for n in OWN_FIELDS},
-                         **{n: (t if is_placeholder(t) else t[j]) for n, t in pool.items()})
+                         **{n: stacks.own_slice(n, layer_idx) for n in OWN_FIELDS},
+                         **{n: stacks.pool_slice(bits, n, j) for n in ("page_table", *POOL_FIELDS)})
         if batch == self.max_batch_size:
             return st
         pages = st.page_table.shape[1] * batch

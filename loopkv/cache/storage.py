@@ -6,6 +6,7 @@ construction, for ``max_batch_size`` rows and ``max_cache_len`` tokens. Nothing 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 
 import torch
@@ -117,27 +118,38 @@ OWN_FIELDS = ("sink_k", "sink_v", "win_k", "win_v", "lengths")
 
 @dataclass(eq=False)
 class CellStacks:
-    """The cells' tensors as slices of a few stacked tensors (one per field and kind of pool).
+    """The cells' tensors as slices of a few stacked buffers (one per field and kind of pool).
 
     Every cell's ``CellStorage`` fields are views into these, so eager code sees one tensor per field as before.
-    A compiled decode step instead indexes the stacks with constants (``LoopKVCache._rows``), so Dynamo lifts a few
+    A compiled decode step instead slices the buffers with constants (``LoopKVCache._rows``), so Dynamo lifts a few
     tensors instead of 5 per cell and 8 more per own pool: its guards and argument handling cost 0.6 ms per call
     with 1,310 inputs against 0.26 ms with 559 (M's cache vs BF16's, 96 cells; session 7,
     ``benchmarks/probe_dynamo_overhead.py``).
 
-    own:     field -> [cells, ...] for sink_k, sink_v, win_k, win_v, lengths (cell = layout index)
-    pools:   own_bits -> field -> [pools of that kind, ...] for page_table and the pool fields; an empty field is
-             one shared empty tensor, not a stack
-    pool_of: layout index -> (own_bits, index into that kind's stacks) of the pool the cell reads (a ``share``
+    own:     field -> buffer [cells, padded numel] for sink_k, sink_v, win_k, win_v, lengths (cell = layout index)
+    pools:   own_bits -> field -> buffer [pools of that kind, padded numel] for page_table and the pool fields; an
+             unused field is one shared empty tensor (``is_placeholder``), not a buffer
+    shapes:  field -> the shape of one slice (pool fields: per kind of pool, key ``(own_bits, field)``)
+    pool_of: layout index -> (own_bits, index into that kind's buffers) of the pool the cell reads (a ``share``
              cell: its source's)
+    A slice starts at a multiple of 16 bytes (rows padded), as Triton's launcher specializes pointers on that: one
+    kernel binary for every cell.
     """
 
     own: dict[str, Tensor]
     pools: dict[int, dict[str, Tensor]]
+    shapes: dict
     pool_of: list[tuple[int, int]]
 
     def tensors(self) -> list[Tensor]:
         return [*self.own.values(), *(t for pool in self.pools.values() for t in pool.values())]
+
+    def own_slice(self, name: str, i: int) -> Tensor:
+        return _slice(self.own[name], i, self.shapes[name])
+
+    def pool_slice(self, bits: int, name: str, j: int) -> Tensor:
+        t = self.pools[bits][name]
+        return t if is_placeholder(t) else _slice(t, j, self.shapes[(bits, name)])
 
 
 def is_placeholder(t: Tensor) -> bool:
@@ -145,16 +157,31 @@ def is_placeholder(t: Tensor) -> bool:
     return t.dim() == 1 and t.numel() == 0
 
 
+def _buffer(n: int, shape: tuple[int, ...], dtype: torch.dtype, device) -> Tensor:
+    """[n, numel of ``shape`` rounded up to 16 bytes], zeros."""
+    numel = math.prod(shape)
+    per16 = max(1, 16 // torch.empty(0, dtype=dtype).element_size())
+    return torch.zeros(n, -(-numel // per16) * per16, dtype=dtype, device=device)
+
+
+def _slice(buf: Tensor, i: int, shape: tuple[int, ...]) -> Tensor:
+    return buf[i, : math.prod(shape)].view(shape)
+
+
 def stack_cells(templates: list[CellStorage], device) -> CellStacks:
-    """Allocate the cells' tensors as stacks on ``device`` and point every cell's fields at its slices.
+    """Allocate the cells' tensors as stacked buffers on ``device`` and point every cell's fields at its slices.
 
     ``templates`` are the cells from :func:`allocate_cell` on the ``meta`` device (shapes and dtypes, no memory):
-    each stack is allocated once, so building the cache never holds two copies. Every tensor starts at zero except
+    each buffer is allocated once, so building the cache never holds two copies. Every tensor starts at zero except
     the page tables, which map (row, logical page) to physical page ``row * P + page`` as ``allocate_cell``'s do.
     ``share`` cells follow their source's pool."""
     n = len(templates)
-    own = {name: torch.zeros((n, *getattr(templates[0], name).shape), dtype=getattr(templates[0], name).dtype,
-                             device=device) for name in OWN_FIELDS}
+    shapes: dict = {}
+    own = {}
+    for name in OWN_FIELDS:
+        t = getattr(templates[0], name)
+        shapes[name] = tuple(t.shape)
+        own[name] = _buffer(n, shapes[name], t.dtype, device)
     owners = [st for st in templates if st.own_bits]
     where = {}  # id of an owner's template k_pages (what its share cells hold too) -> (bits, index)
     pools: dict[int, dict[str, Tensor]] = {}
@@ -164,22 +191,25 @@ def stack_cells(templates: list[CellStorage], device) -> CellStacks:
         pools[bits] = {}
         for name in ("page_table", *POOL_FIELDS):
             t = getattr(first, name)
-            shape = (0,) if is_placeholder(t) else (len(group), *t.shape)
-            pools[bits][name] = torch.zeros(shape, dtype=t.dtype, device=device)
+            shapes[(bits, name)] = tuple(t.shape)
+            if is_placeholder(t):
+                pools[bits][name] = torch.zeros(0, dtype=t.dtype, device=device)
+            else:
+                pools[bits][name] = _buffer(len(group), shapes[(bits, name)], t.dtype, device)
         rows, per_row = first.page_table.shape
-        table = torch.arange(rows * per_row, dtype=torch.int32, device=device).view(rows, per_row)
-        pools[bits]["page_table"].copy_(table.expand_as(pools[bits]["page_table"]))
+        table = torch.arange(rows * per_row, dtype=torch.int32, device=device)
+        pools[bits]["page_table"][:, : rows * per_row].copy_(table.expand(len(group), -1))
         for j, st in enumerate(group):
             where[id(st.k_pages)] = (bits, j)
-    pool_of = [where[id(st.k_pages)] for st in templates]
-    views = {key: {name: (t if is_placeholder(t) else t[key[1]]) for name, t in pools[key[0]].items()}
-             for key in set(pool_of)}  # one view object per pool: a share cell holds its source's tensors
+    stacks = CellStacks(own=own, pools=pools, shapes=shapes, pool_of=[where[id(st.k_pages)] for st in templates])
+    views = {key: {name: stacks.pool_slice(key[0], name, key[1]) for name in pools[key[0]]}
+             for key in set(stacks.pool_of)}  # one view object per pool: a share cell holds its source's tensors
     for i, st in enumerate(templates):
         for name in OWN_FIELDS:
-            setattr(st, name, own[name][i])
-        for name, t in views[pool_of[i]].items():
+            setattr(st, name, stacks.own_slice(name, i))
+        for name, t in views[stacks.pool_of[i]].items():
             setattr(st, name, t)
-    return CellStacks(own=own, pools=pools, pool_of=pool_of)
+    return stacks
 
 
 def nbytes(t: Tensor) -> int:
