@@ -25,7 +25,6 @@ import datetime
 import json
 import os
 import sys
-import time
 
 import torch
 import triton
@@ -47,39 +46,11 @@ def _tiny_wide(x_ptr, a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13
 
 
 def timed(replay, reps: int) -> dict:
-    """Host ms of ``replay()`` on an idle GPU, GPU ms of a synchronized replay, ms per back-to-back replay."""
-    host, gpu = [], []
-    for _ in range(reps):
-        torch.cuda.synchronize()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        t0 = time.perf_counter()
-        replay()
-        host.append((time.perf_counter() - t0) * 1e3)
-        b.record()
-        b.synchronize()
-        gpu.append(a.elapsed_time(b))
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(reps):
-        replay()
-    b.record()
-    b.synchronize()
-    mean = lambda xs: round(sum(xs) / len(xs), 4)  # noqa: E731
-    return {"replay_host_ms": mean(host), "step_ms": mean(gpu), "b2b_ms": round(a.elapsed_time(b) / reps, 4)}
-
-
-def graph_of(fn) -> torch.cuda.CUDAGraph:
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g, capture_error_mode="thread_local"):
-        fn()
-    return g
+    """Host ms of ``replay()`` on an idle GPU and GPU ms of a synchronized replay (``bench_decode.time_steps``),
+    ms per back-to-back replay (``bench_decode.time_back_to_back``)."""
+    gpu, _, host = bd.time_steps(replay, reps)
+    return {"replay_host_ms": round(host, 4), "step_ms": round(gpu, 4),
+            "b2b_ms": round(bd.time_back_to_back(replay, reps), 4)}
 
 
 def synthetic(n: int, reps: int) -> list[dict]:
@@ -103,9 +74,7 @@ def synthetic(n: int, reps: int) -> list[dict]:
     }
     rows = []
     for name, fn in cases.items():
-        g = graph_of(fn)
-        rows.append({"graph": f"{name} x{n}", "nodes": n, **timed(g.replay, reps)})
-        del g
+        rows.append({"graph": f"{name} x{n}", "nodes": n, **timed(bd.capture(fn, "graph"), reps)})
     return rows
 
 
@@ -133,9 +102,8 @@ def kernel_graphs(n: int, reps: int) -> list[dict]:
     }
     rows = []
     for name, one in cases.items():
-        g = graph_of(lambda one=one: [one() for _ in range(n)])
-        rows.append({"graph": f"{name} x{n}", "nodes": n, **timed(g.replay, reps)})
-        del g
+        replay = bd.capture(lambda one=one: [one() for _ in range(n)], "graph")
+        rows.append({"graph": f"{name} x{n}", "nodes": n, **timed(replay, reps)})
     return rows
 
 
@@ -162,7 +130,8 @@ def memcpy_sources(step, limit: int = 8) -> list[str]:
     return out
 
 
-def decode_graph(arm: str, model, cfg, plans, *, ctx: int, batch: int, reps: int) -> dict:
+def decode_step(arm: str, model, cfg, plans, *, ctx: int, batch: int):
+    """``bench_decode``'s decode step of ``arm`` on a cache filled to ``ctx`` (eager; returns the cache too)."""
     capacity = ctx + bd.HEADROOM
     cache = bd.build_cache(arm, plans, cfg, batch=batch, capacity=capacity, dtype=torch.bfloat16, device="cuda")
     if hasattr(cache, "warmup"):
@@ -171,13 +140,17 @@ def decode_graph(arm: str, model, cfg, plans, *, ctx: int, batch: int, reps: int
     tok = torch.randint(3, cfg.vocab_size, (batch, 1), device="cuda")
     pos = torch.full((batch, 1), ctx - bd.LEAD, dtype=torch.long, device="cuda")
     model.set_attn_implementation("sdpa" if arm == "bf16" else "loopkv")
-    step = bd.make_step(model, cache, tok, pos, dense=arm == "bf16", capacity=capacity)
-    g = graph_of(step)
-    row = {"graph": f"{arm} B{batch} ctx{ctx}", **timed(g.replay, reps)}  # timed before any profiler session
+    return bd.make_step(model, cache, tok, pos, dense=arm == "bf16", capacity=capacity), cache
+
+
+def decode_graph(arm: str, model, cfg, plans, *, ctx: int, batch: int, reps: int) -> dict:
+    step, cache = decode_step(arm, model, cfg, plans, ctx=ctx, batch=batch)
+    replay = bd.capture(step, "graph")
+    row = {"graph": f"{arm} B{batch} ctx{ctx}", **timed(replay, reps)}  # timed before any profiler session
     row["memcpy_sources"] = memcpy_sources(step)
     row["eager_calls"] = bd.count_launches(step)  # host API calls by name
     row["nodes"] = int(row["eager_calls"]["gpu_kernels"])
-    del g, cache
+    del replay, step, cache
     torch.cuda.empty_cache()
     return row
 
@@ -186,16 +159,8 @@ def profiler_effect(arm: str, model, cfg, plans, *, ctx: int, batch: int, n: int
     """The same two graphs (``n`` tiny Triton launches; ``arm``'s decode step) timed before and after one
     ``torch.profiler`` session with CUDA activities has run in the process (on another tiny op)."""
     x = torch.zeros(1, device="cuda")
-    tiny = graph_of(lambda: [_tiny[(1,)](x) for _ in range(n)])
-    capacity = ctx + bd.HEADROOM
-    cache = bd.build_cache(arm, plans, cfg, batch=batch, capacity=capacity, dtype=torch.bfloat16, device="cuda")
-    if hasattr(cache, "warmup"):
-        cache.warmup()
-    bd.fill(cache, ctx - bd.LEAD, k_scale=1.8)
-    tok = torch.randint(3, cfg.vocab_size, (batch, 1), device="cuda")
-    pos = torch.full((batch, 1), ctx - bd.LEAD, dtype=torch.long, device="cuda")
-    model.set_attn_implementation("sdpa" if arm == "bf16" else "loopkv")
-    step = graph_of(bd.make_step(model, cache, tok, pos, dense=arm == "bf16", capacity=capacity))
+    tiny = bd.capture(lambda: [_tiny[(1,)](x) for _ in range(n)], "graph")
+    step = bd.capture(decode_step(arm, model, cfg, plans, ctx=ctx, batch=batch)[0], "graph")
     rows = []
     for when in ("before", "after"):
         if when == "after":
@@ -203,8 +168,8 @@ def profiler_effect(arm: str, model, cfg, plans, *, ctx: int, batch: int, n: int
                                                     torch.profiler.ProfilerActivity.CUDA]):
                 x.add_(1.0)
                 torch.cuda.synchronize()
-        rows.append({"graph": f"tiny triton x{n}, {when} profiler", "nodes": n, **timed(tiny.replay, reps)})
-        rows.append({"graph": f"{arm} B{batch}, {when} profiler", "nodes": 0, **timed(step.replay, reps)})
+        rows.append({"graph": f"tiny triton x{n}, {when} profiler", "nodes": n, **timed(tiny, reps)})
+        rows.append({"graph": f"{arm} B{batch}, {when} profiler", "nodes": 0, **timed(step, reps)})
     return rows
 
 

@@ -331,14 +331,16 @@ class LoopKVCache(Cache):
     def _rows(self, layer_idx: int, batch: int) -> CellStorage:
         """The cell's storage restricted to the first ``batch`` rows (the whole tensors when full).
 
-        Built from the stacks with constant indices (not from the cell's view fields), so that a compiled step
-        lifts the stacks, a few tensors, instead of every cell's views (``CellStacks``)."""
-        meta = self.layers[layer_idx].storage
-        stacks = self._stacks
-        bits, j = stacks.pool_of[layer_idx]
-        st = CellStorage(option=meta.option, own_bits=meta.own_bits, read_bits=meta.read_bits,
-                         **{n: stacks.own_slice(n, layer_idx) for n in OWN_FIELDS},
-                         **{n: stacks.pool_slice(bits, n, j) for n in ("page_table", *POOL_FIELDS)})
+        While Dynamo traces, built from the stacks with constant indices (not from the cell's view fields), so that
+        a compiled step lifts the stacks, a few tensors, instead of every cell's views (``CellStacks``); the same
+        memory. Eagerly, the cell's views themselves (no per-call slicing on the host)."""
+        st = self.layers[layer_idx].storage
+        if torch.compiler.is_compiling():
+            stacks = self._stacks
+            bits, j = stacks.pool_of[layer_idx]
+            st = CellStorage(option=st.option, own_bits=st.own_bits, read_bits=st.read_bits,
+                             **{n: stacks.own_slice(n, layer_idx) for n in OWN_FIELDS},
+                             **{n: stacks.pool_slice(bits, n, j) for n in ("page_table", *POOL_FIELDS)})
         if batch == self.max_batch_size:
             return st
         pages = st.page_table.shape[1] * batch

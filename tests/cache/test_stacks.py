@@ -30,20 +30,19 @@ def test_cells_are_views_of_the_stacks_and_allocate_nothing_else():
         for name in OWN_FIELDS:
             assert _same_memory(getattr(st, name), stacks.own[name])
             assert getattr(st, name).data_ptr() == stacks.own_slice(name, idx).data_ptr()
+            assert getattr(st, name).shape == stacks.own_slice(name, idx).shape
         bits, j = stacks.pool_of[idx]
         assert bits == st.read_bits
         for name in ("page_table", *POOL_FIELDS):
             t, buf = getattr(st, name), stacks.pools[bits][name]
             assert is_placeholder(t) == is_placeholder(buf)
-            if not is_placeholder(t):
+            if not is_placeholder(t):  # pool_slice is what a compiled step reads (LoopKVCache._rows)
                 assert _same_memory(t, buf)
                 assert t.data_ptr() == stacks.pool_slice(bits, name, j).data_ptr()
+                assert t.shape == stacks.pool_slice(bits, name, j).shape
         # every slice starts on 16 bytes (Triton specializes pointers on it: one binary for every cell)
         assert all(t.data_ptr() % 16 == 0 for t in st.own_tensors().values() if not is_placeholder(t))
         slices += len(OWN_FIELDS) + (8 if st.own_bits else 0)
-        # what a decode step reads (built from the stacks) is this cell's memory
-        rows = cache._rows(idx, 3)
-        assert all(getattr(rows, n).data_ptr() == getattr(st, n).data_ptr() for n in OWN_FIELDS + POOL_FIELDS)
     for idx, layer in enumerate(cache.layers):  # a share cell holds its source's tensors, as before the stacks
         st = layer.storage
         if st.option == "share":
