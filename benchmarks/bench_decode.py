@@ -564,7 +564,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--capture", choices=("graph", "compile"), default="graph")
     p.add_argument("--profile", choices=("all", "ends", "none"), default="all",
                    help="which points get the profiled page cycle (GPU time per kernel role, idle time): every "
-                        "point, batch 1 and each arm's peak, or none (faster sweeps)")
+                        "point, batch 1 and each arm's peak, or none: no profiler at all (nor batch 1's eager "
+                        "launch count), so --shared-process points stay clean and skip a process start each")
     p.add_argument("--dynamic", action="store_true",
                    help="compile mode: symbolic shapes (one compile per arm for every batch > 1)")
     p.add_argument("--k-scale", type=float, default=1.8, help="synthetic K spread (sets V precision's hot share)")
@@ -660,12 +661,13 @@ def main(argv=None) -> None:
                         if args.shared_process:
                             row = measure(model, cfg, arm, plans, ctx=ctx, batch=b, steps=args.steps,
                                           capture_mode=args.capture, k_scale=args.k_scale, dtype=dtype,
-                                          device=device, launches=b == 1, dynamic=True if args.dynamic else None,
+                                          device=device, launches=b == 1 and args.profile != "none",
+                                          dynamic=True if args.dynamic else None,
                                           profile=profiled(b, peak, args.profile))
                             row["process"] = "shared"
                         else:
                             row = run_point_in_child(args, ctx, arm, b, profile=profiled(b, peak, args.profile),
-                                                     launches=b == 1, weights=weights)
+                                                     launches=b == 1 and args.profile != "none", weights=weights)
                     except Exception as exc:  # record and go on: one broken point must not lose the run
                         errors.append({"arm": arm, "ctx": ctx, "batch": b, "error": traceback.format_exc()[-3000:]})
                         print(f"{arm} ctx={ctx} B={b} FAILED: {exc!r}", flush=True)

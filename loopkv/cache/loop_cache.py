@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from loopkv.cache.storage import OWN_FIELDS, POOL_FIELDS, CellStorage, allocate_cell, is_placeholder, stack_cells
+from loopkv.cache.storage import OWN_FIELDS, POOL_FIELDS, CellStorage, allocate_cell, stack_cells
 from loopkv.cells import Cell, CellLayout
 from loopkv.ops import append_attention, cache_ops, cell_attention, codec  # noqa: F401  (registers torch.ops.loopkv.*)
 from loopkv.ops.codec import PAGE, SINK
@@ -179,13 +179,13 @@ class LoopKVCache(Cache):
         self._stacks = stack_cells(ordered, device)  # the cells' fields become views of these
         cells = [LoopKVCell(st, max_cache_len=max_cache_len) for st in ordered]
         super().__init__(layers=cells)
+        # Every tensor a step can mutate must be a static address, the empty placeholders included (``append_``
+        # declares INT2's lo plane mutated): one unmarked input makes CUDA-graph trees skip the whole step.
         for t in self._stacks.tensors():
-            if not is_placeholder(t):
-                torch._dynamo.mark_static_address(t)
+            torch._dynamo.mark_static_address(t)
         for layer in cells:  # the views too (a compiled step reads cell 0's lengths through get_seq_length)
             for t in layer.storage.own_tensors().values():
-                if not is_placeholder(t):
-                    torch._dynamo.mark_static_address(t)
+                torch._dynamo.mark_static_address(t)
         if device.type == "cuda":
             from loopkv.ops.triton_register import register_triton_kernels
 
