@@ -235,6 +235,11 @@ class LoopKVCache(Cache):
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """Tokens held by the longest row (padded prompt length + generated), as transformers counts."""
+        if torch.compiler.is_compiling():
+            # the lengths stack's slice, not the cell's view: a compiled step must not lift two inputs that share
+            # memory. AOTAutograd merges such inputs into a "synthetic base", and its metadata then forgets which
+            # inputs are static addresses, so CUDA-graph trees skip the step ("mutated inputs"; H200, session 8)
+            return self._stacks.own_slice("lengths", layer_idx).max()
         return self.layers[layer_idx].get_seq_length()
 
     def get_max_length(self, layer_idx: int | None = None) -> int:

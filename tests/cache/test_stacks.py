@@ -58,9 +58,9 @@ def test_cells_are_views_of_the_stacks_and_allocate_nothing_else():
     assert own <= total < own + 16 * slices  # nothing but the slices and their padding to 16 bytes
 
 
-def _graph_inputs(layers: int) -> tuple[int, int, list[str]]:
-    """(graph inputs, parameters, the cache's inputs not marked static) of a compiled decode step of a tiny Ouro
-    with ``layers`` layers x 3 loops."""
+def _graph_inputs(layers: int) -> tuple[int, int, list[str], list[list[str]]]:
+    """(graph inputs, parameters, the cache's inputs not marked static, groups of inputs sharing memory) of a
+    compiled decode step of a tiny Ouro with ``layers`` layers x 3 loops."""
     torch.manual_seed(0)
     cfg = OuroConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=layers,
                      num_attention_heads=4, num_key_value_heads=2, head_dim=32, total_ut_steps=3,
@@ -77,6 +77,11 @@ def _graph_inputs(layers: int) -> tuple[int, int, list[str]]:
         seen["params"] = sum(isinstance(x, torch.nn.Parameter) for x in example_inputs)
         seen["dynamic"] = [_source(n) for n in gm.graph.find_nodes(op="placeholder")
                            if "cache" in _source(n) and not n.meta.get("tensor_dict", {}).get(STATIC)]
+        by_memory = {}
+        for node, x in zip(gm.graph.find_nodes(op="placeholder"), example_inputs, strict=True):
+            if isinstance(x, torch.Tensor) and x.numel():
+                by_memory.setdefault(x.untyped_storage().data_ptr(), []).append(_source(node))
+        seen["aliased"] = [names for names in by_memory.values() if len(names) > 1]
         return gm.forward
 
     def step(ids, pos):
@@ -85,7 +90,7 @@ def _graph_inputs(layers: int) -> tuple[int, int, list[str]]:
     torch._dynamo.reset()
     with torch.no_grad():
         torch.compile(step, backend=backend, fullgraph=True)(torch.randint(3, 97, (2, 1)), torch.full((2, 1), 40))
-    return seen["inputs"], seen["params"], seen["dynamic"]
+    return seen["inputs"], seen["params"], seen["dynamic"], seen["aliased"]
 
 
 STATIC = "_dynamo_static_input_type"  # what torch._dynamo.mark_static_address sets on a tensor
@@ -102,7 +107,7 @@ def test_a_compiled_step_lifts_the_stacks_not_every_cells_tensors():
     """Without the stacks a cell added 5 graph inputs, 13 with its own pool (session 7: 1,310 inputs for M's 96
     cells, 0.6 ms of Dynamo per call); now the cache's inputs do not grow with the number of cells."""
     small, large = _graph_inputs(2), _graph_inputs(4)  # 6 and 12 cells
-    cache_inputs = [n - params for n, params, _ in (small, large)]
+    cache_inputs = [n - params for n, params, _, _ in (small, large)]
     assert cache_inputs[0] == cache_inputs[1]
     assert cache_inputs[0] <= 40  # 5 exact-part stacks, 3 pool kinds x 8 fields, a few more (ids, positions, ...)
 
@@ -111,5 +116,8 @@ def test_every_cache_tensor_a_compiled_step_lifts_is_a_static_address():
     """CUDA-graph trees capture a step that mutates an input only if that input is a static address; one unmarked
     tensor (session 8 on the H200: the empty placeholders of INT2's lo plane and BF16's scales, which ``append_``
     declares mutated) makes ``reduce-overhead`` skip CUDA graphs for the whole step."""
-    _, _, dynamic = _graph_inputs(3)
+    _, _, dynamic, aliased = _graph_inputs(3)
     assert dynamic == []
+    # and no two inputs share memory: AOTAutograd would merge them into a synthetic base and, in torch 2.11-2.13,
+    # drop the static marks of every input (session 8, H200: cell 0's lengths view beside the lengths stack)
+    assert aliased == []
