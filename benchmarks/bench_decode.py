@@ -69,8 +69,9 @@ ARMS = ("bf16", "kivi4", "kivi4v", "loopkv-r", "loopkv-m")
 # recommends while V precision costs more than it saves on this reader.
 EXTRA_ARMS = ("loopkv-m-notau", "loopkv-m-fused")
 # "loopkv-m-fused": M with LoopKVCache(fused_append=True): each decode append inside its cell's attention launch
-# (append_attention_, docs/design-decisions.md §10; session 6, not yet measured)
+# (append_attention_, docs/design-decisions.md §10; session 8: 5.9% more GPU time per step than M at batch 1 x 8K)
 FUSED_ARMS = ("loopkv-m-fused",)
+STACKED = False  # --stacked: LoopKVCache(stacked=True), the cells as slices of a few buffers (design-decisions §11)
 TAU = 14.0
 GIB = 1 << 30
 PAGE_CYCLE = codec.PAGE  # each cell quantizes one page (its window exit) every PAGE_CYCLE decode steps
@@ -139,7 +140,7 @@ def build_cache(arm, plans, cfg, *, batch, capacity, dtype, device):
             layer.lazy_initialization(kv, kv)
         return cache
     return loopkv.LoopKVCache(plans[arm], config=cfg, max_batch_size=batch, max_cache_len=capacity,
-                              dtype=dtype, device=device, fused_append=arm in FUSED_ARMS)
+                              dtype=dtype, device=device, fused_append=arm in FUSED_ARMS, stacked=STACKED)
 
 
 def cache_bytes(cache) -> int:
@@ -529,7 +530,8 @@ def point_argv(args, ctx: int, arm: str, batch: int, *, profile: bool, launches:
             "--point-profile", str(int(profile)), "--point-launches", str(int(launches)), "--out", out,
             "--capture", args.capture, "--steps", str(args.steps), "--k-scale", str(args.k_scale),
             "--far-impl", args.far_impl]
-    return argv + (["--dynamic"] if args.dynamic else []) + (["--weights", weights] if weights else [])
+    return (argv + (["--dynamic"] if args.dynamic else []) + (["--stacked"] if args.stacked else [])
+            + (["--weights", weights] if weights else []))
 
 
 def run_point_in_child(args, ctx: int, arm: str, batch: int, *, profile: bool, launches: bool,
@@ -572,6 +574,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-batch", type=int, default=128)
     p.add_argument("--far-impl", choices=("auto", "cc", "dot"), default="auto",
                    help="history reader of the INT4/INT2 cells (auto: the library's default)")
+    p.add_argument("--stacked", action="store_true",
+                   help="LoopKVCache(stacked=True): the cells' tensors as slices of a few stacked buffers (fewer "
+                        "compiled-step inputs, less host time per call)")
     p.add_argument("--smoke", action="store_true", help="tiny model, CPU-sized: check the script end to end")
     p.add_argument("--shared-process", action="store_true",
                    help="measure every point in this process (default: one process per point; after a profiled "
@@ -597,6 +602,8 @@ def main(argv=None) -> None:
     if bad:
         raise SystemExit(f"--batches: {bad} are not batch sizes; give integers and/or 'peak', e.g. 'peak,1'")
 
+    global STACKED
+    STACKED = args.stacked
     if args.smoke:
         return smoke()
     if not torch.cuda.is_available():

@@ -127,14 +127,21 @@ class LoopKVCache(Cache):
         dtype: the model's activation dtype (exact sink/window/bf16 pages); default ``config.dtype`` or fp32.
         device: where the storage lives; default CUDA if available, else CPU.
         fused_append: decode appends the token inside the cell's attention op (``append_attention_``: one launch
-            per cell instead of two; docs/design-decisions.md §10) instead of in ``update``. Off by default: not
-            yet measured on a GPU (session 6). With it, a decode ``update`` must be followed by the ``"loopkv"``
-            attention function on the same cell, which is what the model does.
+            per cell instead of two; docs/design-decisions.md §10) instead of in ``update``. Off by default: on
+            the H200 the step's GPU time is 5.9% longer with it (compiled, batch 1 x 8K, session 8). With it, a
+            decode ``update`` must be followed by the ``"loopkv"`` attention function on the same cell, which is
+            what the model does.
+        stacked: allocate the cells' tensors as slices of a few stacked buffers (``CellStacks``,
+            docs/design-decisions.md §11), so a compiled step lifts ~25 cache tensors instead of 5-13 per cell:
+            less host time per compiled call (H200, batch 1 x 8K, session 8: ``replay()`` 1.11 ms on the host
+            instead of 1.76). Off by default: on the H200 the 1,024-step compiled-equals-eager test missed one
+            bound with it (session 8: tokens equal, but 0.17% of logits off by more than 1e-4, bound 0.1%; the
+            cause is not known), and the per-cell tensors are what that test last passed on (session 6).
     """
 
     def __init__(self, plan, *, config, max_batch_size: int, max_cache_len: int,
                  dtype: torch.dtype | None = None, device: torch.device | str | None = None,
-                 fused_append: bool = False):
+                 fused_append: bool = False, stacked: bool = False):
         from loopkv.cache.attention import register
 
         register()
@@ -167,8 +174,9 @@ class LoopKVCache(Cache):
         self.tau = float(plan.tau)
         self.fused_append = bool(fused_append)
 
+        self.stacked = bool(stacked)
         dims = dict(batch=max_batch_size, heads=kv_heads, head_dim=head_dim, max_cache_len=max_cache_len,
-                    dtype=dtype, device="meta")  # shapes first; the memory is allocated as stacks below
+                    dtype=dtype, device="meta" if stacked else device)  # stacked: shapes first, memory below
         storages: dict[Cell, CellStorage] = {}
         final = [c for c in self.layout if c.loop == self.layout.final_loop]
         for cell in final + [c for c in self.layout if c.loop != self.layout.final_loop]:
@@ -176,12 +184,12 @@ class LoopKVCache(Cache):
             source = storages.get(self.layout.source(cell)) if option == "share" else None
             storages[cell] = allocate_cell(option, source=source, **dims)
         ordered = [storages[c] for c in self.layout]
-        self._stacks = stack_cells(ordered, device)  # the cells' fields become views of these
+        self._stacks = stack_cells(ordered, device) if stacked else None  # the cells' fields become views
         cells = [LoopKVCell(st, max_cache_len=max_cache_len) for st in ordered]
         super().__init__(layers=cells)
         # Every tensor a step can mutate must be a static address, the empty placeholders included (``append_``
         # declares INT2's lo plane mutated): one unmarked input makes CUDA-graph trees skip the whole step.
-        for t in self._stacks.tensors():
+        for t in self._stacks.tensors() if stacked else ():
             torch._dynamo.mark_static_address(t)
         for layer in cells:  # the views too (a compiled step reads cell 0's lengths through get_seq_length)
             for t in layer.storage.own_tensors().values():
@@ -235,7 +243,7 @@ class LoopKVCache(Cache):
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """Tokens held by the longest row (padded prompt length + generated), as transformers counts."""
-        if torch.compiler.is_compiling():
+        if self._stacks is not None and torch.compiler.is_compiling():
             # the lengths stack's slice, not the cell's view: a compiled step must not lift two inputs that share
             # memory. AOTAutograd merges such inputs into a "synthetic base", and its metadata then forgets which
             # inputs are static addresses, so CUDA-graph trees skip the step ("mutated inputs"; H200, session 8)
@@ -336,11 +344,12 @@ class LoopKVCache(Cache):
     def _rows(self, layer_idx: int, batch: int) -> CellStorage:
         """The cell's storage restricted to the first ``batch`` rows (the whole tensors when full).
 
-        While Dynamo traces, built from the stacks with constant indices (not from the cell's view fields), so that
-        a compiled step lifts the stacks, a few tensors, instead of every cell's views (``CellStacks``); the same
-        memory. Eagerly, the cell's views themselves (no per-call slicing on the host)."""
+        With ``stacked``, while Dynamo traces, built from the stacks with constant indices (not from the cell's
+        view fields), so that a compiled step lifts the stacks, a few tensors, instead of every cell's views
+        (``CellStacks``); the same memory. Otherwise, and eagerly, the cell's own tensors or views (no per-call
+        slicing on the host)."""
         st = self.layers[layer_idx].storage
-        if torch.compiler.is_compiling():
+        if self._stacks is not None and torch.compiler.is_compiling():
             stacks = self._stacks
             bits, j = stacks.pool_of[layer_idx]
             st = CellStorage(option=st.option, own_bits=st.own_bits, read_bits=st.read_bits,

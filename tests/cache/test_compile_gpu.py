@@ -41,12 +41,17 @@ def _cache(model: OuroForCausalLM, dtype: torch.dtype, **kw) -> "loopkv.LoopKVCa
                               dtype=dtype, device="cuda", **kw)
 
 
-def test_generate_is_one_cuda_graph_for_1024_steps_and_equals_eager(error_on_recompile):
+@pytest.mark.parametrize("stacked", [False, True], ids=["per_cell", "stacked"])
+def test_generate_is_one_cuda_graph_for_1024_steps_and_equals_eager(error_on_recompile, stacked):
+    """``stacked=True`` failed this test on the H200 in session 8, at its last assertion: one graph, no skip, the
+    same tokens compiled and eager over 1,024 steps and after ``reset()``, every logit within CODE_FLIP_ATOL, but
+    0.17% of the logits beyond LOGITS_FP32_ATOL against the 0.1% bound (session 6, per-cell: 0.02%). Whether the
+    stacks cause the extra code flips is not known; the per-cell layout (the default) passed in session 6."""
     model = _model(torch.float32)
     ids = torch.randint(3, 257, (2, PROMPT), generator=torch.Generator().manual_seed(1)).cuda()
     gen = dict(max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False, output_logits=True,
                return_dict_in_generate=True, attention_mask=torch.ones_like(ids))
-    cache = _cache(model, torch.float32)
+    cache = _cache(model, torch.float32, stacked=stacked)
     cache.warmup()
 
     torch._dynamo.reset()
@@ -55,17 +60,18 @@ def test_generate_is_one_cuda_graph_for_1024_steps_and_equals_eager(error_on_rec
     first = model.generate(ids, past_key_values=cache, compile_config=config, **gen)
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
     assert not counters["graph_break"], dict(counters["graph_break"])
-    assert counters["inductor"]["cudagraph_skips"] == 0
+    assert counters["inductor"]["cudagraph_skips"] == 0, "CUDA graphs skipped in the first generate"
     assert cache.get_seq_length() == PROMPT + NEW_TOKENS - 1  # the last token is returned, not stored
 
     cache.reset()  # a second request on the same cache: the same graph, nothing recompiled or re-captured
     second = model.generate(ids, past_key_values=cache, compile_config=config, **gen)
-    assert counters["stats"]["unique_graphs"] == 1
-    assert counters["inductor"]["cudagraph_skips"] == 0
-    assert torch.equal(second.sequences, first.sequences)
+    assert counters["stats"]["unique_graphs"] == 1, f"second generate: {dict(counters['stats'])}"
+    assert counters["inductor"]["cudagraph_skips"] == 0, "CUDA graphs skipped in the second generate"
+    assert torch.equal(second.sequences, first.sequences), f"after reset(): {_first_difference(second, first)}"
 
-    eager = model.generate(ids, past_key_values=_cache(model, torch.float32), disable_compile=True, **gen)
-    assert torch.equal(first.sequences, eager.sequences)
+    eager = model.generate(ids, past_key_values=_cache(model, torch.float32, stacked=stacked), disable_compile=True,
+                           **gen)
+    assert torch.equal(first.sequences, eager.sequences), f"compiled vs eager: {_first_difference(first, eager)}"
     got, want = torch.stack(first.logits), torch.stack(eager.logits)  # [steps, B, vocab]
     # Until the first page written in decode is quantized (length 319: step 19), compiled and eager read the
     # same codes and differ by fp32 rounding only. Afterwards inductor's fused rounding of K/V (ulps) can flip
@@ -75,7 +81,17 @@ def test_generate_is_one_cuda_graph_for_1024_steps_and_equals_eager(error_on_rec
     torch.testing.assert_close(got[:first_quantized], want[:first_quantized], atol=LOGITS_FP32_ATOL,
                                rtol=LOGITS_FP32_RTOL)
     torch.testing.assert_close(got, want, atol=CODE_FLIP_ATOL, rtol=0.0)
-    assert (got - want).abs().gt(LOGITS_FP32_ATOL).float().mean() < 1e-3  # flips are rare
+    beyond = (got - want).abs().gt(LOGITS_FP32_ATOL).float().mean().item()
+    assert beyond < 1e-3, f"{beyond:.2e} of the logits differ by more than {LOGITS_FP32_ATOL}"  # flips are rare
+
+
+def _first_difference(a, b) -> str:
+    """Where two generate outputs' tokens first differ (step after the prompt, row), for a failure message."""
+    rows, cols = (a.sequences != b.sequences).nonzero(as_tuple=True)
+    if not len(cols):
+        return "equal"
+    i = int(cols.argmin())
+    return f"first at decode step {int(cols[i]) - PROMPT} (row {int(rows[i])}), {len(cols)} tokens differ"
 
 
 def test_check_compile_reports_one_graph_under_reduce_overhead_in_bf16():

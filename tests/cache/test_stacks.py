@@ -1,5 +1,8 @@
-"""The cells' tensors are slices of a few stacks, and a compiled step lifts the stacks, not every cell's views."""
+"""``LoopKVCache(stacked=True)``: the cells' tensors are slices of a few stacks, and a compiled step lifts the
+stacks, not every cell's views. Both layouts: every tensor a compiled step lifts is a static address, and none
+aliases another."""
 
+import pytest
 import torch
 import torch._dynamo
 
@@ -22,7 +25,7 @@ def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
 def test_cells_are_views_of_the_stacks_and_allocate_nothing_else():
     plan = _mixed_plan(3)
     cfg = tiny_config(loops=3, layers=3, head_dim=32)
-    cache = loopkv.LoopKVCache(plan, config=cfg, max_batch_size=3, max_cache_len=700, device="cpu")
+    cache = loopkv.LoopKVCache(plan, config=cfg, max_batch_size=3, max_cache_len=700, device="cpu", stacked=True)
     stacks = cache._stacks
     slices = 0
     for idx, layer in enumerate(cache.layers):
@@ -58,7 +61,7 @@ def test_cells_are_views_of_the_stacks_and_allocate_nothing_else():
     assert own <= total < own + 16 * slices  # nothing but the slices and their padding to 16 bytes
 
 
-def _graph_inputs(layers: int) -> tuple[int, int, list[str], list[list[str]]]:
+def _graph_inputs(layers: int, stacked: bool = True) -> tuple[int, int, list[str], list[list[str]]]:
     """(graph inputs, parameters, the cache's inputs not marked static, groups of inputs sharing memory) of a
     compiled decode step of a tiny Ouro with ``layers`` layers x 3 loops."""
     torch.manual_seed(0)
@@ -67,7 +70,7 @@ def _graph_inputs(layers: int) -> tuple[int, int, list[str], list[list[str]]]:
                      max_position_embeddings=4096, rope_theta=10000.0)
     model = OuroForCausalLM(cfg).eval()
     cache = loopkv.LoopKVCache(_mixed_plan(layers), config=cfg, max_batch_size=2, max_cache_len=400,
-                               dtype=torch.float32, device="cpu")
+                               dtype=torch.float32, device="cpu", stacked=stacked)
     with torch.no_grad():
         model(input_ids=torch.randint(3, 97, (2, 40)), past_key_values=cache)
     seen = {}
@@ -112,11 +115,12 @@ def test_a_compiled_step_lifts_the_stacks_not_every_cells_tensors():
     assert cache_inputs[0] <= 40  # 5 exact-part stacks, 3 pool kinds x 8 fields, a few more (ids, positions, ...)
 
 
-def test_every_cache_tensor_a_compiled_step_lifts_is_a_static_address():
+@pytest.mark.parametrize("stacked", [False, True])
+def test_every_cache_tensor_a_compiled_step_lifts_is_a_static_address(stacked):
     """CUDA-graph trees capture a step that mutates an input only if that input is a static address; one unmarked
     tensor (session 8 on the H200: the empty placeholders of INT2's lo plane and BF16's scales, which ``append_``
     declares mutated) makes ``reduce-overhead`` skip CUDA graphs for the whole step."""
-    _, _, dynamic, aliased = _graph_inputs(3)
+    _, _, dynamic, aliased = _graph_inputs(3, stacked)
     assert dynamic == []
     # and no two inputs share memory: AOTAutograd would merge them into a synthetic base and, in torch 2.11-2.13,
     # drop the static marks of every input (session 8, H200: cell 0's lengths view beside the lengths stack)
