@@ -85,6 +85,28 @@ def test_generate_is_one_cuda_graph_for_1024_steps_and_equals_eager(error_on_rec
     assert beyond < 1e-3, f"{beyond:.2e} of the logits differ by more than {LOGITS_FP32_ATOL}"  # flips are rare
 
 
+def test_stacked_and_per_cell_caches_give_identical_compiled_logits(error_on_recompile):
+    """The question session 8 left: do the stacks change a compiled step's arithmetic on the GPU (they do not on
+    CPU, ``tests/cache/test_stacks.py``)? If this passes, the flip rate the 1,024-step test bounds does not depend
+    on the layout. 300 steps (window exits, V precision, a share cell), fp32, CUDA graphs."""
+    model = _model(torch.float32)
+    ids = torch.randint(3, 257, (2, PROMPT), generator=torch.Generator().manual_seed(1)).cuda()
+    gen = dict(max_new_tokens=300, min_new_tokens=300, do_sample=False, output_logits=True,
+               return_dict_in_generate=True, attention_mask=torch.ones_like(ids))
+    config = CompileConfig(fullgraph=True, mode="reduce-overhead")
+    outs = []
+    for stacked in (False, True):
+        cache = _cache(model, torch.float32, stacked=stacked)
+        cache.warmup()
+        torch._dynamo.reset()
+        counters.clear()
+        outs.append(model.generate(ids, past_key_values=cache, compile_config=config, **gen))
+        assert counters["inductor"]["cudagraph_skips"] == 0, f"stacked={stacked}: CUDA graphs skipped"
+    assert torch.equal(outs[0].sequences, outs[1].sequences), _first_difference(outs[0], outs[1])
+    got, want = torch.stack(outs[1].logits), torch.stack(outs[0].logits)
+    assert torch.equal(got, want), f"max |stacked - per-cell| = {(got - want).abs().max().item():.3e}"
+
+
 def _first_difference(a, b) -> str:
     """Where two generate outputs' tokens first differ (step after the prompt, row), for a failure message."""
     rows, cols = (a.sequences != b.sequences).nonzero(as_tuple=True)

@@ -125,3 +125,34 @@ def test_every_cache_tensor_a_compiled_step_lifts_is_a_static_address(stacked):
     # and no two inputs share memory: AOTAutograd would merge them into a synthetic base and, in torch 2.11-2.13,
     # drop the static marks of every input (session 8, H200: cell 0's lengths view beside the lengths stack)
     assert aliased == []
+
+
+def test_stacked_and_per_cell_caches_compile_to_identical_logits():
+    """The layout changes which tensors a compiled step lifts, not its arithmetic: inductor's logits are bit for bit
+    the same over 60 steps across a window exit (the CPU half of the session-8 question; the GPU half is in
+    tests/cache/test_compile_gpu.py)."""
+    torch.manual_seed(0)
+    cfg = OuroConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, head_dim=32, total_ut_steps=3,
+                     max_position_embeddings=4096, rope_theta=10000.0)
+    model = OuroForCausalLM(cfg).eval()
+    ids = torch.randint(3, 97, (2, 300), generator=torch.Generator().manual_seed(1))
+    logits = []
+    for stacked in (False, True):
+        cache = loopkv.LoopKVCache(_mixed_plan(2), config=cfg, max_batch_size=2, max_cache_len=400,
+                                   dtype=torch.float32, device="cpu", stacked=stacked)
+
+        def step(tok, pos, cache=cache):
+            return model(input_ids=tok, position_ids=pos, past_key_values=cache).logits
+
+        torch._dynamo.reset()
+        compiled = torch.compile(step, fullgraph=True)
+        out = []
+        with torch.no_grad():
+            tok = model(input_ids=ids, past_key_values=cache).logits[:, -1:].argmax(-1)
+            for i in range(60):  # 300 + 60 tokens: the window exit at 319 quantizes a page in every cell
+                got = compiled(tok, torch.full((2, 1), 300 + i))
+                out.append(got)
+                tok = got[:, -1].argmax(-1, keepdim=True)
+        logits.append(torch.stack(out))
+    assert torch.equal(logits[0], logits[1])
