@@ -93,18 +93,25 @@ def test_stacked_and_per_cell_caches_give_identical_compiled_logits(error_on_rec
     ids = torch.randint(3, 257, (2, PROMPT), generator=torch.Generator().manual_seed(1)).cuda()
     gen = dict(max_new_tokens=300, min_new_tokens=300, do_sample=False, output_logits=True,
                return_dict_in_generate=True, attention_mask=torch.ones_like(ids))
-    config = CompileConfig(fullgraph=True, mode="reduce-overhead")
-    outs = []
-    for stacked in (False, True):
-        cache = _cache(model, torch.float32, stacked=stacked)
-        cache.warmup()
-        torch._dynamo.reset()
-        counters.clear()
-        outs.append(model.generate(ids, past_key_values=cache, compile_config=config, **gen))
-        assert counters["inductor"]["cudagraph_skips"] == 0, f"stacked={stacked}: CUDA graphs skipped"
+    outs = [_compiled_generate(model, ids, gen, torch.float32, stacked=stacked) for stacked in (False, True)]
     assert torch.equal(outs[0].sequences, outs[1].sequences), _first_difference(outs[0], outs[1])
     got, want = torch.stack(outs[1].logits), torch.stack(outs[0].logits)
     assert torch.equal(got, want), f"max |stacked - per-cell| = {(got - want).abs().max().item():.3e}"
+
+
+def _compiled_generate(model, ids, gen: dict, dtype: torch.dtype, **cache_kw):
+    """``generate`` compiled with ``reduce-overhead`` on a fresh, warmed-up cache (``_cache(**cache_kw)``), Dynamo
+    reset first; asserts one graph, no break and no CUDA-graph skip."""
+    cache = _cache(model, dtype, **cache_kw)
+    cache.warmup()
+    torch._dynamo.reset()
+    counters.clear()
+    out = model.generate(ids, past_key_values=cache, compile_config=CompileConfig(fullgraph=True,
+                                                                                  mode="reduce-overhead"), **gen)
+    assert counters["stats"]["unique_graphs"] == 1, f"{cache_kw}: {dict(counters['stats'])}"
+    assert not counters["graph_break"], f"{cache_kw}: {dict(counters['graph_break'])}"
+    assert counters["inductor"]["cudagraph_skips"] == 0, f"{cache_kw}: CUDA graphs skipped"
+    return out
 
 
 def _first_difference(a, b) -> str:
@@ -161,16 +168,6 @@ def test_fused_append_is_one_cuda_graph_and_equals_the_two_ops(error_on_recompil
     model = _model(torch.bfloat16)
     ids = torch.randint(3, 257, (2, PROMPT), generator=torch.Generator().manual_seed(2)).cuda()
     gen = dict(max_new_tokens=300, min_new_tokens=300, do_sample=False, attention_mask=torch.ones_like(ids))
-    config = CompileConfig(fullgraph=True, mode="reduce-overhead")
-    outs = []
-    for fused in (False, True):
-        cache = _cache(model, torch.bfloat16, fused_append=fused)
-        cache.warmup()
-        torch._dynamo.reset()
-        counters.clear()
-        outs.append(model.generate(ids, past_key_values=cache, compile_config=config, **gen))
-        assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
-        assert not counters["graph_break"], dict(counters["graph_break"])
-        assert counters["inductor"]["cudagraph_skips"] == 0
+    outs = [_compiled_generate(model, ids, gen, torch.bfloat16, fused_append=fused) for fused in (False, True)]
     assert torch.equal(outs[0], outs[1])
 
