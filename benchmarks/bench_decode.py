@@ -71,7 +71,7 @@ EXTRA_ARMS = ("loopkv-m-notau", "loopkv-m-fused")
 # "loopkv-m-fused": M with LoopKVCache(fused_append=True): each decode append inside its cell's attention launch
 # (append_attention_, docs/design-decisions.md §10; session 8: 5.9% more GPU time per step than M at batch 1 x 8K)
 FUSED_ARMS = ("loopkv-m-fused",)
-STACKED = False  # --stacked: LoopKVCache(stacked=True), the cells as slices of a few buffers (design-decisions §11)
+STACKED = True  # LoopKVCache(stacked=...): the cells as slices of a few buffers (design-decisions §11); --per-cell
 TAU = 14.0
 GIB = 1 << 30
 PAGE_CYCLE = codec.PAGE  # each cell quantizes one page (its window exit) every PAGE_CYCLE decode steps
@@ -530,7 +530,7 @@ def point_argv(args, ctx: int, arm: str, batch: int, *, profile: bool, launches:
             "--point-profile", str(int(profile)), "--point-launches", str(int(launches)), "--out", out,
             "--capture", args.capture, "--steps", str(args.steps), "--k-scale", str(args.k_scale),
             "--far-impl", args.far_impl]
-    return (argv + (["--dynamic"] if args.dynamic else []) + (["--stacked"] if args.stacked else [])
+    return (argv + (["--dynamic"] if args.dynamic else []) + (["--per-cell"] if args.per_cell else [])
             + (["--weights", weights] if weights else []))
 
 
@@ -574,9 +574,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-batch", type=int, default=128)
     p.add_argument("--far-impl", choices=("auto", "cc", "dot"), default="auto",
                    help="history reader of the INT4/INT2 cells (auto: the library's default)")
-    p.add_argument("--stacked", action="store_true",
-                   help="LoopKVCache(stacked=True): the cells' tensors as slices of a few stacked buffers (fewer "
-                        "compiled-step inputs, less host time per call)")
+    p.add_argument("--per-cell", action="store_true",
+                   help="LoopKVCache(stacked=False): one set of tensors per cell instead of the default stacked "
+                        "buffers (more compiled-step inputs, more host time per call)")
     p.add_argument("--smoke", action="store_true", help="tiny model, CPU-sized: check the script end to end")
     p.add_argument("--shared-process", action="store_true",
                    help="measure every point in this process (default: one process per point; after a profiled "
@@ -603,7 +603,7 @@ def main(argv=None) -> None:
         raise SystemExit(f"--batches: {bad} are not batch sizes; give integers and/or 'peak', e.g. 'peak,1'")
 
     global STACKED
-    STACKED = args.stacked
+    STACKED = not args.per_cell
     if args.smoke:
         return smoke()
     if not torch.cuda.is_available():

@@ -66,10 +66,10 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--arms", default="bf16,loopkv-m,kivi4")
     p.add_argument("--calls", type=int, default=200)
-    p.add_argument("--stacked", action="store_true", help="LoopKVCache(stacked=True) (design-decisions §11)")
+    p.add_argument("--per-cell", action="store_true", help="LoopKVCache(stacked=False) (design-decisions §11)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
-    bd.STACKED = args.stacked
+    bd.STACKED = not args.per_cell
     cfg = bd.ouro_1p4b_config(vocab_size=128, hidden_size=64, intermediate_size=96, num_attention_heads=2,
                               num_key_value_heads=2, head_dim=64)  # Ouro's 24 layers x 4 loops, tiny widths
     torch.manual_seed(0)
@@ -80,7 +80,8 @@ def main(argv=None) -> None:
     result = {"benchmark": "probe_dynamo_overhead",
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(), "device": "cpu",
               "cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
-              "versions": bd.versions(), "cells": cfg.total_ut_steps * cfg.num_hidden_layers, "stacked": args.stacked,
+              "versions": bd.versions(), "cells": cfg.total_ut_steps * cfg.num_hidden_layers,
+              "stacked": not args.per_cell,
               "rows": rows}
     if args.out:
         with open(args.out, "w") as f:

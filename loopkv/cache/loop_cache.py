@@ -132,16 +132,16 @@ class LoopKVCache(Cache):
             decode ``update`` must be followed by the ``"loopkv"`` attention function on the same cell, which is
             what the model does.
         stacked: allocate the cells' tensors as slices of a few stacked buffers (``CellStacks``,
-            docs/design-decisions.md §11), so a compiled step lifts ~25 cache tensors instead of 5-13 per cell:
-            less host time per compiled call (H200, batch 1 x 8K, session 8: ``replay()`` 1.11 ms on the host
-            instead of 1.76). Off by default: on the H200 the 1,024-step compiled-equals-eager test missed one
-            bound with it (session 8: tokens equal, but 0.17% of logits off by more than 1e-4, bound 0.1%; the
-            cause is not known), and the per-cell tensors are what that test last passed on (session 6).
+            docs/design-decisions.md §11), so a compiled step lifts ~25 cache tensors instead of 5-13 per cell.
+            On by default: on the H200 (session 9, compiled, batch 1 x 8K, one call) ``replay()`` holds the host
+            0.78 ms instead of 2.21 and the step takes 8.90 ms instead of 10.32. Both layouts give bit-identical
+            compiled logits there (``benchmarks/probe_code_flips.py``). ``stacked=False`` allocates one set of
+            tensors per cell, as before session 7.
     """
 
     def __init__(self, plan, *, config, max_batch_size: int, max_cache_len: int,
                  dtype: torch.dtype | None = None, device: torch.device | str | None = None,
-                 fused_append: bool = False, stacked: bool = False):
+                 fused_append: bool = False, stacked: bool = True):
         from loopkv.cache.attention import register
 
         register()
