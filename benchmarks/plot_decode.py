@@ -62,7 +62,11 @@ def plot(result: dict, png: str) -> None:
         ax.set_title(f"{ctx // 1024}K context, KV budget {result['kv_budget_bytes'] / 2**30:.0f} GiB")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    fig.suptitle(f"Ouro-1.4B shapes (random weights), {result['device']}, whole step as one CUDA graph", fontsize=10)
+    mode = result.get("args", {}).get("capture")
+    capture = {"graph": "whole step as one CUDA graph", "compile": 'torch.compile(mode="reduce-overhead")',
+               None: "capture mode not recorded"}.get(mode, f"capture {mode}")
+    fig.suptitle(f"Ouro-1.4B shapes (random weights), {result['device']}\n{capture}, {result['date'][:10]}",
+                 fontsize=10)
     fig.tight_layout()
     fig.savefig(png, dpi=120)
 

@@ -332,3 +332,35 @@ def test_a_child_loads_the_parents_parameters_exactly(bench, tmp_path):
     assert all(torch.equal(want_b[k], got_b[k]) for k in want_b)
     assert not child.training
     assert next(child.parameters()).dtype == torch.bfloat16
+
+
+def test_plot_draws_the_committed_session9_sweep(tmp_path):
+    plot = _load("plot_decode")
+    result = json.loads((ROOT / "benchmarks/results/decode_2026-11-30_session9_graph_16k_sweep.json").read_text())
+    png = tmp_path / "sweep.png"
+    plot.plot(result, str(png))
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_code_flip_comparison_counts_against_a_brute_force_count():
+    probe = _load("probe_code_flips")
+    gen = torch.Generator().manual_seed(0)
+    steps, rows, vocab, prompt = 12, 2, 7, probe.PROMPT
+    want_logits = torch.randn(steps, rows, vocab, generator=gen)
+    got_logits = want_logits + 1e-6 * torch.randn(steps, rows, vocab, generator=gen)  # rounding: below 1e-4
+    got_logits[5, 1, 3] += 3e-4  # a flip at step 5 ...
+    got_logits[9, 0, :] += 2e-4  # ... and drift afterwards
+    seq = torch.randint(0, vocab, (rows, prompt + steps), generator=gen)
+    other = seq.clone()
+    other[1, prompt + 7] += 1  # tokens first differ at decode step 7
+    row = probe.compare((other, got_logits), (seq, want_logits))
+    assert row["first_step_beyond_1e-4"] == 5
+    assert row["fraction_beyond_1e-4"] == pytest.approx((1 + vocab) / (steps * rows * vocab))
+    assert row["max_abs"] == pytest.approx(3e-4, rel=1e-2)
+    assert row["first_token_difference_step"] == 7
+    assert not row["tokens_equal"]
+    assert not row["bit_equal"]
+    same = probe.compare((seq, want_logits), (seq, want_logits.clone()))
+    assert same["bit_equal"]
+    assert same["tokens_equal"]
+    assert same["first_step_beyond_1e-4"] is None
