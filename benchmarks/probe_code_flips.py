@@ -10,7 +10,8 @@ several prompts and both layouts in one process, and checks the two things the e
 - the compiled step is deterministic (the same prompt twice on one compiled cache gives bit-equal logits);
 - the layout does not change a compiled step's arithmetic (stacked and per-cell bit-equal, same prompt).
 
-The model and plan are the GPU test's (every cell type, 300-token prompt, 1,024 new tokens, fp32).
+The model and plan are the GPU test's, imported from it (every cell type, 300-token prompt, 1,024 new
+tokens, fp32).
 
     PYTHONPATH=. python benchmarks/probe_code_flips.py --seeds 1,2,3,4 --out benchmarks/results/code_flips_DATE.json
 """
@@ -20,7 +21,8 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import platform
+import os
+import sys
 import time
 
 import torch
@@ -29,22 +31,20 @@ from torch._dynamo.utils import counters
 
 import loopkv
 from loopkv.models.ouro import OuroConfig, OuroForCausalLM
+from tests.cache.test_compile_gpu import MODEL_CONFIG, PLAN_GRID, PROMPT
+from tests.tolerances import LOGITS_FP32_ATOL as FP32_ATOL
 
-PROMPT = 300
-FP32_ATOL = 1e-4  # tests/tolerances.py LOGITS_FP32_ATOL
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_decode as bd  # noqa: E402
 
 
 def build_model(device: str) -> OuroForCausalLM:
     torch.manual_seed(0)
-    cfg = OuroConfig(vocab_size=257, hidden_size=256, intermediate_size=512, num_hidden_layers=3,
-                     num_attention_heads=4, num_key_value_heads=2, head_dim=128, total_ut_steps=4,
-                     max_position_embeddings=4096, rope_theta=10000.0, eos_token_id=None, pad_token_id=0)
-    return OuroForCausalLM(cfg).to(device=device, dtype=torch.float32).eval()
+    return OuroForCausalLM(OuroConfig(**MODEL_CONFIG)).to(device=device, dtype=torch.float32).eval()
 
 
 def build_cache(model, new_tokens: int, device: str, stacked: bool) -> loopkv.LoopKVCache:
-    grid = [["int2", "int4", "int4"], ["int4", "int2", "int4"], ["share", "share", "int4"], ["int4"] * 3]
-    return loopkv.LoopKVCache(loopkv.Plan.from_grid(grid, tau=14.0), config=model.config, max_batch_size=2,
+    return loopkv.LoopKVCache(loopkv.Plan.from_grid(PLAN_GRID, tau=14.0), config=model.config, max_batch_size=2,
                               max_cache_len=PROMPT + new_tokens, dtype=torch.float32, device=device,
                               stacked=stacked)
 
@@ -120,9 +120,7 @@ def main() -> None:
     result = {
         "what": "compiled (reduce-overhead) vs eager logits, GPU-test model, per layout and prompt seed",
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
-        "device": torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or "cpu",
-        "versions": {"torch": torch.__version__, "transformers": __import__("transformers").__version__,
-                     "triton": getattr(__import__("triton"), "__version__", None), "loopkv": loopkv.__version__},
+        "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "versions": bd.versions(),
         "args": vars(args), "seconds": round(time.perf_counter() - t0, 1), "rows": rows, "checks": checks,
     }
     if args.out:

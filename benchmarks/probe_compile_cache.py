@@ -25,25 +25,15 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_decode as bd  # noqa: E402
+import probe_dynamo_overhead as pdo  # noqa: E402
 
 
 def compile_once(arm: str, layers: int, device: str) -> dict:
     """Compile and run the step once in this process; seconds and inductor's cache counters."""
     from torch._dynamo.utils import counters
 
-    cfg = bd.ouro_1p4b_config(vocab_size=128, hidden_size=64, intermediate_size=96, num_attention_heads=2,
-                              num_key_value_heads=2, head_dim=64, num_hidden_layers=layers)
-    torch.manual_seed(0)
-    model = bd.OuroForCausalLM(cfg).to(device).eval()
-    plans = bd.paper_plans(cfg.total_ut_steps, cfg.num_hidden_layers)
-    bd.register()
-    model.set_attn_implementation("sdpa" if arm == "bf16" else "loopkv")
-    capacity = 700 + bd.HEADROOM
-    cache = bd.build_cache(arm, plans, cfg, batch=1, capacity=capacity, dtype=torch.float32, device=device)
-    bd.fill(cache, 600, k_scale=0.5)
-    tok = torch.randint(3, cfg.vocab_size, (1, 1), device=device)
-    pos = torch.full((1, 1), 600, device=device)
-    step = bd.make_step(model, cache, tok, pos, dense=arm == "bf16", capacity=capacity)
+    model, cfg, plans = pdo.tiny_model(layers, device)
+    step = pdo.tiny_step(arm, model, cfg, plans, device)
     t0 = time.perf_counter()
     torch.compile(step, fullgraph=True)()
     if device == "cuda":

@@ -38,15 +38,30 @@ def per_call_ms(fn, calls: int, repeats: int = 7) -> float:
     return sorted(means)[repeats // 2]
 
 
-def measure(arm: str, model, cfg, plans, *, calls: int) -> dict:
-    torch._dynamo.reset()
+def tiny_model(layers: int = 24, device: str = "cpu"):
+    """Ouro's 4 loops x ``layers`` layers at tiny widths (fp32, seeded), its config and bench_decode's plans."""
+    cfg = bd.ouro_1p4b_config(vocab_size=128, hidden_size=64, intermediate_size=96, num_attention_heads=2,
+                              num_key_value_heads=2, head_dim=64, num_hidden_layers=layers)
+    torch.manual_seed(0)
+    model = bd.OuroForCausalLM(cfg).to(device).eval()
+    bd.register()
+    return model, cfg, bd.paper_plans(cfg.total_ut_steps, cfg.num_hidden_layers)
+
+
+def tiny_step(arm: str, model, cfg, plans, device: str = "cpu"):
+    """bench_decode's decode step for ``arm`` at batch 1, the cache filled to 600 tokens."""
     model.set_attn_implementation("sdpa" if arm == "bf16" else "loopkv")
     capacity = 700 + bd.HEADROOM
-    cache = bd.build_cache(arm, plans, cfg, batch=1, capacity=capacity, dtype=torch.float32, device="cpu")
+    cache = bd.build_cache(arm, plans, cfg, batch=1, capacity=capacity, dtype=torch.float32, device=device)
     bd.fill(cache, 600, k_scale=0.5)
-    tok = torch.randint(3, cfg.vocab_size, (1, 1))
-    pos = torch.full((1, 1), 600)
-    step = bd.make_step(model, cache, tok, pos, dense=arm == "bf16", capacity=capacity)
+    tok = torch.randint(3, cfg.vocab_size, (1, 1), device=device)
+    pos = torch.full((1, 1), 600, device=device)
+    return bd.make_step(model, cache, tok, pos, dense=arm == "bf16", capacity=capacity)
+
+
+def measure(arm: str, model, cfg, plans, *, calls: int) -> dict:
+    torch._dynamo.reset()
+    step = tiny_step(arm, model, cfg, plans)
     seen = {}
 
     def backend(gm, example_inputs):
@@ -70,12 +85,7 @@ def main(argv=None) -> None:
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     bd.STACKED = not args.per_cell
-    cfg = bd.ouro_1p4b_config(vocab_size=128, hidden_size=64, intermediate_size=96, num_attention_heads=2,
-                              num_key_value_heads=2, head_dim=64)  # Ouro's 24 layers x 4 loops, tiny widths
-    torch.manual_seed(0)
-    model = bd.OuroForCausalLM(cfg).eval()
-    plans = bd.paper_plans(cfg.total_ut_steps, cfg.num_hidden_layers)
-    bd.register()
+    model, cfg, plans = tiny_model()  # Ouro's 24 layers x 4 loops, tiny widths
     rows = [measure(a, model, cfg, plans, calls=args.calls) for a in args.arms.split(",") if a]
     result = {"benchmark": "probe_dynamo_overhead",
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(), "device": "cpu",

@@ -23,17 +23,20 @@ PROMPT = 300
 CODE_FLIP_ATOL = 2.5e-3  # see the comment in the first test
 
 
+# The model and plan of the compiled-equals-eager tests; benchmarks/probe_code_flips.py measures the same ones
+MODEL_CONFIG = dict(vocab_size=257, hidden_size=256, intermediate_size=512, num_hidden_layers=3,
+                    num_attention_heads=4, num_key_value_heads=2, head_dim=128, total_ut_steps=4,
+                    max_position_embeddings=4096, rope_theta=10000.0, eos_token_id=None, pad_token_id=0)
+PLAN_GRID = [["int2", "int4", "int4"], ["int4", "int2", "int4"], ["share", "share", "int4"], ["int4"] * 3]
+
+
 def _model(dtype: torch.dtype) -> OuroForCausalLM:
     torch.manual_seed(0)
-    cfg = OuroConfig(vocab_size=257, hidden_size=256, intermediate_size=512, num_hidden_layers=3,
-                     num_attention_heads=4, num_key_value_heads=2, head_dim=128, total_ut_steps=4,
-                     max_position_embeddings=4096, rope_theta=10000.0, eos_token_id=None, pad_token_id=0)
-    return OuroForCausalLM(cfg).to(device="cuda", dtype=dtype).eval()
+    return OuroForCausalLM(OuroConfig(**MODEL_CONFIG)).to(device="cuda", dtype=dtype).eval()
 
 
 def _plan() -> "loopkv.Plan":
-    grid = [["int2", "int4", "int4"], ["int4", "int2", "int4"], ["share", "share", "int4"], ["int4"] * 3]
-    return loopkv.Plan.from_grid(grid, tau=14.0)
+    return loopkv.Plan.from_grid(PLAN_GRID, tau=14.0)
 
 
 def _cache(model: OuroForCausalLM, dtype: torch.dtype, **kw) -> "loopkv.LoopKVCache":
