@@ -721,9 +721,15 @@ def print_table(summary: list[dict], rows: list[dict]) -> None:
         hot = r.get("hot_fraction")
         qs = "/".join("-" if s.get(f"quantizer_share_{k}") is None else f"{100 * s[f'quantizer_share_{k}']:.1f}"
                       for k in ("batch1", "peak"))
-        print(f"{s['arm']:9s} {s['ctx']:6d} {s['peak_batch']:6d} {s['peak_tok_s']:8.1f} {s.get('x_bf16', 0):7.2f} "
-              f"{s.get('x_kivi4', 0):7.2f} {s['batch1_step_ms'] or 0:7.2f} {s.get('batch1_vs_bf16', 0):10.2f} "
+        cols = [_num(s.get(k), w) for k, w in (("x_bf16", 7), ("x_kivi4", 7), ("batch1_step_ms", 7),
+                                                ("batch1_vs_bf16", 10))]
+        print(f"{s['arm']:9s} {s['ctx']:6d} {s['peak_batch']:6d} {s['peak_tok_s']:8.1f} {' '.join(cols)} "
               f"{lg:>18s} {'-' if hot is None else f'{hot:.2f}':>5s} {qs:>14s}")
+
+
+def _num(x: float | None, width: int) -> str:
+    """A table cell: ``x`` to 2 decimals, or "-" where the run has no such number (an arm or batch not run)."""
+    return f"{'-' if x is None else f'{x:.2f}':>{width}s}"
 
 
 def smoke() -> None:
