@@ -411,3 +411,28 @@ def test_a_compiled_loopkv_step_hits_inductors_caches_in_a_second_process(tmp_pa
     assert second["fxgraph_cache_miss"] == 0, second
     assert second["fxgraph_cache_bypass"] == 0, second
     assert second.get("autograd_cache_hit", 0) >= 1, second
+
+
+def test_fp16x2_probe_counts_the_readers_two_instructions_per_field_and_fewer_for_pairs(tmp_path):
+    """``probe_fp16x2_fields``: its fp32 kernel must show what the reader's page loop shows (one ``LOP3`` and one
+    ``FFMA`` per field; ncu, session 10), which checks the difference method; the fp16x2 kernel must then need
+    fewer than half as many multiply-adds (``HFMA2`` holds two fields) and fewer masks (static, sm_90)."""
+    import os
+    import subprocess
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("TRITON_INTERPRET", None)
+    code = ("import json, sys; sys.path.insert(0, 'benchmarks'); import probe_fp16x2_fields as p; "
+            "p.main(['--out', sys.argv[1]])")
+    out = tmp_path / "fp16x2.json"
+    res = subprocess.run([sys.executable, "-c", code, str(out)], capture_output=True, text=True, env=env, cwd=ROOT,
+                         timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    fp32, h2 = rows["fp32"], rows["fp16x2"]
+    n = fp32["fields_per_lane_per_position"]
+    assert fp32["lop3_per_position"] == n
+    assert fp32["multiply_adds_per_position"] == n
+    assert h2["multiply_adds_per_position"] <= n // 2
+    assert h2["lop3_per_position"] <= n // 2
+    assert h2["field_instructions_per_field"] < 0.5 * fp32["field_instructions_per_field"]
