@@ -9,13 +9,14 @@ in fp32 and rounded once is the fused operation), and compares its partial outpu
 codes:
 
 * ``fp32``: the reader as it is (fp32 fields, fp32 per-slot accumulators);
-* ``v16``: V's field work in fp16: per-slot accumulators (32 token slots x channels, one product per page, as the
-  reader keeps them) in fp16. The weight ``p * v_scale`` is scaled by a power of two so that the sums cannot
-  overflow: ``2**(SHIFT - E)`` with ``E`` the running maximum exponent of ``v_scale`` (the accumulators are
-  rescaled, exactly, by a power of two when it grows, like the softmax's lazy rescale) and ``SHIFT`` from the
-  number of pages. The zero-point term stays fp32 (one per 32-channel group, not per field);
-* ``k16``: K's field work in fp16 too: each half word's 8 products ``(q * k_scale) * field`` summed in fp16 (one
-  ``HFMA2`` chain), then widened to fp32 and summed over the 16 half words of a token (scaled like V).
+* ``v16``: V's field work in fp16, as a kernel would do it: each field the exact fp16 subnormal of its bits, one
+  fp16 weight per token (``p * v_scale``, scaled by a power of two to at most 2**15 from the running exponent of
+  the V scales, with an exact rescale when it grows, like the softmax's lazy one), per-slot accumulators (32 token
+  slots x channels, one product per page, as the reader keeps them) in fp16, each field position scaled back at
+  the end. The zero-point term stays fp32 (one per 32-channel group, not per field). ``flush``: the fp16
+  accumulators are added into fp32 ones every 8 pages;
+* ``k16``: K's field work in fp16 too: the per-channel factor ``q * k_scale`` times the position's power of two in
+  fp16, each half word's 8 products summed in an fp16 chain (``HFMA2``), then widened to fp32.
 
 Data: K with per-channel spread (log-normal channel scales, as real keys have outlier channels), V with per-token
 spread, queries scaled so the attention is ``--peak`` nats peaky. Quantized by loopkv's codec. Reported per
@@ -72,14 +73,31 @@ def _pow2_exponent(x: torch.Tensor) -> int:
     return int(math.ceil(math.log2(max(float(x.abs().max()), 2.0**-60))))
 
 
-def emulate(prog: dict, *, v16: bool, k16: bool, flush: int = 0) -> torch.Tensor:
+def _field_bits(high: bool) -> torch.Tensor:
+    """[D]: the bit at which channel ``16 w + 8 e + j`` is read in its fp16 half (as a subnormal). Low: crumb ``j``
+    in place at bit ``2 j`` for ``j < 5``, the others from the half shifted right by 6 (bits 4, 6, 8); one shift per
+    word. High: only bits 4-8, crumbs 0 and 1 from the half shifted left by 4; two shifts per word, 4 binades less
+    of the fp16 range lost to the subnormal's scale ``2**(bit - 24)``."""
+    j = torch.arange(D) % 8
+    if high:
+        return torch.tensor([4, 6, 4, 6, 8, 4, 6, 8])[j]
+    return torch.where(j < 5, 2 * j, 2 * j - 6)
+
+
+def emulate(prog: dict, *, v16: bool, k16: bool, flush: int = 0, high: bool = False) -> torch.Tensor:
     """The reader's page loop on the program's codes: fp32 everywhere, or fp16 field work for V (and K).
-    ``flush`` > 0: V's fp16 accumulators are added into fp32 ones and cleared every ``flush`` pages."""
+
+    A field at bit ``b`` of a half is the fp16 subnormal ``field * 2**(b - 24)`` (exact). V: one fp16 weight per
+    token and group, ``p * v_scale * 2**(15 - e_v)`` (at most 2**15; ``e_v`` the running exponent of the V scales,
+    exact power-of-two rescale when it grows), one fp16 accumulator per slot and channel, each field position
+    scaled back by ``2**(24 - b)`` at the end; ``flush`` > 0 adds them into fp32 every ``flush`` pages. K: the
+    per-channel factor ``q * k_scale * 2**(24 - b - E)`` in fp16 (at most 2**15: ``E`` from the page's largest),
+    so every product has the same scale; a half word's 8 products summed in an fp16 chain, then widened."""
     pages = prog["kc"].shape[0]
     q = prog["q"].float()
-    terms = min(pages, flush) if flush else pages  # products an fp16 accumulator sums before it is widened
-    shift = 14 - _pow2_exponent(torch.tensor(3.0 * terms))  # `terms` products of weight <= 3 stay < 2**14
-    acc32 = torch.zeros(PAGE, D)  # where flushed fp16 sums go (in units of 2**(e_v - shift))
+    bits = _field_bits(high)
+    sub = 2.0 ** (bits - 24).float()  # the subnormal's scale per channel
+    acc32 = torch.zeros(PAGE, D)  # where flushed fp16 sums go
     m_i = -math.inf
     l_t = torch.zeros(PAGE)  # per token slot sums, fp32
     acc = torch.zeros(PAGE, D, dtype=torch.float16 if v16 else torch.float32)  # per token slot, per channel
@@ -89,13 +107,14 @@ def emulate(prog: dict, *, v16: bool, k16: bool, flush: int = 0) -> torch.Tensor
         kc, ks, kz = prog["kc"][pg].float(), prog["ks"][pg].float(), prog["kz"][pg].float()
         qk = q * ks  # [D]
         if k16:
-            e_k = _pow2_exponent(qk * 3)  # products qk * field <= 2**e_k; 8 of them summed in fp16
-            qk16 = (qk * 2.0 ** (11 - e_k)).half().float()  # the fp16 operand (channels far below the max lose bits)
-            prod = kc.view(PAGE, 16, 8) * qk16.view(16, 8)  # exact in fp32; HFMA2 rounds product + sum once
+            big = _pow2_exponent(qk / sub)  # E: the largest factor qk * 2**(24 - b) is 2**(E') <= 2**15 after scaling
+            qk16 = (qk / sub * 2.0 ** (15 - big)).half().float()  # per channel, once per page
+            f16 = (kc * sub).half().float()  # exact subnormals
+            prod = (f16 * qk16).view(PAGE, 16, 8)  # exact in fp32; HFMA2 rounds product + sum once
             part16 = prod[..., 0].half()
             for j in range(1, 8):  # the HFMA2 chain over a half word's 8 fields
                 part16 = (part16.float() + prod[..., j]).half()
-            s = part16.float().sum(1) * 2.0 ** (e_k - 11) + q @ kz
+            s = part16.float().sum(1) * 2.0 ** (big - 15) + q @ kz
         else:
             s = kc @ qk + q @ kz
         m_new = max(m_i, float(s.max()))
@@ -120,15 +139,19 @@ def emulate(prog: dict, *, v16: bool, k16: bool, flush: int = 0) -> torch.Tensor
                 acc = (acc.float() * 2.0 ** (e_v - e)).half()
                 acc32 *= 2.0 ** (e_v - e)
                 e_v = e
-            w16 = (w * 2.0 ** (shift - e_v)).half()
-            acc = (acc.float() + w16.float() * vc).half()  # HFMA2: exact product, one rounding
+            w16 = (w * 2.0 ** (15 - e_v)).half()
+            f16 = (vc * sub).half()  # exact subnormals
+            acc = (acc.float() + w16.float() * f16.float()).half()  # HFMA2: exact product, one rounding
             if flush and (pg + 1) % flush == 0:
                 acc32 += acc.float()
                 acc = torch.zeros_like(acc)
         else:
             acc = acc + w * vc
-    scale_v = 2.0 ** (e_v - shift) if v16 else 1.0
-    o = (acc.float() + acc32).sum(0) * scale_v + (zacc.sum(0)).repeat_interleave(codec.GROUP)
+    if v16:
+        o = (acc.float() + acc32).sum(0) / sub * 2.0 ** (e_v - 15)
+    else:
+        o = acc.sum(0)
+    o = o + zacc.sum(0).repeat_interleave(codec.GROUP)
     return (o / l_t.sum()).double()
 
 
@@ -143,21 +166,22 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     gen = torch.Generator().manual_seed(args.seed)
     rows = []
-    print(f"{'pages':>5s} {'peak':>4s} {'INT2 vs exact':>13s} {'fp32':>10s} {'v16':>10s} {'v16+k16':>10s} "
-          f"{'v16 flush 8':>11s} {'+k16':>10s}   "
+    print(f"{'pages':>5s} {'peak':>4s} {'INT2 vs exact':>13s} {'fp32':>10s} {'v16':>10s} {'v16+k16 f8':>10s} "
+          f"{'same, bits 4-8':>14s}   "
           "(median relative L2 error of the partial output; max in the JSON)")
     for pages in [int(x) for x in args.pages.split(",")]:
         for peak in [float(x) for x in args.peak.split(",")]:
-            errs = {"int2": [], "fp32": [], "v16": [], "v16_k16": [], "v16_flush8": [], "v16_flush8_k16": []}
+            errs = {"int2": [], "fp32": [], "v16": [], "v16_k16_flush8": [], "v16_k16_flush8_high": []}
             for _ in range(args.trials):
                 prog = make_program(pages, peak, gen)
                 ref = reference(prog)
                 norm = float(ref.norm())
                 errs["int2"].append(float((ref - reference(prog, dequantized=False)).norm()) / norm)
-                for name, kw in (("fp32", {}), ("v16", {"v16": True}), ("v16_k16", {"v16": True, "k16": True}),
-                                 ("v16_flush8", {"v16": True, "flush": 8}),
-                                 ("v16_flush8_k16", {"v16": True, "k16": True, "flush": 8})):
-                    out = emulate(prog, v16=kw.get("v16", False), k16=kw.get("k16", False), flush=kw.get("flush", 0))
+                for name, kw in (("fp32", {}), ("v16", {"v16": True}),
+                                 ("v16_k16_flush8", {"v16": True, "k16": True, "flush": 8}),
+                                 ("v16_k16_flush8_high", {"v16": True, "k16": True, "flush": 8, "high": True})):
+                    out = emulate(prog, v16=kw.get("v16", False), k16=kw.get("k16", False), flush=kw.get("flush", 0),
+                                  high=kw.get("high", False))
                     errs[name].append(float((out - ref).norm()) / norm)
             row = {"pages": pages, "peak": peak, "trials": args.trials}
             for name, e in errs.items():
@@ -165,8 +189,8 @@ def main(argv=None) -> None:
                 row[f"{name}_max"] = max(e)
             rows.append(row)
             print(f"{pages:5d} {peak:4.1f} {row['int2_median']:13.2e} {row['fp32_median']:10.2e} "
-                  f"{row['v16_median']:10.2e} {row['v16_k16_median']:10.2e} {row['v16_flush8_median']:11.2e} "
-                  f"{row['v16_flush8_k16_median']:10.2e}", flush=True)
+                  f"{row['v16_median']:10.2e} {row['v16_k16_flush8_median']:10.2e} "
+                  f"{row['v16_k16_flush8_high_median']:14.2e}", flush=True)
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"probe": "probe_fp16_accumulation", "date": datetime.datetime.now(datetime.timezone.utc)
