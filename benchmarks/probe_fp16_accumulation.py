@@ -16,7 +16,9 @@ codes:
   the end. The zero-point term stays fp32 (one per 32-channel group, not per field). ``flush``: the fp16
   accumulators are added into fp32 ones every 8 pages;
 * ``k16``: K's field work in fp16 too: the per-channel factor ``q * k_scale`` times the position's power of two in
-  fp16, each half word's 8 products summed in an fp16 chain (``HFMA2``), then widened to fp32.
+  fp16, each half word's 8 products summed in an fp16 chain (``HFMA2``), then widened to fp32;
+* ``high``: every field read at bits 4-8 of its half (one more shift per word) instead of 0-8, so the subnormals
+  lose 4 binades less of fp16's range.
 
 Data: K with per-channel spread (log-normal channel scales, as real keys have outlier channels), V with per-token
 spread, queries scaled so the attention is ``--peak`` nats peaky. Quantized by loopkv's codec. Reported per
