@@ -420,9 +420,11 @@ def test_fp16x2_probe_counts_the_readers_two_instructions_per_field_and_fewer_fo
     import os
     import subprocess
 
+    # a fresh process without TRITON_INTERPRET: @triton.jit picks the interpreter when it decorates, and this test
+    # session may have imported Triton under it (as test_sm90_compile does)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env.pop("TRITON_INTERPRET", None)
-    code = ("import json, sys; sys.path.insert(0, 'benchmarks'); import probe_fp16x2_fields as p; "
+    code = ("import sys; sys.path.insert(0, 'benchmarks'); import probe_fp16x2_fields as p; "
             "p.main(['--out', sys.argv[1]])")
     out = tmp_path / "fp16x2.json"
     res = subprocess.run([sys.executable, "-c", code, str(out)], capture_output=True, text=True, env=env, cwd=ROOT,
