@@ -66,7 +66,7 @@ def loopkv_attention(module, query: Tensor, key, value, attention_mask, *, scali
     cache, cell = key.cache, key.cell_index
     B, Hq, S, D = query.shape
     scale = scaling if scaling is not None else D**-0.5
-    if key.pending:  # decode with fused_append: append and read in one op
+    if key.pending:  # decode with fused_append / step_append: the token is written by the read's op
         out = cache.append_read_cell(cell, query[:, :, 0], key.k_new, key.v_new, scale=scale)
         return out[:, None], None
     if key.k_new is None:  # decode: update() already appended the token

@@ -25,7 +25,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from loopkv.cache.storage import OWN_FIELDS, POOL_FIELDS, CellStorage, allocate_cell, stack_cells
 from loopkv.cells import Cell, CellLayout
-from loopkv.ops import append_attention, cache_ops, cell_attention, codec  # noqa: F401  (registers torch.ops.loopkv.*)
+from loopkv.ops import append_attention, cache_ops, cell_attention, codec, step_ops  # noqa: F401  (registers torch.ops.loopkv.*)
 from loopkv.ops.codec import PAGE, SINK
 from loopkv.ops.layout import RING, capacity, n_pages, stored_pages
 
@@ -137,11 +137,16 @@ class LoopKVCache(Cache):
             0.78 ms instead of 2.21 and the step takes 8.90 ms instead of 10.32. Both layouts give bit-identical
             compiled logits there (``benchmarks/probe_code_flips.py``). ``stacked=False`` allocates one set of
             tensors per cell, as before session 7.
+        step_append: split each decode append (docs/design-decisions.md §12, ``loopkv/ops/step_ops.py``): the
+            cell's read writes its token (``token_attention_``, in the attention launch), and after the step's last
+            cell one ``advance_`` per kind of pool counts every cell's token and quantizes the pages that leave the
+            window: 2-3 launches per step instead of one per cell. Needs ``stacked``, and a model that updates and
+            reads every cell once per decode step, in order (Ouro does; an eager step that does not is an error).
     """
 
     def __init__(self, plan, *, config, max_batch_size: int, max_cache_len: int,
                  dtype: torch.dtype | None = None, device: torch.device | str | None = None,
-                 fused_append: bool = False, stacked: bool = True):
+                 fused_append: bool = False, stacked: bool = True, step_append: bool = False):
         from loopkv.cache.attention import register
 
         register()
@@ -173,6 +178,10 @@ class LoopKVCache(Cache):
         self.q_heads = config.num_attention_heads
         self.tau = float(plan.tau)
         self.fused_append = bool(fused_append)
+        self.step_append = bool(step_append)
+        if self.step_append and (self.fused_append or not stacked):
+            raise ValueError("step_append=True needs stacked=True and fused_append=False: its per-step advance_ "
+                             "works on the stacked tensors, and it replaces the fused append")
 
         self.stacked = bool(stacked)
         dims = dict(batch=max_batch_size, heads=kv_heads, head_dim=head_dim, max_cache_len=max_cache_len,
@@ -187,9 +196,12 @@ class LoopKVCache(Cache):
         self._stacks = stack_cells(ordered, device) if stacked else None  # the cells' fields become views
         cells = [LoopKVCell(st, max_cache_len=max_cache_len) for st in ordered]
         super().__init__(layers=cells)
+        self._groups = self._advance_groups(ordered) if self.step_append else []
+        self._no_pool = torch.zeros(0, dtype=torch.int32, device=device)  # a share group's page table and pool
+        self._stepped: set[int] = set()  # step_append, eager: cells updated in this decode step
         # Every tensor a step can mutate must be a static address, the empty placeholders included (``append_``
         # declares INT2's lo plane mutated): one unmarked input makes CUDA-graph trees skip the whole step.
-        for t in self._stacks.tensors() if stacked else ():
+        for t in [*self._stacks.tensors(), *(t for g in self._groups for t in g[1:]), self._no_pool] if stacked else ():
             torch._dynamo.mark_static_address(t)
         for layer in cells:  # the views too (a compiled step reads cell 0's lengths through get_seq_length)
             for t in layer.storage.own_tensors().values():
@@ -235,7 +247,13 @@ class LoopKVCache(Cache):
         if checks and int(st.lengths.max()) >= self.max_cache_len:
             raise ValueError(f"a row already holds max_cache_len={self.max_cache_len} tokens; build the "
                              "LoopKVCache with a larger max_cache_len")
-        if self.fused_append:  # appended by the attention function, in the same op as the read
+        if self.step_append and not torch.compiler.is_compiling():
+            if layer_idx in self._stepped:
+                raise RuntimeError(
+                    f"cell {layer_idx} was updated twice in one decode step: LoopKVCache(step_append=True) needs "
+                    "every cell updated and read once per step, in order; build the cache with step_append=False")
+            self._stepped.add(layer_idx)
+        if self.fused_append or self.step_append:  # written by the attention function, in the same op as the read
             return (LoopKVHandle(self, layer_idx, key_states, value_states, pending=True),) * 2
         torch.ops.loopkv.append_(key_states, value_states, st.sink_k, st.sink_v, st.win_k, st.win_v,
                                  st.lengths, st.page_table, *st.pool(), st.own_bits)
@@ -260,6 +278,7 @@ class LoopKVCache(Cache):
         """Forget every sequence, keeping the same tensors (and compiled graphs): lengths gate every read."""
         for layer in self.layers:
             layer.reset()
+        self._stepped.clear()
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Beam search: gather rows exactly (codes, scales and exact parts; nothing is re-quantized)."""
@@ -319,7 +338,7 @@ class LoopKVCache(Cache):
         for batch in sorted({1, self.max_batch_size}):
             query = torch.zeros(batch, q_heads or self.q_heads, self.head_dim, dtype=self.dtype, device=self.device)
             token = torch.zeros(batch, self.kv_heads, 1, self.head_dim, dtype=self.dtype, device=self.device)
-            if self.fused_append:  # the fused op writes: scratch exact parts and lengths (every cell's shape)
+            if self.fused_append or self.step_append:  # these ops write: scratch exact parts and lengths
                 st = self._rows(0, batch)
                 scratch = [torch.zeros_like(t) for t in (st.sink_k, st.sink_v, st.win_k, st.win_v, st.lengths)]
             for idx in range(len(self.layers)):
@@ -335,6 +354,13 @@ class LoopKVCache(Cache):
                         query, token, token, *scratch, st.page_table, *st.pool(), st.read_bits, st.own_bits, tau,
                         self.head_dim**-0.5,
                     )
+                if self.step_append:  # writes the token into scratch exact parts only
+                    torch.ops.loopkv.token_attention_(
+                        query, token, token, *scratch[:4], torch.zeros_like(st.lengths), st.page_table, *st.pool(),
+                        st.read_bits, tau, self.head_dim**-0.5,
+                    )
+            if self.step_append:  # on scratch lengths from 0: counts a token, encodes no page
+                self._advance(batch, torch.zeros_like(self._stacks.own["lengths"]))
         torch.cuda.synchronize(self.device)
 
     def storage(self, cell: Cell | int) -> CellStorage:
@@ -376,10 +402,51 @@ class LoopKVCache(Cache):
         """Append one decode token (k, v [B, H, 1, D]) to cell ``layer_idx`` and read it with query [B, Hq, D],
         in one op (``append_attention_``): what ``update`` + ``read_cell`` do with ``fused_append``."""
         st = self._rows(layer_idx, query.shape[0])
-        return torch.ops.loopkv.append_attention_(
+        tau = self.tau if st.read_bits == 4 else math.inf
+        if not self.step_append:
+            return torch.ops.loopkv.append_attention_(
+                query, k, v, st.sink_k, st.sink_v, st.win_k, st.win_v, st.lengths, st.page_table, *st.pool(),
+                st.read_bits, st.own_bits, tau, scale,
+            )
+        out = torch.ops.loopkv.token_attention_(
             query, k, v, st.sink_k, st.sink_v, st.win_k, st.win_v, st.lengths, st.page_table, *st.pool(),
-            st.read_bits, st.own_bits, self.tau if st.read_bits == 4 else math.inf, scale,
+            st.read_bits, tau, scale,
         )
+        if layer_idx == len(self.layers) - 1:  # the step's last cell has been read: count every cell's token
+            self.advance_step(query.shape[0])
+        return out
+
+    def advance_step(self, batch: int) -> None:
+        """``step_append``: one ``advance_`` per kind of pool (and one for the ``share`` cells), after every cell of
+        the decode step has been read (``loopkv/ops/step_ops.py``)."""
+        if not torch.compiler.is_compiling():
+            missing = sorted(set(range(len(self.layers))) - self._stepped)
+            self._stepped.clear()
+            if missing:
+                raise RuntimeError(
+                    f"cells {missing} were not updated in this decode step: LoopKVCache(step_append=True) counts "
+                    "every cell's token after the last cell's read; build the cache with step_append=False for a "
+                    "model that skips cells")
+        self._advance(batch, self._stacks.own["lengths"])
+
+    def _advance(self, batch: int, lengths: Tensor) -> None:
+        own = self._stacks.own
+        max_pages = self.layers[0].storage.page_table.shape[1]
+        for bits, cells, pools in self._groups:
+            pool = self._stacks.pools[bits] if bits else {}
+            fields = [pool.get(n, self._no_pool) for n in ("page_table", *POOL_FIELDS)]
+            torch.ops.loopkv.advance_(cells, pools, lengths, own["win_k"], own["win_v"], *fields, batch,
+                                      self.max_batch_size, self.kv_heads, self.head_dim, max_pages, bits)
+
+    def _advance_groups(self, storages: list[CellStorage]) -> list[tuple[int, Tensor, Tensor]]:
+        """(bits, cells, pools) per kind of pool, and (0, share cells, zeros): what ``advance_step`` launches."""
+        groups = []
+        for bits in sorted({s.own_bits for s in storages}, reverse=True):
+            cells = [i for i, s in enumerate(storages) if s.own_bits == bits]
+            pools = [self._stacks.pool_of[i][1] for i in cells]
+            cells, pools = (torch.tensor(x, dtype=torch.int32, device=self.device) for x in (cells, pools))
+            groups.append((bits, cells, pools))  # separate tensors: a compiled step's inputs must not share memory
+        return groups
 
     def prefill_cell(self, layer_idx: int, k: Tensor, v: Tensor, pad: Tensor) -> None:
         """Write a left-padded prompt into an empty cell. k, v: [B, H, S, D]; pad: int [B] pads per row."""

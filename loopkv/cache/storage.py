@@ -12,8 +12,8 @@ from dataclasses import dataclass, fields
 import torch
 from torch import Tensor
 
-from loopkv.ops.codec import GROUP, PAGE, SINK
-from loopkv.ops.layout import RING, max_pages
+from loopkv.ops.codec import SINK
+from loopkv.ops.layout import RING, max_pages, pool_field_shapes
 
 BITS = {"bf16": 16, "int4": 4, "int2": 2}  # stored bits per K/V code; "share" stores no pages
 POOL_FIELDS = ("k_pages", "k_scale", "k_zero", "v_hi", "v_lo", "v_scale", "v_zero")
@@ -66,26 +66,16 @@ class CellStorage:
 
 
 def _pool(bits: int, n: int, heads: int, head_dim: int, dtype: torch.dtype, device) -> dict[str, Tensor]:
-    empty = torch.empty(0, dtype=torch.float16, device=device)
-    empty_u8 = torch.empty(0, dtype=torch.uint8, device=device)
-    if bits == 16:
-        return dict(
-            k_pages=torch.zeros(n, heads, PAGE, head_dim, dtype=dtype, device=device),
-            k_scale=empty, k_zero=empty.clone(),
-            v_hi=torch.zeros(n, heads, PAGE, head_dim, dtype=dtype, device=device),
-            v_lo=empty_u8, v_scale=empty.clone(), v_zero=empty.clone(),
-        )
-    u8 = dict(dtype=torch.uint8, device=device)
-    f16 = dict(dtype=torch.float16, device=device)
-    return dict(
-        k_pages=torch.zeros(n, heads, PAGE, head_dim * bits // 8, **u8),
-        k_scale=torch.zeros(n, heads, head_dim, **f16),
-        k_zero=torch.zeros(n, heads, head_dim, **f16),
-        v_hi=torch.zeros(n, heads, PAGE, head_dim // 4, **u8),
-        v_lo=torch.zeros(n, heads, PAGE, head_dim // 4, **u8) if bits == 4 else empty_u8,
-        v_scale=torch.zeros(n, heads, PAGE, head_dim // GROUP, **f16),
-        v_zero=torch.zeros(n, heads, PAGE, head_dim // GROUP, **f16),
-    )
+    out = {}
+    for name, shape in pool_field_shapes(bits, n, heads, head_dim).items():
+        if name in ("k_pages", "v_hi") and bits == 16:
+            kind = dtype  # exact pages
+        elif "scale" in name or "zero" in name:
+            kind = torch.float16
+        else:
+            kind = torch.uint8  # codes
+        out[name] = torch.zeros(shape, dtype=kind, device=device)  # (0,): an unused field, an empty placeholder
+    return out
 
 
 def allocate_cell(

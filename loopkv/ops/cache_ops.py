@@ -49,14 +49,13 @@ def write_pages_reference(
             dst.index_copy_(0, pages, val.to(dst.dtype))
 
 
-def append_reference(
-    k_new: Tensor, v_new: Tensor, sink_k: Tensor, sink_v: Tensor, win_k: Tensor, win_v: Tensor,
-    lengths: Tensor, page_table: Tensor, k_pages: Tensor, k_scale: Tensor, k_zero: Tensor,
-    v_hi: Tensor, v_lo: Tensor, v_scale: Tensor, v_zero: Tensor, bits: int,
-) -> None:
-    """Append one token per row (k_new, v_new [B, H, 1, D]); quantize the page leaving the window."""
+def write_token_reference(
+    k_new: Tensor, v_new: Tensor, sink_k: Tensor, sink_v: Tensor, win_k: Tensor, win_v: Tensor, lengths: Tensor,
+    maxp: int,
+) -> Tensor:
+    """Write one token per row (k_new, v_new [B, H, 1, D]) at position ``lengths[b]`` (sink slot or ring slot);
+    return the appended lengths (int64 [B]; rows at capacity are left unchanged). ``lengths`` is not written."""
     B = k_new.shape[0]
-    maxp = page_table.shape[1]
     rows = torch.arange(B, device=k_new.device)
     pos = lengths.long()  # [B]
     ok = pos < capacity(maxp)  # rows at capacity are left unchanged
@@ -70,6 +69,20 @@ def append_reference(
     slot = torch.remainder(pos - SINK, RING)
     for buf, new in ((win_k, kn), (win_v, vn)):
         buf[rows, :, slot] = torch.where(in_win[:, None, None], new.to(buf.dtype), buf[rows, :, slot])
+    return torch.where(ok, pos + 1, pos)
+
+
+def advance_reference(
+    win_k: Tensor, win_v: Tensor, lengths: Tensor, page_table: Tensor, k_pages: Tensor, k_scale: Tensor,
+    k_zero: Tensor, v_hi: Tensor, v_lo: Tensor, v_scale: Tensor, v_zero: Tensor, bits: int,
+) -> None:
+    """Count the token already written at ``lengths[b]`` (``lengths[b] + 1``, unchanged at capacity) and quantize
+    the page that this makes leave the window, from the ring into the pool (bits 0: no pool)."""
+    B = lengths.shape[0]
+    maxp = page_table.shape[1]
+    rows = torch.arange(B, device=lengths.device)
+    pos = lengths.long()
+    ok = pos < capacity(maxp)
     new_len = torch.where(ok, pos + 1, pos)
     lengths.copy_(new_len.to(lengths.dtype))
 
@@ -79,7 +92,7 @@ def append_reference(
     exits = ok & (new_len >= QUANTIZE_LENGTH) & (torch.remainder(new_len - QUANTIZE_LENGTH, PAGE) == 0)
     p = ((new_len - QUANTIZE_LENGTH) // PAGE).clamp(0, maxp - 1)
     phys = page_table.long()[rows, p]  # [B]
-    slots = torch.remainder(PAGE * p, RING)[:, None] + torch.arange(PAGE, device=k_new.device)  # [B, PAGE]
+    slots = torch.remainder(PAGE * p, RING)[:, None] + torch.arange(PAGE, device=lengths.device)  # [B, PAGE]
     idx = slots[:, None, :, None].expand(B, win_k.shape[1], PAGE, win_k.shape[3])
     k_page = torch.gather(win_k, 2, idx)  # [B, H, PAGE, D]
     v_page = torch.gather(win_v, 2, idx)
@@ -90,6 +103,17 @@ def append_reference(
             continue
         keep = exits.view((B,) + (1,) * (val.dim() - 1))
         dst[phys] = torch.where(keep, val.to(dst.dtype), dst[phys])
+
+
+def append_reference(
+    k_new: Tensor, v_new: Tensor, sink_k: Tensor, sink_v: Tensor, win_k: Tensor, win_v: Tensor,
+    lengths: Tensor, page_table: Tensor, k_pages: Tensor, k_scale: Tensor, k_zero: Tensor,
+    v_hi: Tensor, v_lo: Tensor, v_scale: Tensor, v_zero: Tensor, bits: int,
+) -> None:
+    """Append one token per row (k_new, v_new [B, H, 1, D]); quantize the page leaving the window."""
+    write_token_reference(k_new, v_new, sink_k, sink_v, win_k, win_v, lengths, page_table.shape[1])
+    advance_reference(win_k, win_v, lengths, page_table, k_pages, k_scale, k_zero, v_hi, v_lo, v_scale, v_zero,
+                      bits)
 
 
 _APPEND_MUTATES = ("sink_k", "sink_v", "win_k", "win_v", "lengths") + _POOL

@@ -6,7 +6,7 @@ All functions work on Python ints and on integer tensors alike, so the same form
 
 from __future__ import annotations
 
-from loopkv.ops.codec import PAGE, SINK, WINDOW
+from loopkv.ops.codec import GROUP, PAGE, SINK, WINDOW
 
 RING = WINDOW + PAGE  # window ring slots: the 256-token window plus the open page
 # A page is *read* as history from length SINK + WINDOW + PAGE * (p + 1) on (320 for page 0), but it is
@@ -43,3 +43,16 @@ def capacity(pages_per_row: int) -> int:
 def ring_slot(position):
     """Window ring slot of a position ``>= SINK``."""
     return (position - SINK) % RING
+
+
+def pool_field_shapes(bits: int, pages: int, heads: int, head_dim: int) -> dict[str, tuple[int, ...]]:
+    """Shapes of a pool's fields (docs/storage-layout.md) for ``pages`` physical pages; ``(0,)`` marks a field this
+    kind of pool does not use (BF16 pages' scales, INT2's lo plane), which the cache holds as an empty placeholder."""
+    if bits == 16:
+        page = (pages, heads, PAGE, head_dim)
+        return dict(k_pages=page, k_scale=(0,), k_zero=(0,), v_hi=page, v_lo=(0,), v_scale=(0,), v_zero=(0,))
+    crumbs = (pages, heads, PAGE, head_dim // 4)  # V: 4 channels per byte in each plane
+    groups = (pages, heads, PAGE, head_dim // GROUP)
+    return dict(k_pages=(pages, heads, PAGE, head_dim * bits // 8), k_scale=(pages, heads, head_dim),
+                k_zero=(pages, heads, head_dim), v_hi=crumbs, v_lo=crumbs if bits == 4 else (0,), v_scale=groups,
+                v_zero=groups)

@@ -315,13 +315,16 @@ def _cell_attn_kernel(
 ):
     """Program (i, b*H + h): near slots (i < NNEAR) or history split i - NNEAR of row b, KV head h.
 
-    APPEND (``append_attention_``, docs/design-decisions.md §10): the cell's new token (k_new, v_new [B, H, 1, D],
+    APPEND 1 (``append_attention_``, docs/design-decisions.md §10): the cell's new token (k_new, v_new [B, H, 1, D],
     strides skn_*, svn_*) is appended in the same launch. Programs NNEAR + NSPLIT + 2 s and + 2 s + 1
     (s < NSL) write its K and V into sink or ring (s = 0) and encode slices s, s + NSL, ... of the page leaving the
     window into the cell's own pool (own_k / k_scale / k_zero / own_hi / own_lo / v_scale / v_zero at OWN_BITS; 0:
     a ``share`` cell, no pool). Every program reads with the appended length; the near program whose slot takes
     the token reads it from k_new / v_new, not from the ring it is being written to. The last of the row's H
-    merges and 2 NSL H append programs (counter ``rcnt[b]``) stores ``lengths[b]``."""
+    merges and 2 NSL H append programs (counter ``rcnt[b]``) stores ``lengths[b]``.
+    APPEND 2 (``token_attention_``, docs/design-decisions.md §12): the same reads with the appended length and the
+    same substitution, but programs NNEAR + NSPLIT and + 1 only write the token's K and V; ``lengths`` and the page
+    leaving the window are left to ``advance_``."""
     RP: tl.constexpr = GR * NGP
     pid = tl.program_id(0)
     bh = tl.program_id(1)
@@ -370,12 +373,17 @@ def _cell_attn_kernel(
         acc = _exact_values(p, vptr, valid, cm, PREC, UPCAST)
         _store_partial(ws_o, ws_ml, slot, g_r, gr, m_i, l_i, acc, c, GR, DP)
     elif is_app:  # APPEND: K (even) or V (odd) of the new token, and a share of the page leaving the window
-        _append_token(k_new, v_new, skn_b, skn_h, 1, svn_b, svn_h, 1, b, h, (pid - nprog) % 2, pos,
-                      sink_k, sink_v, win_k, win_v, page_table, H, MAXP, CAP,
-                      own_k, k_scale, k_zero, own_hi, own_lo, v_scale, v_zero, OWN_BITS, D, DP, True,
-                      (pid - nprog) // 2, NSL)
-        tl.debug_barrier()  # every thread has read lengths[b]
-        _row_done(rcnt, lengths, b, length, H, NSL)
+        if APPEND == 1:
+            _append_token(k_new, v_new, skn_b, skn_h, 1, svn_b, svn_h, 1, b, h, (pid - nprog) % 2, pos,
+                          sink_k, sink_v, win_k, win_v, page_table, H, MAXP, CAP,
+                          own_k, k_scale, k_zero, own_hi, own_lo, v_scale, v_zero, OWN_BITS, D, DP, True,
+                          (pid - nprog) // 2, NSL)
+            tl.debug_barrier()  # every thread has read lengths[b]
+            _row_done(rcnt, lengths, b, length, H, NSL)
+        else:  # APPEND == 2 (token_attention_): the token only; lengths and the window exit are advance_'s
+            _append_token(k_new, v_new, skn_b, skn_h, 1, svn_b, svn_h, 1, b, h, pid - nprog, pos,
+                          sink_k, sink_v, win_k, win_v, page_table, H, MAXP, CAP,
+                          own_k, k_scale, k_zero, own_hi, own_lo, v_scale, v_zero, 0, D, DP)
     else:
         chunk = (npg + NSPLIT - 1) // NSPLIT
         p0 = (pid - NNEAR) * chunk
@@ -450,7 +458,7 @@ def _merge(ws_o, ws_ml, cnt, out, so_b, so_h, rcnt, lengths, b, h, bh, bh64, npr
             optr = out + b.to(tl.int64) * so_b + (h * G + g) * so_h + c
             tl.store(optr, res.to(out.dtype.element_ty), mask=cm)
         tl.atomic_xchg(cnt + bh, 0)
-        if APPEND:
+        if APPEND == 1:
             _row_done(rcnt, lengths, b, length, H, NSL)
 
 
@@ -469,7 +477,7 @@ def cell_attention(
     num_warps: int | None = None, num_stages: int | None = None, field_mode: str | None = None,
     far_impl: str | None = None, pages_per_iter: int | None = None, sub_tokens: int | None = None,
     prefetch: bool | None = None, near_block: int | None = None, cc_opts: tuple | None = None,
-    maxnreg: int | None = None, append: tuple | None = None,
+    maxnreg: int | None = None, append: tuple | None = None, token: tuple | None = None,
 ) -> Tensor:
     """Triton ``cell_attention``: q [B, Hq, D] -> [B, Hq, D] (shapes: docs/storage-layout.md).
 
@@ -483,7 +491,8 @@ def cell_attention(
     session 2's reader).
     ``maxnreg``: register cap per thread handed to ``ptxas`` (more programs per SM; CUDA only).
     ``append``: ``(k_new, v_new, own_bits)``, used by ``append_attention`` (which checks them): the token is
-    appended in the same launch.
+    appended in the same launch. ``token``: ``(k_new, v_new)``, used by ``token_attention`` (which checks them): the
+    token is read from them and written into sink or ring; ``lengths`` is not written.
     """
     if bits not in (16, 4, 2, 0):
         raise ValueError(f"bits must be 16, 4, 2 or 0 (no history), got {bits}")
@@ -497,8 +506,9 @@ def cell_attention(
                v_scale, v_zero)
     if q.dtype == torch.float64 or not all(t.is_contiguous() for t in storage):
         # float64 re-computations (tests) and non-contiguous storage stay on the reference
-        if append is not None:  # append_attention runs these as the two ops in turn
-            raise ValueError("cell_attention(append=...) needs contiguous storage and a non-float64 query")
+        if append is not None or token is not None:  # their callers run the references in that case
+            raise ValueError("cell_attention(append=... / token=...) needs contiguous storage and a non-float64 "
+                             "query")
         return cell_attention_reference(
             q, sink_k, sink_v, win_k, win_v, lengths, page_table, k_pages, k_scale, k_zero,
             v_hi, v_lo, v_scale, v_zero, bits, tau, scale,
@@ -543,12 +553,19 @@ def cell_attention(
     reg_cap = cfg.get("maxnreg") if maxnreg is None else maxnreg
     launch = {"maxnreg": int(reg_cap)} if reg_cap and q.device.type == "cuda" else {}
     own = (k_pages, v_hi, v_lo)  # the pools as stored (the append encodes into them)
-    if append is None:  # placeholders: APPEND=False compiles none of their uses
+    if append is not None and token is not None:
+        raise ValueError("cell_attention takes append= (append_attention_) or token= (token_attention_), not both")
+    mode, app_progs = 0, 0
+    if append is None and token is None:  # placeholders: APPEND=0 compiles none of their uses
         k_new, v_new, own_bits, rcnt, cap = q, q, 0, cnt, 0
-    else:
+    elif append is not None:
         k_new, v_new, own_bits = append
         own_bits = own_bits if maxp else 0  # no pool: capacity(0) is below QUANTIZE_LENGTH
         rcnt, cap = counters(q.device, B, purpose="append_attention"), capacity(maxp)
+        mode, app_progs = 1, 2 * APPEND_SLICES
+    else:
+        (k_new, v_new), own_bits, rcnt, cap = token, 0, cnt, capacity(maxp)
+        mode, app_progs = 2, 2
     if impl == "cc":  # the CUDA-core reader reads codes as int32 words (rows are multiples of 4 bytes)
         k_pages, v_hi, v_lo = (t.view(torch.int32) if t.numel() else t.new_empty(0, dtype=torch.int32)
                                for t in (k_pages, v_hi, v_lo))
@@ -567,7 +584,7 @@ def cell_attention(
             check_int32_offsets(**pools)
         elif int32_offset_overflow(**pools):  # the default (INT2) on a pool this large: 64-bit offsets
             opt &= ~CC_OPTS["i32"]
-    _cell_attn_kernel[(nprog + (2 * APPEND_SLICES if append is not None else 0), B * H)](
+    _cell_attn_kernel[(nprog + app_progs, B * H)](
         q, q.stride(0), q.stride(1), sink_k, sink_v, win_k, win_v, lengths, page_table,
         k_pages, k_scale, k_zero, v_hi, v_lo, v_scale, v_zero,
         ws_o, ws_ml, cnt, out, out.stride(0), out.stride(1),
@@ -579,7 +596,7 @@ def cell_attention(
         FIELD=0 if exact else FIELD_MODE[field_mode or DEFAULT_FIELD_MODE],
         NPP=max(16, _next_pow2(nprog)), FAR=1 if impl == "cc" and nsplit else 0, PPI=ppi, TS=ts if impl == "cc" else 0,
         PREFETCH=pf, OPT=opt,
-        APPEND=append is not None, OWN_BITS=own_bits, NSL=APPEND_SLICES,
+        APPEND=mode, OWN_BITS=own_bits, NSL=APPEND_SLICES,
         num_warps=nw, num_stages=num_stages or cfg["num_stages"], **launch, **KERNEL_OPTIONS,
     )
     return out
@@ -616,3 +633,31 @@ def append_attention(
     return cell_attention(q, sink_k, sink_v, win_k, win_v, lengths, page_table, k_pages, k_scale, k_zero,
                           v_hi, v_lo, v_scale, v_zero, bits, tau, scale, append=(k_new, v_new, own_bits), **kwargs)
 
+
+
+def token_attention(
+    q: Tensor, k_new: Tensor, v_new: Tensor, sink_k: Tensor, sink_v: Tensor, win_k: Tensor, win_v: Tensor,
+    lengths: Tensor, page_table: Tensor, k_pages: Tensor, k_scale: Tensor, k_zero: Tensor, v_hi: Tensor,
+    v_lo: Tensor, v_scale: Tensor, v_zero: Tensor, bits: int, tau: float, scale: float, **kwargs,
+) -> Tensor:
+    """Triton ``token_attention_`` (``loopkv/ops/step_ops.py``): write the token (k_new, v_new [B, H, 1, D]) into
+    sink or ring and read the cell with it, in one launch; ``lengths`` is read only. ``kwargs``: ``cell_attention``'s
+    launch overrides. Tokens of another dtype than the cache's, strided tokens and what ``cell_attention`` leaves
+    to the reference run the reference (same result)."""
+    from loopkv.ops.step_ops import token_attention_reference
+
+    B, H, D = q.shape[0], sink_k.shape[1], sink_k.shape[3]
+    if k_new.shape != (B, H, 1, D) or v_new.shape != k_new.shape:
+        raise ValueError(f"token_attention_ takes one token per row: k_new, v_new [B, H, 1, D] = [{B}, {H}, 1, {D}], "
+                         f"got {tuple(k_new.shape)}, {tuple(v_new.shape)}")
+    storage = (sink_k, sink_v, win_k, win_v, lengths, page_table, k_pages, k_scale, k_zero, v_hi, v_lo,
+               v_scale, v_zero)
+    fused = (k_new.dtype == v_new.dtype == sink_k.dtype and k_new.stride(3) == 1 and v_new.stride(3) == 1
+             and q.dtype != torch.float64 and all(t.is_contiguous() for t in storage))
+    if not fused:
+        return token_attention_reference(q, k_new, v_new, sink_k, sink_v, win_k, win_v, lengths, page_table, k_pages,
+                                         k_scale, k_zero, v_hi, v_lo, v_scale, v_zero, bits, tau, scale)
+    if B == 0:
+        return torch.empty_like(q, memory_format=torch.contiguous_format)
+    return cell_attention(q, sink_k, sink_v, win_k, win_v, lengths, page_table, k_pages, k_scale, k_zero,
+                          v_hi, v_lo, v_scale, v_zero, bits, tau, scale, token=(k_new, v_new), **kwargs)

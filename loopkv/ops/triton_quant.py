@@ -334,3 +334,88 @@ def append(
         BITS=bits, D=D, DP=_next_pow2(D), num_warps=num_warps, **KERNEL_OPTIONS,
     )
 
+
+
+@triton.jit
+def _advance_kernel(
+    cells, pools, lengths, s_len, win_k, win_v, s_win, page_table, s_pt,
+    k_pages, s_kp, k_scale, s_ks, k_zero, s_kz, v_hi, s_vh, v_lo, s_vl, v_scale, s_vs, v_zero, s_vz,
+    cnt, B, H, MAXP, CAP, NS,
+    BITS: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
+):
+    """Program (i, b, s): ``advance_`` of row b of the pair (``cells[i]``, ``pools[i]``) on the stacks (row stride
+    ``s_*`` each). At a window exit the row's 2 H encode tasks (head, K or V) are spread over its NS programs (task
+    t to program t % NS); the last of them (counter ``cnt[i * B + b]``, reset by it) stores ``lengths + 1``."""
+    i = tl.program_id(0)
+    b = tl.program_id(1)
+    s = tl.program_id(2)
+    c = tl.load(cells + i).to(tl.int64)
+    pos = tl.load(lengths + c * s_len + b).to(tl.int32)
+    ok = pos < CAP  # rows at capacity are left unchanged
+    new_len = pos + ok.to(tl.int32)
+    if BITS != 0:
+        exits = ok & (new_len >= 319) & ((new_len - 319) % 32 == 0)  # QUANTIZE_LENGTH
+        if exits:
+            j = tl.load(pools + i).to(tl.int64)
+            p = (new_len - 319) // 32
+            phys = tl.load(page_table + j * s_pt + b.to(tl.int64) * MAXP + p)
+            for t in range(s, 2 * H, NS):
+                h = t // 2
+                row0 = c * s_win + ((b.to(tl.int64) * H + h) * 288 + (32 * p) % 288) * D  # RING = 288
+                _encode_page(
+                    win_k + row0, win_v + row0, D, 1, D, 1, phys, h, H, t % 2,
+                    k_pages + j * s_kp, k_scale + j * s_ks, k_zero + j * s_kz, v_hi + j * s_vh, v_lo + j * s_vl,
+                    v_scale + j * s_vs, v_zero + j * s_vz, BITS, D, DP,
+                )
+    if NS == 1:
+        tl.store(lengths + c * s_len + b, new_len.to(lengths.dtype.element_ty))
+    else:
+        tl.debug_barrier()  # every thread has read lengths before this program counts itself done
+        done = tl.atomic_add(cnt + i * B + b, 1, sem="acq_rel")
+        if done == NS - 1:
+            tl.store(lengths + c * s_len + b, new_len.to(lengths.dtype.element_ty))
+            tl.atomic_xchg(cnt + i * B + b, 0)
+
+
+def advance_programs(pairs: int, batch: int, heads: int, bits: int) -> int:
+    """Programs per (cell, row) of ``advance_``: all 2 H encode tasks in parallel while the grid is small (batch 1:
+    a window exit's latency is one page's encoding), fewer as it grows (at most about 16K programs, most of which
+    only count a token)."""
+    if bits == 0:
+        return 1
+    return max(1, min(2 * heads, (1 << 14) // max(1, pairs * batch)))
+
+
+def advance(
+    cells: Tensor, pools: Tensor, lengths: Tensor, win_k: Tensor, win_v: Tensor, page_table: Tensor,
+    k_pages: Tensor, k_scale: Tensor, k_zero: Tensor, v_hi: Tensor, v_lo: Tensor, v_scale: Tensor, v_zero: Tensor,
+    batch: int, max_batch: int, heads: int, head_dim: int, max_pages: int, bits: int, *, num_warps: int = 4,
+) -> None:
+    """Triton ``advance_`` (``loopkv/ops/step_ops.py``): one launch for every (cell, pool) pair listed, predicated per
+    row on the device. The stacks are 2-D and row-contiguous (``CellStacks``); others run the reference."""
+    from loopkv.ops.step_ops import advance_stacks_reference, check_advance_args
+
+    check_advance_args(cells, pools, batch, max_batch, heads, head_dim, max_pages, bits)
+    n = cells.shape[0]
+    if n == 0 or batch == 0:
+        return
+    stacks = (lengths, win_k, win_v, page_table, k_pages, k_scale, k_zero, v_hi, v_lo, v_scale, v_zero)
+    if not all(t.numel() == 0 or (t.dim() == 2 and t.stride(1) == 1) for t in stacks) or cells.stride(0) != 1 \
+            or pools.stride(0) != 1 or win_k.stride(0) != win_v.stride(0):
+        advance_stacks_reference(cells, pools, lengths, win_k, win_v, page_table, k_pages, k_scale, k_zero, v_hi,
+                                 v_lo, v_scale, v_zero, batch, max_batch, heads, head_dim, max_pages, bits)
+        return
+    if max_pages == 0:
+        bits = 0  # no page is ever quantized: capacity(0) is below QUANTIZE_LENGTH
+    ns = advance_programs(n, batch, heads, bits)
+    cnt = counters(lengths.device, n * batch, purpose="advance")
+
+    def row(t: Tensor) -> int:
+        return t.stride(0) if t.numel() else 0
+
+    _advance_kernel[(n, batch, ns)](
+        cells, pools, lengths, row(lengths), win_k, win_v, row(win_k), page_table, row(page_table),
+        k_pages, row(k_pages), k_scale, row(k_scale), k_zero, row(k_zero), v_hi, row(v_hi), v_lo, row(v_lo),
+        v_scale, row(v_scale), v_zero, row(v_zero), cnt, batch, heads, max_pages, capacity(max_pages), ns,
+        BITS=bits, D=head_dim, DP=_next_pow2(head_dim), num_warps=num_warps, **KERNEL_OPTIONS,
+    )

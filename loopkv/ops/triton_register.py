@@ -66,8 +66,11 @@ def register_triton_kernels() -> bool:
     from loopkv.ops.append_attention import append_attention_
     from loopkv.ops.cache_ops import append_, write_pages_
     from loopkv.ops.cell_attention import cell_attention
+    from loopkv.ops.step_ops import advance_, token_attention_
 
     cell_attention.register_kernel("cuda")(triton_attention.cell_attention)
+    token_attention_.register_kernel("cuda")(triton_attention.token_attention)
+    advance_.register_kernel("cuda")(triton_quant.advance)
     append_attention_.register_kernel("cuda")(triton_attention.append_attention)
     append_.register_kernel("cuda")(triton_quant.append)
     write_pages_.register_kernel("cuda")(triton_quant.write_pages)

@@ -178,3 +178,14 @@ def test_fused_append_is_one_cuda_graph_and_equals_the_two_ops(error_on_recompil
     outs = [_compiled_generate(model, ids, gen, torch.bfloat16, fused_append=fused) for fused in (False, True)]
     assert torch.equal(outs[0], outs[1])
 
+
+
+def test_step_append_is_one_cuda_graph_and_equals_the_per_cell_append(error_on_recompile):
+    """``step_append=True`` (``token_attention_`` + one ``advance_`` per kind of pool, session 11): compiled
+    ``generate`` is one graph with no break or skip, and its tokens equal the default cache's compiled tokens over 300
+    steps (window exits, INT4 with V precision, INT2 and share cells); bf16."""
+    model = _model(torch.bfloat16)
+    ids = torch.randint(3, 257, (2, PROMPT), generator=torch.Generator().manual_seed(2)).cuda()
+    gen = dict(max_new_tokens=300, min_new_tokens=300, do_sample=False, attention_mask=torch.ones_like(ids))
+    outs = [_compiled_generate(model, ids, gen, torch.bfloat16, step_append=step) for step in (False, True)]
+    assert torch.equal(outs[0], outs[1])

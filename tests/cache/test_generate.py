@@ -214,3 +214,50 @@ def test_fused_append_generates_what_the_two_ops_do(model, plan):
     for a, b in zip(caches[0].layers, caches[1].layers, strict=True):
         for name, t in a.storage.own_tensors().items():
             assert torch.equal(t, b.storage.own_tensors()[name]), name
+
+
+MIXED_PLAN = loopkv.Plan.from_loops(loops=LOOPS, layers=LAYERS, per_loop=["share", "int4"], tau=14.0)
+
+
+@pytest.mark.parametrize("plan", [*QUANTIZED_PLANS, MIXED_PLAN], ids=["int4-tau14", "share+int2", "share+int4"])
+def test_step_append_generates_what_the_per_cell_append_does(model, plan):
+    """``step_append=True`` (each read writes its cell's token, one ``advance_`` per kind of pool after the step's
+    last cell): two rows of different lengths, 70 decode steps across window exits, tokens and logits bit for bit
+    those of the default cache, every storage tensor equal at the end, and one advance per decode step."""
+    g = torch.Generator().manual_seed(6)
+    ids = torch.randint(3, 97, (2, 300), generator=g)
+    mask = torch.ones(2, 300, dtype=torch.long)
+    mask[1, :17] = 0  # row 1 is 17 tokens shorter: its window exits fall on other steps
+    caches = [loopkv.LoopKVCache(plan, config=model.config, max_batch_size=3, max_cache_len=400, dtype=torch.float32,
+                                 device="cpu", step_append=step) for step in (False, True)]
+    steps = []
+    advance = caches[1].advance_step
+    caches[1].advance_step = lambda batch: (steps.append(batch), advance(batch))[1]
+    (t0, l0), (t1, l1) = (_generate(model, ids, 70, c, mask) for c in caches)
+    assert steps == [2] * 69  # the prompt is written by prefill; 69 decode steps
+    assert torch.equal(t0, t1)
+    assert torch.equal(l0, l1)
+    for a, b in zip(caches[0].layers, caches[1].layers, strict=True):
+        for name, t in a.storage.own_tensors().items():
+            assert torch.equal(t, b.storage.own_tensors()[name]), name
+    assert caches[1].get_seq_length() == 300 + 69
+
+
+def test_step_append_refuses_what_it_cannot_do(model):
+    """step_append needs the stacked layout and replaces fused_append; an eager step that updates a cell twice, or
+    ends without updating every cell, is an error that names the fix."""
+    plan = QUANTIZED_PLANS[0]
+    kw = dict(config=model.config, max_batch_size=1, max_cache_len=64, dtype=torch.float32, device="cpu")
+    with pytest.raises(ValueError, match="stacked=True"):
+        loopkv.LoopKVCache(plan, stacked=False, step_append=True, **kw)
+    with pytest.raises(ValueError, match="fused_append=False"):
+        loopkv.LoopKVCache(plan, fused_append=True, step_append=True, **kw)
+    cache = loopkv.LoopKVCache(plan, step_append=True, **kw)
+    k = torch.zeros(1, 2, 1, 32)
+    cache.update(k, k, 0)
+    with pytest.raises(RuntimeError, match="updated twice"):
+        cache.update(k, k, 0)
+    with pytest.raises(RuntimeError, match=r"cells \[1, 2, 3\] were not updated"):
+        cache.advance_step(1)
+    cache.reset()
+    assert cache.get_seq_length() == 0

@@ -6,7 +6,7 @@ recorder; the recorded arguments are then compiled by ``triton.compile`` for ``c
 does only on a GPU put back (the ``maxnreg`` cap, the L2 prefetch, no bf16 upcast). Prints one JSON line:
 registers, stack bytes and what the PTX contains. ``dtype`` (optional, default ``"bfloat16"``): the inputs';
 ``cc_opts`` (optional): a reader variant's options instead of the launcher's default; ``append`` (optional,
-true): the fused ``append_attention`` launch.
+true): the fused ``append_attention`` launch; ``token`` (optional, true): ``token_attention``'s launch.
 
     python tests/ops/sm90_compile_check.py '{"bits": 4, "tau": 14.0, "batch": 8, "heads": 8, "group": 1,
                                              "head_dim": 96}'
@@ -63,6 +63,9 @@ def main(case: dict) -> dict:
         if case.get("append"):  # the fused append_attention launch, own pool at the read bits
             tok = torch.zeros(B, H, 1, D, dtype=dtype)
             ta.append_attention(q, tok, tok, *sink, *ring, lengths, table, *pool, bits, bits, tau, D**-0.5, **kw)
+        elif case.get("token"):  # token_attention_: the reader that also writes the step's token
+            tok = torch.zeros(B, H, 1, D, dtype=dtype)
+            ta.token_attention(q, tok, tok, *sink, *ring, lengths, table, *pool, bits, tau, D**-0.5, **kw)
         else:
             ta.cell_attention(q, *sink, *ring, lengths, table, *pool, bits, tau, D**-0.5, **kw)
     finally:

@@ -1,0 +1,115 @@
+"""The decode step's cache writes in two parts: the token inside each cell's read, the rest once per step.
+
+``append_`` per cell costs a launch per cell and step (96 for Ouro-1.4B), 3.5-3.7% of a compiled batch-1 step on
+the H200 (session 10), over issue 6's 2%. ``LoopKVCache(step_append=True)`` splits it
+(docs/design-decisions.md §12):
+
+* ``token_attention_``: ``cell_attention`` of the cell *with* its new decode token (k_new, v_new [B, H, 1, D]),
+  which it also writes into the sink or the ring at position ``lengths[b]``. ``lengths`` is read, not written:
+  the op attends over ``lengths[b] + 1`` tokens (unchanged at capacity). The page that the token makes leave the
+  window is not quantized here; it is not read as history before the next step (``layout.QUANTIZE_LENGTH``).
+* ``advance_``: after every cell of the step has been read, one op per kind of pool: for each listed cell, count
+  its token (``lengths[b] += 1``, unchanged at capacity) and quantize the page that leaves the window into the
+  cell's pool. It works on the cache's stacked tensors (``CellStacks``, docs/design-decisions.md §11): row ``c``
+  of ``lengths`` / ``win_k`` / ``win_v`` is cell ``c``, row ``j`` of the page table and the pool fields is pool
+  ``j``; ``cells[i]`` and ``pools[i]`` name the i-th pair. A ``share`` cell (bits 0) only counts its token.
+
+``token_attention_`` then ``advance_`` leave the storage that ``append_`` then ``cell_attention`` leave, and
+return what ``cell_attention`` returns: the references below are built from ``append_``'s two halves
+(``cache_ops``). The Triton kernels (``triton_attention.token_attention``, ``triton_quant.advance``) register as the
+CUDA kernels.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from loopkv.ops.cache_ops import advance_reference, write_token_reference
+from loopkv.ops.cell_attention import cell_attention_reference
+from loopkv.ops.layout import RING, pool_field_shapes
+
+POOL = ("k_pages", "k_scale", "k_zero", "v_hi", "v_lo", "v_scale", "v_zero")
+
+
+def token_attention_reference(
+    q: Tensor, k_new: Tensor, v_new: Tensor, sink_k: Tensor, sink_v: Tensor, win_k: Tensor, win_v: Tensor,
+    lengths: Tensor, page_table: Tensor, k_pages: Tensor, k_scale: Tensor, k_zero: Tensor, v_hi: Tensor,
+    v_lo: Tensor, v_scale: Tensor, v_zero: Tensor, bits: int, tau: float, scale: float,
+) -> Tensor:
+    """Write the token, then ``cell_attention`` over the appended lengths (module docstring)."""
+    appended = write_token_reference(k_new, v_new, sink_k, sink_v, win_k, win_v, lengths, page_table.shape[1])
+    return cell_attention_reference(q, sink_k, sink_v, win_k, win_v, appended.to(lengths.dtype), page_table, k_pages,
+                                    k_scale, k_zero, v_hi, v_lo, v_scale, v_zero, bits, tau, scale)
+
+
+@torch.library.custom_op("loopkv::token_attention_", mutates_args=("sink_k", "sink_v", "win_k", "win_v"))
+def token_attention_(
+    q: Tensor, k_new: Tensor, v_new: Tensor, sink_k: Tensor, sink_v: Tensor, win_k: Tensor, win_v: Tensor,
+    lengths: Tensor, page_table: Tensor, k_pages: Tensor, k_scale: Tensor, k_zero: Tensor, v_hi: Tensor,
+    v_lo: Tensor, v_scale: Tensor, v_zero: Tensor, bits: int, tau: float, scale: float,
+) -> Tensor:
+    """Decode attention of one cell with its new token, written into sink/ring; the reference serves every
+    device."""
+    return token_attention_reference(q, k_new, v_new, sink_k, sink_v, win_k, win_v, lengths, page_table, k_pages,
+                                     k_scale, k_zero, v_hi, v_lo, v_scale, v_zero, bits, tau, scale)
+
+
+@token_attention_.register_fake
+def _(q, *args, **kwargs):
+    return torch.empty_like(q)
+
+
+def check_advance_args(cells: Tensor, pools: Tensor, batch: int, max_batch: int, heads: int, head_dim: int,
+                       max_pages: int, bits: int) -> None:
+    """Shape errors of ``advance_`` that the kernels cannot see (they index by the ints given)."""
+    if bits not in (16, 4, 2, 0):
+        raise ValueError(f"bits must be 16, 4, 2 or 0 (share cells: no pool), got {bits}")
+    if cells.shape != pools.shape or cells.dim() != 1:
+        raise ValueError(f"cells and pools must be 1-D and alike, got {tuple(cells.shape)}, {tuple(pools.shape)}")
+    if not 0 <= batch <= max_batch:
+        raise ValueError(f"batch={batch} must be in [0, max_batch={max_batch}]")
+
+
+def advance_stacks_reference(
+    cells: Tensor, pools: Tensor, lengths: Tensor, win_k: Tensor, win_v: Tensor, page_table: Tensor,
+    k_pages: Tensor, k_scale: Tensor, k_zero: Tensor, v_hi: Tensor, v_lo: Tensor, v_scale: Tensor, v_zero: Tensor,
+    batch: int, max_batch: int, heads: int, head_dim: int, max_pages: int, bits: int,
+) -> None:
+    """``advance_reference`` of the first ``batch`` rows of every (cell, pool) pair, on the stacked tensors."""
+    check_advance_args(cells, pools, batch, max_batch, heads, head_dim, max_pages, bits)
+    ring = (max_batch, heads, RING, head_dim)
+    shapes = pool_field_shapes(bits or 4, max_batch * max_pages, heads, head_dim)
+    stacks = (k_pages, k_scale, k_zero, v_hi, v_lo, v_scale, v_zero)
+    for c, j in zip(cells.tolist(), pools.tolist(), strict=True):
+        wk, wv = (w[c, : math.prod(ring)].view(ring)[:batch] for w in (win_k, win_v))
+        if bits:
+            table = page_table[j, : max_batch * max_pages].view(max_batch, max_pages)[:batch]
+            pool = [t[j, : math.prod(shapes[n])].view(shapes[n]) if t.numel() else t
+                    for n, t in zip(POOL, stacks, strict=True)]
+        else:  # a share cell: the capacity of its source's pool, nothing written there
+            table = torch.zeros(batch, max_pages, dtype=torch.int32, device=lengths.device)
+            pool = list(stacks)
+        advance_reference(wk, wv, lengths[c, :batch], table, *pool, bits)
+
+
+@torch.library.custom_op("loopkv::advance_", mutates_args=("lengths",) + POOL)
+def advance_(
+    cells: Tensor, pools: Tensor, lengths: Tensor, win_k: Tensor, win_v: Tensor, page_table: Tensor,
+    k_pages: Tensor, k_scale: Tensor, k_zero: Tensor, v_hi: Tensor, v_lo: Tensor, v_scale: Tensor, v_zero: Tensor,
+    batch: int, max_batch: int, heads: int, head_dim: int, max_pages: int, bits: int,
+) -> None:
+    """Count the step's token of every listed cell and quantize the pages that leave the window (module
+    docstring); the reference serves every device."""
+    advance_stacks_reference(cells, pools, lengths, win_k, win_v, page_table, k_pages, k_scale, k_zero, v_hi, v_lo,
+                             v_scale, v_zero, batch, max_batch, heads, head_dim, max_pages, bits)
+
+
+@advance_.register_fake
+def _(*args, **kwargs) -> None:
+    return None
+
+
+__all__ = ["advance_", "advance_stacks_reference", "token_attention_", "token_attention_reference"]
