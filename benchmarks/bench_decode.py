@@ -67,13 +67,16 @@ ARMS = ("bf16", "kivi4", "kivi4v", "loopkv-r", "loopkv-m")
 # measured only when named in --arms: M's grid with V precision off (tau = inf; the same 155 / 220 KiB in
 # Plan's accounting, which does not count V precision's savings). The speed setting docs/kernels.md
 # recommends while V precision costs more than it saves on this reader.
-EXTRA_ARMS = ("loopkv-m-notau", "loopkv-m-fused", "loopkv-m-step", "kivi4-step")
+EXTRA_ARMS = ("loopkv-m-notau", "loopkv-m-fused", "loopkv-m-step", "kivi4-step", "loopkv-m-cell", "kivi4-cell")
 # "loopkv-m-fused": M with LoopKVCache(fused_append=True): each decode append inside its cell's attention launch
 # (append_attention_, docs/design-decisions.md §10; session 8: 5.9% more GPU time per step than M at batch 1 x 8K)
 FUSED_ARMS = ("loopkv-m-fused",)
 # "-step": LoopKVCache(step_append=True): each read writes its cell's token (token_attention_), one advance_ per
 # kind of pool after the step's last cell counts the tokens and quantizes the window exits (design-decisions §12)
+# LoopKVCache's default since session 11 (the plain arms use the default); "-cell": step_append=False, one append_
+# per cell and step, the default before session 11 (session 11's JSON named these arms "loopkv-m" and "kivi4")
 STEP_ARMS = ("loopkv-m-step", "kivi4-step")
+CELL_ARMS = ("loopkv-m-cell", "kivi4-cell")
 STACKED = True  # LoopKVCache(stacked=...): the cells as slices of a few buffers (design-decisions §11); --per-cell
 TAU = 14.0
 GIB = 1 << 30
@@ -133,6 +136,8 @@ def paper_plans(loops: int, layers: int) -> dict[str, loopkv.Plan]:
         "loopkv-m-fused": loopkv.Plan.from_grid(m, tau=TAU),
         "loopkv-m-step": loopkv.Plan.from_grid(m, tau=TAU),
         "kivi4-step": loopkv.Plan.uniform(loops=loops, layers=layers, option="int4"),
+        "loopkv-m-cell": loopkv.Plan.from_grid(m, tau=TAU),
+        "kivi4-cell": loopkv.Plan.uniform(loops=loops, layers=layers, option="int4"),
     }
 
 
@@ -146,7 +151,7 @@ def build_cache(arm, plans, cfg, *, batch, capacity, dtype, device):
         return cache
     return loopkv.LoopKVCache(plans[arm], config=cfg, max_batch_size=batch, max_cache_len=capacity,
                               dtype=dtype, device=device, fused_append=arm in FUSED_ARMS, stacked=STACKED,
-                              step_append=arm in STEP_ARMS)
+                              step_append=True if arm in STEP_ARMS else False if arm in CELL_ARMS else None)
 
 
 def cache_bytes(cache) -> int:
@@ -748,7 +753,7 @@ def smoke() -> None:
     plans = paper_plans(cfg.total_ut_steps, cfg.num_hidden_layers)
     register()
     ctx = 700
-    for arm in (*ARMS, *FUSED_ARMS, *STEP_ARMS):
+    for arm in (*ARMS, *FUSED_ARMS, *STEP_ARMS, *CELL_ARMS):
         model.set_attn_implementation("sdpa" if arm == "bf16" else "loopkv")
         cache = build_cache(arm, plans, cfg, batch=2, capacity=ctx + 64, dtype=torch.float32, device="cpu")
         fill(cache, ctx, k_scale=0.5)

@@ -34,11 +34,10 @@ def _run(plan, lens, steps, *, check_every=25, cell=0, max_len=None, seed=0):
     for step in range(steps):
         q = torch.randn(len(lens), 4, 1, D, generator=g)
         kd, vd = torch.randn(len(lens), 2, 1, D, generator=g), torch.randn(len(lens), 2, 1, D, generator=g)
-        for c in range(plan.loops * plan.layers):
-            out = decode(cache, c, q, kd, vd, SCALE)
-            if c == cell and (step % check_every == check_every - 1 or step == steps - 1):
-                ref, _ = attention64(cache, c, q[:, :, 0], SCALE, plan.tau)
-                torch.testing.assert_close(out.double(), ref, atol=ATTN_FP32_ATOL, rtol=ATTN_FP32_RTOL)
+        outs = [decode(cache, c, q, kd, vd, SCALE) for c in range(plan.loops * plan.layers)]
+        if step % check_every == check_every - 1 or step == steps - 1:  # after the step: every cell holds its token
+            ref, _ = attention64(cache, cell, q[:, :, 0], SCALE, plan.tau)
+            torch.testing.assert_close(outs[cell].double(), ref, atol=ATTN_FP32_ATOL, rtol=ATTN_FP32_RTOL)
     return cache
 
 
@@ -65,7 +64,9 @@ def test_history_is_really_quantized_within_bound():
     plan = loopkv.Plan.uniform(loops=2, layers=2, option="int4")
     g = torch.Generator().manual_seed(1)
     cfg = tiny_config(head_dim=D)
-    cache = loopkv.LoopKVCache(plan, config=cfg, max_batch_size=1, max_cache_len=420, device="cpu")
+    # update() alone appends only with step_append=False (by default the attention function's read writes the token)
+    cache = loopkv.LoopKVCache(plan, config=cfg, max_batch_size=1, max_cache_len=420, device="cpu",
+                               step_append=False)
     ks, vs = torch.randn(1, 2, 420, D, generator=g), torch.randn(1, 2, 420, D, generator=g)
     for t in range(420):  # decode only: every page is quantized on the device at its window exit
         cache.update(ks[:, :, t : t + 1], vs[:, :, t : t + 1], 0)
@@ -133,7 +134,8 @@ def test_proposition_1_bound(tau, seed, spread):
     caches = {}
     for t in (tau, math.inf):
         plan = loopkv.Plan.uniform(loops=1, layers=1, option="int4", tau=t)
-        caches[t] = loopkv.LoopKVCache(plan, config=cfg, max_batch_size=1, max_cache_len=360, device="cpu")
+        caches[t] = loopkv.LoopKVCache(plan, config=cfg, max_batch_size=1, max_cache_len=360, device="cpu",
+                                       step_append=False)  # update() alone appends
     ks = torch.randn(1, 2, 360, D, generator=g) * spread
     vs = torch.randn(1, 2, 360, D, generator=g)
     q = torch.randn(1, 4, D, generator=g) * spread
@@ -167,7 +169,7 @@ def test_tau_inf_is_bit_identical_to_plain_int4_and_tau_changes_output():
     outs = {}
     for tau in (math.inf, 0.0):
         cache = loopkv.LoopKVCache(loopkv.Plan.uniform(loops=1, layers=1, option="int4", tau=tau), config=cfg,
-                                   max_batch_size=1, max_cache_len=450, device="cpu")
+                                   max_batch_size=1, max_cache_len=450, device="cpu", step_append=False)
         for t in range(450):
             cache.update(ks[:, :, t : t + 1], vs[:, :, t : t + 1], 0)
         outs[tau] = cache.read_cell(0, q, scale=SCALE)

@@ -232,9 +232,9 @@ def test_step_append_generates_what_the_per_cell_append_does(model, plan):
                                  device="cpu", step_append=step) for step in (False, True)]
     steps = []
     advance = caches[1].advance_step
-    caches[1].advance_step = lambda batch: (steps.append(batch), advance(batch))[1]
+    caches[1].advance_step = lambda batch, groups=None: (steps.append((batch, groups)), advance(batch, groups))[1]
     (t0, l0), (t1, l1) = (_generate(model, ids, 70, c, mask) for c in caches)
-    assert steps == [2] * 69  # the prompt is written by prefill; 69 decode steps
+    assert steps == [(2, caches[1]._groups)] * 69  # the prompt is written by prefill; 69 decode steps, every cell
     assert torch.equal(t0, t1)
     assert torch.equal(l0, l1)
     for a, b in zip(caches[0].layers, caches[1].layers, strict=True):
@@ -243,21 +243,38 @@ def test_step_append_generates_what_the_per_cell_append_does(model, plan):
     assert caches[1].get_seq_length() == 300 + 69
 
 
-def test_step_append_refuses_what_it_cannot_do(model):
-    """step_append needs the stacked layout and replaces fused_append; an eager step that updates a cell twice, or
-    ends without updating every cell, is an error that names the fix."""
-    plan = QUANTIZED_PLANS[0]
-    kw = dict(config=model.config, max_batch_size=1, max_cache_len=64, dtype=torch.float32, device="cpu")
+def test_step_append_refuses_what_it_cannot_do_and_counts_cells_driven_one_at_a_time(model):
+    """step_append needs the stacked layout and replaces fused_append; a second update of a cell before its read is
+    an error that names the fix. A caller that drives cells one at a time (a cell twice before the others, then a
+    whole step) ends with the storage of the per-cell append, because each new update of a cell already read, and
+    every host-side look, counts the tokens read so far first."""
+    plan = MIXED_PLAN
+    kw = dict(config=model.config, max_batch_size=2, max_cache_len=400, dtype=torch.float32, device="cpu")
     with pytest.raises(ValueError, match="stacked=True"):
         loopkv.LoopKVCache(plan, stacked=False, step_append=True, **kw)
     with pytest.raises(ValueError, match="fused_append=False"):
         loopkv.LoopKVCache(plan, fused_append=True, step_append=True, **kw)
-    cache = loopkv.LoopKVCache(plan, step_append=True, **kw)
-    k = torch.zeros(1, 2, 1, 32)
-    cache.update(k, k, 0)
-    with pytest.raises(RuntimeError, match="updated twice"):
-        cache.update(k, k, 0)
-    with pytest.raises(RuntimeError, match=r"cells \[1, 2, 3\] were not updated"):
-        cache.advance_step(1)
-    cache.reset()
-    assert cache.get_seq_length() == 0
+    assert loopkv.LoopKVCache(plan, **kw).step_append  # the default
+    assert not loopkv.LoopKVCache(plan, stacked=False, **kw).step_append
+    caches = [loopkv.LoopKVCache(plan, step_append=step, **kw) for step in (False, True)]
+    k = torch.zeros(2, 2, 1, 32)
+    caches[1].update(k, k, 0)
+    with pytest.raises(RuntimeError, match="updated again before"):
+        caches[1].update(k, k, 0)
+    caches[1].reset()
+    g = torch.Generator().manual_seed(4)
+    ids = torch.randint(3, 97, (2, 318), generator=g)
+    from tests.cache.driver import decode
+
+    for cache in caches:
+        model(input_ids=ids, past_key_values=cache)  # prefill: 318 tokens, the next append quantizes page 0
+    order = [0, 0, 0, 1, 2, 3, 0, 1, 2, 3]
+    for c in order:
+        q = torch.randn(2, 4, 1, 32, generator=g)
+        kv = torch.randn(2, 2, 1, 32, generator=g), torch.randn(2, 2, 1, 32, generator=g)
+        outs = [decode(cache, c, q, *kv, 32**-0.5) for cache in caches]
+        assert torch.equal(outs[0], outs[1])
+    assert caches[1].storage(0).lengths.tolist() == [322, 322]  # counted when looked at
+    for a, b in zip(caches[0].layers, caches[1].layers, strict=True):
+        for name, t in a.storage.own_tensors().items():
+            assert torch.equal(t, b.storage.own_tensors()[name]), name
