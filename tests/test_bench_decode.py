@@ -456,3 +456,27 @@ def test_fp16_accumulation_probe_fp32_matches_float64_and_flushed_fp16_stays_sma
         assert r["int2_median"] > 50 * r["v16_k16_flush8_high_median"]
     assert rows[(128, 1.0)]["v16_median"] > 3 * rows[(128, 1.0)]["v16_k16_flush8_high_median"]
     assert rows[(128, 3.0)]["v16_k16_flush8_median"] > 2 * rows[(128, 3.0)]["v16_k16_flush8_high_median"]
+
+
+def test_page_loop_probe_finds_the_readers_loop_and_the_token_programs_leave_it_unchanged(tmp_path):
+    """``probe_page_loop`` (static, sm_90): INT2's page loop at B = 32 x 16 heads x 128 is the same instruction count
+    with and without ``token_attention_``'s two programs (docs/design-decisions.md §12), has no spill under the
+    register cap, and is the reader's loop (hundreds of instructions, with the fused multiply-adds of the fields),
+    not some small copy loop."""
+    import os
+    import subprocess
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("TRITON_INTERPRET", None)  # a fresh process, as above
+    out = tmp_path / "loop.json"
+    res = subprocess.run([sys.executable, "benchmarks/probe_page_loop.py", "--bits", "2", "--batch", "32",
+                          "--variants", "plain,token", "--out", str(out)], capture_output=True, text=True, env=env,
+                         cwd=ROOT, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    plain, token = rows["plain"], rows["token"]
+    assert plain["loop_instructions"] == token["loop_instructions"]
+    assert 500 < plain["loop_instructions"] < 2000
+    assert plain["opcodes"].get("FFMA", 0) >= 128  # 64 crumb fields of K and V per lane at least
+    assert plain["spill_loads"] == token["spill_loads"] == 0
+    assert plain["registers"] is None or plain["registers"] <= 128
