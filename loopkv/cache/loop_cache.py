@@ -262,8 +262,8 @@ class LoopKVCache(Cache):
                 raise RuntimeError(
                     f"cell {layer_idx} was updated again before the 'loopkv' attention function read its previous "
                     "token: with step_append that read writes the token into the cache. Run the attention after "
-                    "each update (the model does), or build the LoopKVCache with step_append=False, which writes "
-                    "it in update()")
+                    "each update (the model does; after an interrupted step call cache.reset()), or build the "
+                    "LoopKVCache with step_append=False, which writes it in update()")
             if layer_idx in self._read:  # a new step for this cell: count the tokens read so far first
                 self.flush()
             self._unread.add(layer_idx)
