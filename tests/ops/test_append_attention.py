@@ -43,15 +43,20 @@ def assert_same_state(a, b):
         assert torch.equal(x, y), name
 
 
-@interpret
-@pytest.mark.interpret
-@pytest.mark.parametrize(("bits", "tau", "far_impl", "group", "dtype", "head_dim"), [
+# reader cases of the append tests here and in test_step_ops: INT4 with V precision, INT2 with two query heads per
+# KV head, the tensor-core reader, BF16 pages, and head_dim 96 (padded channels in the page encoders)
+READER_CASES = (("bits", "tau", "far_impl", "group", "dtype", "head_dim"), [
     (4, 14.0, "cc", 1, torch.bfloat16, 64),
     (2, INF, "cc", 2, torch.float32, 64),
     (4, INF, "dot", 4, torch.float32, 64),
     (16, INF, None, 1, torch.float32, 64),
-    (4, INF, "cc", 1, torch.bfloat16, 96),  # padded channels in the sliced page encoder
+    (4, INF, "cc", 1, torch.bfloat16, 96),
 ])
+
+
+@interpret
+@pytest.mark.interpret
+@pytest.mark.parametrize(*READER_CASES)
 def test_fused_append_equals_append_then_attention(bits, tau, far_impl, group, dtype, head_dim):
     """Three decode steps from every length in ``LENGTHS``: outputs and storage bit for bit equal (the fused
     launch encodes pages in slices, ``_encode_page(SLICED=True)``; the two ops the whole page at once)."""

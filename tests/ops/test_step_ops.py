@@ -20,6 +20,7 @@ if not torch.cuda.is_available():
 from loopkv.ops import layout, step_ops  # noqa: E402
 from loopkv.ops.cache_ops import append_reference  # noqa: E402
 from loopkv.ops.cell_attention import cell_attention_reference  # noqa: E402
+from tests.ops.test_append_attention import READER_CASES  # noqa: E402
 from tests.ops.test_triton_attention import interpret, make_cell  # noqa: E402
 
 INF = math.inf
@@ -78,13 +79,7 @@ def test_references_compose_to_append_then_attention():
 
 @interpret
 @pytest.mark.interpret
-@pytest.mark.parametrize(("bits", "tau", "far_impl", "group", "dtype", "head_dim"), [
-    (4, 14.0, "cc", 1, torch.bfloat16, 64),
-    (2, INF, "cc", 2, torch.float32, 64),
-    (4, INF, "dot", 4, torch.float32, 64),
-    (16, INF, None, 1, torch.float32, 64),
-    (4, INF, "cc", 1, torch.bfloat16, 96),  # padded channels in the encoder
-])
+@pytest.mark.parametrize(*READER_CASES)
 def test_token_attention_and_advance_equal_append_then_attention(bits, tau, far_impl, group, dtype, head_dim):
     """Triton: three decode steps from every length in ``LENGTHS``; outputs and storage bit for bit equal to
     ``append`` + ``cell_attention`` (Triton), with ``advance`` run on the cell's row of the stacks."""
