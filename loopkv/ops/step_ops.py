@@ -27,11 +27,10 @@ import math
 import torch
 from torch import Tensor
 
+from loopkv.ops.cache_ops import _POOL as POOL
 from loopkv.ops.cache_ops import advance_reference, write_token_reference
 from loopkv.ops.cell_attention import cell_attention_reference
 from loopkv.ops.layout import RING, pool_field_shapes
-
-POOL = ("k_pages", "k_scale", "k_zero", "v_hi", "v_lo", "v_scale", "v_zero")
 
 
 def token_attention_reference(
@@ -62,8 +61,7 @@ def _(q, *args, **kwargs):
     return torch.empty_like(q)
 
 
-def check_advance_args(cells: Tensor, pools: Tensor, batch: int, max_batch: int, heads: int, head_dim: int,
-                       max_pages: int, bits: int) -> None:
+def check_advance_args(cells: Tensor, pools: Tensor, batch: int, max_batch: int, bits: int) -> None:
     """Shape errors of ``advance_`` that the kernels cannot see (they index by the ints given)."""
     if bits not in (16, 4, 2, 0):
         raise ValueError(f"bits must be 16, 4, 2 or 0 (share cells: no pool), got {bits}")
@@ -79,7 +77,7 @@ def advance_stacks_reference(
     batch: int, max_batch: int, heads: int, head_dim: int, max_pages: int, bits: int,
 ) -> None:
     """``advance_reference`` of the first ``batch`` rows of every (cell, pool) pair, on the stacked tensors."""
-    check_advance_args(cells, pools, batch, max_batch, heads, head_dim, max_pages, bits)
+    check_advance_args(cells, pools, batch, max_batch, bits)
     ring = (max_batch, heads, RING, head_dim)
     shapes = pool_field_shapes(bits or 4, max_batch * max_pages, heads, head_dim)
     stacks = (k_pages, k_scale, k_zero, v_hi, v_lo, v_scale, v_zero)

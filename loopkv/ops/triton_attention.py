@@ -602,6 +602,14 @@ def cell_attention(
     return out
 
 
+def _token_in_launch(q: Tensor, k_new: Tensor, v_new: Tensor, *storage: Tensor) -> bool:
+    """Whether the reader's launch can take the decode token (``append_attention`` / ``token_attention``): tokens in
+    the cache's dtype with unit channel stride, contiguous storage, and not a float64 re-computation (which stays
+    on the reference)."""
+    return (k_new.dtype == v_new.dtype == storage[0].dtype and k_new.stride(3) == 1 and v_new.stride(3) == 1
+            and q.dtype != torch.float64 and all(t.is_contiguous() for t in storage))
+
+
 def append_attention(
     q: Tensor, k_new: Tensor, v_new: Tensor, sink_k: Tensor, sink_v: Tensor, win_k: Tensor, win_v: Tensor,
     lengths: Tensor, page_table: Tensor, k_pages: Tensor, k_scale: Tensor, k_zero: Tensor, v_hi: Tensor,
@@ -617,10 +625,8 @@ def append_attention(
                          f"got {tuple(k_new.shape)}, {tuple(v_new.shape)}")
     if own_bits not in (0, bits):
         raise ValueError(f"own_bits must be 0 (a share cell: no pool to write) or the read bits {bits}, got {own_bits}")
-    storage = (sink_k, sink_v, win_k, win_v, lengths, page_table, k_pages, k_scale, k_zero, v_hi, v_lo,
-               v_scale, v_zero)
-    fused = (k_new.dtype == v_new.dtype == sink_k.dtype and k_new.stride(3) == 1 and v_new.stride(3) == 1
-             and q.dtype != torch.float64 and all(t.is_contiguous() for t in storage))
+    fused = _token_in_launch(q, k_new, v_new, sink_k, sink_v, win_k, win_v, lengths, page_table, k_pages, k_scale,
+                             k_zero, v_hi, v_lo, v_scale, v_zero)
     if not fused:
         from loopkv.ops import triton_quant
 
@@ -650,10 +656,8 @@ def token_attention(
     if k_new.shape != (B, H, 1, D) or v_new.shape != k_new.shape:
         raise ValueError(f"token_attention_ takes one token per row: k_new, v_new [B, H, 1, D] = [{B}, {H}, 1, {D}], "
                          f"got {tuple(k_new.shape)}, {tuple(v_new.shape)}")
-    storage = (sink_k, sink_v, win_k, win_v, lengths, page_table, k_pages, k_scale, k_zero, v_hi, v_lo,
-               v_scale, v_zero)
-    fused = (k_new.dtype == v_new.dtype == sink_k.dtype and k_new.stride(3) == 1 and v_new.stride(3) == 1
-             and q.dtype != torch.float64 and all(t.is_contiguous() for t in storage))
+    fused = _token_in_launch(q, k_new, v_new, sink_k, sink_v, win_k, win_v, lengths, page_table, k_pages, k_scale,
+                             k_zero, v_hi, v_lo, v_scale, v_zero)
     if not fused:
         return token_attention_reference(q, k_new, v_new, sink_k, sink_v, win_k, win_v, lengths, page_table, k_pages,
                                          k_scale, k_zero, v_hi, v_lo, v_scale, v_zero, bits, tau, scale)

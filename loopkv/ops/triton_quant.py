@@ -395,7 +395,7 @@ def advance(
     row on the device. The stacks are 2-D and row-contiguous (``CellStacks``); others run the reference."""
     from loopkv.ops.step_ops import advance_stacks_reference, check_advance_args
 
-    check_advance_args(cells, pools, batch, max_batch, heads, head_dim, max_pages, bits)
+    check_advance_args(cells, pools, batch, max_batch, bits)
     n = cells.shape[0]
     if n == 0 or batch == 0:
         return
