@@ -323,8 +323,9 @@ def _cell_attn_kernel(
     the token reads it from k_new / v_new, not from the ring it is being written to. The last of the row's H
     merges and 2 NSL H append programs (counter ``rcnt[b]``) stores ``lengths[b]``.
     APPEND 2 (``token_attention_``, docs/design-decisions.md §12): the same reads with the appended length and the
-    same substitution, but programs NNEAR + NSPLIT and + 1 only write the token's K and V; ``lengths`` and the page
-    leaving the window are left to ``advance_``."""
+    same substitution, and no more programs: the near program whose slots hold the token writes its K and V there
+    after reading them from k_new / v_new (session 12; session 11 had two more programs per (b, h) for it).
+    ``lengths`` and the page leaving the window are left to ``advance_``."""
     RP: tl.constexpr = GR * NGP
     pid = tl.program_id(0)
     bh = tl.program_id(1)
@@ -372,6 +373,11 @@ def _cell_attn_kernel(
         m_i, alpha, p, l_i = _online(s, m_i, l_i)
         acc = _exact_values(p, vptr, valid, cm, PREC, UPCAST)
         _store_partial(ws_o, ws_ml, slot, g_r, gr, m_i, l_i, acc, c, GR, DP)
+        if APPEND == 2:  # the near program whose slots hold the token writes it (after its own reads of them)
+            tslot = tl.where(pos < 32, pos, 32 + (pos - 32) % 288)
+            if (pid == tslot // BN) & (pos < CAP):
+                _write_token(k_new, v_new, skn_b, skn_h, svn_b, svn_h, b, h, bh64, pos,
+                             sink_k, sink_v, win_k, win_v, c, cm, D)
     elif is_app:  # APPEND: K (even) or V (odd) of the new token, and a share of the page leaving the window
         if APPEND == 1:
             _append_token(k_new, v_new, skn_b, skn_h, 1, svn_b, svn_h, 1, b, h, (pid - nprog) % 2, pos,
@@ -380,10 +386,6 @@ def _cell_attn_kernel(
                           (pid - nprog) // 2, NSL)
             tl.debug_barrier()  # every thread has read lengths[b]
             _row_done(rcnt, lengths, b, length, H, NSL)
-        else:  # APPEND == 2 (token_attention_): the token only; lengths and the window exit are advance_'s
-            _append_token(k_new, v_new, skn_b, skn_h, 1, svn_b, svn_h, 1, b, h, pid - nprog, pos,
-                          sink_k, sink_v, win_k, win_v, page_table, H, MAXP, CAP,
-                          own_k, k_scale, k_zero, own_hi, own_lo, v_scale, v_zero, 0, D, DP)
     else:
         chunk = (npg + NSPLIT - 1) // NSPLIT
         p0 = (pid - NNEAR) * chunk
@@ -416,6 +418,23 @@ def _cell_attn_kernel(
     if not is_app:
         _merge(ws_o, ws_ml, cnt, out, so_b, so_h, rcnt, lengths, b, h, bh, bh64, nprog, length, H, c, cm, G, GR, DP,
                NPP, APPEND, NSL)
+
+
+@triton.jit
+def _write_token(k_new, v_new, skn_b, skn_h, svn_b, svn_h, b, h, bh64, pos, sink_k, sink_v, win_k, win_v, c, cm,
+                 D: tl.constexpr):
+    """APPEND 2: the token's K and V (row b, KV head h) into sink slot ``pos`` (pos < 32) or ring slot
+    ``(pos - 32) % 288``."""
+    kn = tl.load(k_new + b.to(tl.int64) * skn_b + h * skn_h + c, mask=cm)
+    vn = tl.load(v_new + b.to(tl.int64) * svn_b + h * svn_h + c, mask=cm)
+    if pos < 32:  # SINK
+        off = (bh64 * 32 + pos) * D + c
+        tl.store(sink_k + off, kn.to(sink_k.dtype.element_ty), mask=cm)
+        tl.store(sink_v + off, vn.to(sink_v.dtype.element_ty), mask=cm)
+    else:  # RING = 288
+        off = (bh64 * 288 + (pos - 32) % 288) * D + c
+        tl.store(win_k + off, kn.to(win_k.dtype.element_ty), mask=cm)
+        tl.store(win_v + off, vn.to(win_v.dtype.element_ty), mask=cm)
 
 
 @triton.jit
@@ -565,7 +584,7 @@ def cell_attention(
         mode, app_progs = 1, 2 * APPEND_SLICES
     else:
         (k_new, v_new), own_bits, rcnt, cap = token, 0, cnt, capacity(maxp)
-        mode, app_progs = 2, 2
+        mode, app_progs = 2, 0
     if impl == "cc":  # the CUDA-core reader reads codes as int32 words (rows are multiples of 4 bytes)
         k_pages, v_hi, v_lo = (t.view(torch.int32) if t.numel() else t.new_empty(0, dtype=torch.int32)
                                for t in (k_pages, v_hi, v_lo))
