@@ -318,6 +318,17 @@ READERS = {
     "split32": {"splits": 32},
     "split48": {"splits": 48},
     "split64": {"splits": 64},
+    # session 12: the split count at the end-to-end peaks' shapes (LoopKV-M: B = 36 x 16 KV heads, heuristic 29;
+    # KIVI-4: B = 24, heuristic 43), with 2,112 one-warp slots on 132 SMs (16 per SM at the register cap), where a
+    # split count that fills whole waves of far programs might beat the heuristic's 124 programs per SM
+    "split20": {"splits": 20},
+    "split22": {"splits": 22},
+    "split26": {"splits": 26},
+    "split29": {"splits": 29},
+    "split33": {"splits": 33},
+    "split36": {"splits": 36},
+    "split40": {"splits": 40},
+    "split43": {"splits": 43},
     # session 6, not measured: the next page's page-table entry ("pt") and scales ("sc") carried one iteration
     # ahead. Nsight Compute's source view of the INT4 default (ncu_2026-11-30_session6_int4_source.json) put 8% of
     # the page loop's stall samples on the R2UR that waits for the page index and 17% on the first use of the page's
