@@ -17,7 +17,10 @@ CC_NEAR_BLOCK = 32  # with the cc reader: 10 near programs; the kernel's registe
 # the CUDA-core reader, 16, 24, 32, 48 and 64 splits): at B*H = 512 (batch 32 x 16 KV heads, 16K) 32 splits were
 # best (INT4 0.439 ms, 48: 0.451); at B*H = 16 (batch 1, 8K) and 128 (batch 8, 16K) 48 were (INT4 0.018 vs 0.021 ms
 # and 0.131 vs 0.133; 64: 0.020 and 0.131). So: about 124 far programs per SM (on 132 SMs, B*H = 512 -> 32 splits,
-# 576 -> 29 as before), at most 48 splits (was 32) for small batches.
+# 576 -> 29 as before), at most 48 splits (was 32) for small batches. Session 12
+# (cell_attention_2026-11-30_session12_splits_peaks.json): at the end-to-end peaks' shapes (B*H = 576 and 384, 16K)
+# no split count from 20 to 43 was more than 1.6% faster than the heuristic in any mode (the run's noise is about
+# 2%); below 26 or above 36 they were up to 9% slower.
 WAVES = 124  # far programs per SM the split heuristic aims for
 MAX_SPLITS = 48
 _SM_COUNT: dict[int, int] = {}
