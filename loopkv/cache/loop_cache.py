@@ -141,9 +141,9 @@ class LoopKVCache(Cache):
             cell's read writes its token (``token_attention_``, in the attention launch), and after the step's last
             cell one ``advance_`` per kind of pool counts every cell's token and quantizes the pages that leave the
             window: 2-4 launches per step instead of one per cell. ``None`` (default): on whenever ``stacked`` and not
-            ``fused_append``. On the H200 (session 11, Ouro-1.4B's shapes) it takes the quantizer from 3.3% to 0.2%
-            of a compiled batch-1 x 8K step, which is 2.8% shorter; at the 16K peak (batch 36) the step is 0.5%
-            (compiled) and 0.7% (graph capture) longer. The token is written by the ``"loopkv"`` attention function's
+            ``fused_append``. On the H200 (Ouro-1.4B's shapes) it takes the quantizer from 3.3% to 0.2% of a compiled
+            batch-1 x 8K step, which is 2.8% shorter (session 11); at the 16K peak (batch 36, graph capture) the
+            step takes the same time as with ``step_append=False`` (session 12). The token is written by the ``"loopkv"`` attention function's
             read, not by ``update()``; a compiled step must update and read every cell once, in order (Ouro does,
             ``exit_at_step`` included). Eagerly, cells driven one at a time are counted when next updated or looked
             at (:meth:`flush`).
