@@ -143,10 +143,10 @@ class LoopKVCache(Cache):
             window: 2-4 launches per step instead of one per cell. ``None`` (default): on whenever ``stacked`` and not
             ``fused_append``. On the H200 (Ouro-1.4B's shapes) it takes the quantizer from 3.3% to 0.2% of a compiled
             batch-1 x 8K step, which is 2.8% shorter (session 11); at the 16K peak (batch 36, graph capture) the
-            step takes the same time as with ``step_append=False`` (session 12). The token is written by the ``"loopkv"`` attention function's
-            read, not by ``update()``; a compiled step must update and read every cell once, in order (Ouro does,
-            ``exit_at_step`` included). Eagerly, cells driven one at a time are counted when next updated or looked
-            at (:meth:`flush`).
+            step takes the same time as with ``step_append=False`` (session 12). The token is written by the
+            ``"loopkv"`` attention function's read, not by ``update()``; a compiled step must update and read every
+            cell once, in order (Ouro does, ``exit_at_step`` included). Eagerly, cells driven one at a time are
+            counted when next updated or looked at (:meth:`flush`).
     """
 
     def __init__(self, plan, *, config, max_batch_size: int, max_cache_len: int,
