@@ -321,6 +321,12 @@ READERS = {
     # session 12: the split count at the end-to-end peaks' shapes (LoopKV-M: B = 36 x 16 KV heads, heuristic 29;
     # KIVI-4: B = 24, heuristic 43), with 2,112 one-warp slots on 132 SMs (16 per SM at the register cap), where a
     # split count that fills whole waves of far programs might beat the heuristic's 124 programs per SM
+    # session 12, static only (sm_90, Triton 3.9, B = 32 x 16K): K's field work in packed fp16 pairs ("k16",
+    # loopkv/ops/triton_far.py): page loop INT4 966 -> 862 instructions (spill loads 19 -> 4), V precision 974 -> 870,
+    # INT2 (with "i32") 804 -> 711. "l2_pt_k16" is INT4's default plus k16, "i32_l2_pt_k16" INT2's; each mode is
+    # checked against "dot" like every arm (k16's own fp16 rounding: tests/tolerances.py)
+    "l2_pt_k16": {"cc_opts": (*CC3, "l2", "pt", "k16")},
+    "i32_l2_pt_k16": {"cc_opts": (*CC4, "l2", "pt", "k16")},
     "split20": {"splits": 20},
     "split22": {"splits": 22},
     "split26": {"splits": 26},

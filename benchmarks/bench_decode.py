@@ -43,6 +43,7 @@ versions, date, every measurement) to ``--out`` and prints a table last.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import itertools
 import json
@@ -60,14 +61,15 @@ import torch
 import loopkv
 from loopkv.cache.attention import register
 from loopkv.models.ouro import OuroConfig, OuroForCausalLM, static_dense_cache
-from loopkv.ops import codec
+from loopkv.ops import codec, triton_config
 from loopkv.ops.layout import n_pages
 
 ARMS = ("bf16", "kivi4", "kivi4v", "loopkv-r", "loopkv-m")
 # measured only when named in --arms: M's grid with V precision off (tau = inf; the same 155 / 220 KiB in
 # Plan's accounting, which does not count V precision's savings). The speed setting docs/kernels.md
 # recommends while V precision costs more than it saves on this reader.
-EXTRA_ARMS = ("loopkv-m-notau", "loopkv-m-fused", "loopkv-m-step", "kivi4-step", "loopkv-m-cell", "kivi4-cell")
+EXTRA_ARMS = ("loopkv-m-notau", "loopkv-m-fused", "loopkv-m-step", "kivi4-step", "loopkv-m-cell", "kivi4-cell",
+              "loopkv-m-k16", "kivi4-k16")
 # "loopkv-m-fused": M with LoopKVCache(fused_append=True): each decode append inside its cell's attention launch
 # (append_attention_, docs/design-decisions.md §10; session 8: 5.9% more GPU time per step than M at batch 1 x 8K)
 FUSED_ARMS = ("loopkv-m-fused",)
@@ -77,6 +79,9 @@ FUSED_ARMS = ("loopkv-m-fused",)
 # per cell and step, the default before session 11 (session 11's JSON named these arms "loopkv-m" and "kivi4")
 STEP_ARMS = ("loopkv-m-step", "kivi4-step")
 CELL_ARMS = ("loopkv-m-cell", "kivi4-cell")
+# "-k16": the library default with the CUDA-core reader's opt-in "k16" added to its default cc_opts (K's field work
+# in packed fp16, loopkv/ops/triton_far.py; session 12, static only): set for the point, restored after
+K16_ARMS = ("loopkv-m-k16", "kivi4-k16")
 STACKED = True  # LoopKVCache(stacked=...): the cells as slices of a few buffers (design-decisions §11); --per-cell
 TAU = 14.0
 GIB = 1 << 30
@@ -138,6 +143,8 @@ def paper_plans(loops: int, layers: int) -> dict[str, loopkv.Plan]:
         "kivi4-step": loopkv.Plan.uniform(loops=loops, layers=layers, option="int4"),
         "loopkv-m-cell": loopkv.Plan.from_grid(m, tau=TAU),
         "kivi4-cell": loopkv.Plan.uniform(loops=loops, layers=layers, option="int4"),
+        "loopkv-m-k16": loopkv.Plan.from_grid(m, tau=TAU),
+        "kivi4-k16": loopkv.Plan.uniform(loops=loops, layers=layers, option="int4"),
     }
 
 
@@ -424,8 +431,28 @@ def profiled(batch: int, peak: int, mode: str) -> bool:
     return mode == "all" or (mode == "ends" and batch in (1, peak))
 
 
-def measure(model, cfg, arm, plans, *, ctx, batch, steps, capture_mode, k_scale, dtype, device, launches,
-            dynamic=None, profile=True):
+@contextlib.contextmanager
+def reader_options(arm):
+    """For the ``-k16`` arms: the CUDA-core reader's default cc_opts plus "k16" while the point runs (the launcher
+    reads ``triton_config.CC_DEFAULT_OPTS_BY_BITS`` at every launch, captures included)."""
+    if arm not in K16_ARMS:
+        yield
+        return
+    saved = dict(triton_config.CC_DEFAULT_OPTS_BY_BITS)
+    triton_config.CC_DEFAULT_OPTS_BY_BITS.update({b: (*o, "k16") for b, o in saved.items()})
+    try:
+        yield
+    finally:
+        triton_config.CC_DEFAULT_OPTS_BY_BITS.update(saved)
+
+
+def measure(model, cfg, arm, plans, **kw):
+    with reader_options(arm):
+        return _measure(model, cfg, arm, plans, **kw)
+
+
+def _measure(model, cfg, arm, plans, *, ctx, batch, steps, capture_mode, k_scale, dtype, device, launches,
+             dynamic=None, profile=True):
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     capacity = ctx + HEADROOM
@@ -753,14 +780,14 @@ def smoke() -> None:
     plans = paper_plans(cfg.total_ut_steps, cfg.num_hidden_layers)
     register()
     ctx = 700
-    for arm in (*ARMS, *FUSED_ARMS, *STEP_ARMS, *CELL_ARMS):
+    for arm in (*ARMS, *FUSED_ARMS, *STEP_ARMS, *CELL_ARMS, *K16_ARMS):
         model.set_attn_implementation("sdpa" if arm == "bf16" else "loopkv")
         cache = build_cache(arm, plans, cfg, batch=2, capacity=ctx + 64, dtype=torch.float32, device="cpu")
         fill(cache, ctx, k_scale=0.5)
         tok = torch.randint(3, cfg.vocab_size, (2, 1))
         pos = torch.full((2, 1), ctx)
         step = make_step(model, cache, tok, pos, dense=arm == "bf16", capacity=ctx + 64)
-        with torch.no_grad():
+        with torch.no_grad(), reader_options(arm):
             for _ in range(3):
                 step()
         hot = hot_fraction(model, cache, tok, pos) if arm != "bf16" else None

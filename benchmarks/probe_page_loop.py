@@ -63,12 +63,17 @@ def main(argv=None) -> dict:
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--variants", default="plain,token", help=f"comma-separated: {', '.join(VARIANTS)}")
+    p.add_argument("--cc-opts", default=None,
+                   help="comma-separated cc_opts of the CUDA-core reader instead of the launcher's default "
+                        "(e.g. qk,vg,f24,l2,pt,k16)")
     p.add_argument("--out", default=None, help="JSON path")
     args = p.parse_args(argv)
     rows = {}
     for name in args.variants.split(","):
         case = {"bits": args.bits, "tau": args.tau, "batch": args.batch, "heads": args.heads, "group": 1,
                 "head_dim": args.head_dim, **VARIANTS[name]}
+        if args.cc_opts is not None:
+            case["cc_opts"] = [o for o in args.cc_opts.split(",") if o]
         rows[name] = page_loop(case)
         r = rows[name]
         print(f"{name:7s} registers {r['registers']} stack {r['stack']} page loop {r['loop_instructions']} "

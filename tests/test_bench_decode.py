@@ -460,9 +460,9 @@ def test_fp16_accumulation_probe_fp32_matches_float64_and_flushed_fp16_stays_sma
 
 def test_page_loop_probe_finds_the_readers_loop_and_the_token_programs_leave_it_unchanged(tmp_path):
     """``probe_page_loop`` (static, sm_90): INT2's page loop at B = 32 x 16 heads x 128 is the same instruction count
-    with and without ``token_attention_``'s two programs (docs/design-decisions.md §12), has no spill under the
-    register cap, and is the reader's loop (hundreds of instructions, with the fused multiply-adds of the fields),
-    not some small copy loop."""
+    with and without ``token_attention_``'s token write (its near program stores the token; docs/design-decisions.md
+    §12), has no spill under the register cap, and is the reader's loop (hundreds of instructions, with the fused
+    multiply-adds of the fields), not some small copy loop."""
     import os
     import subprocess
 
@@ -480,3 +480,49 @@ def test_page_loop_probe_finds_the_readers_loop_and_the_token_programs_leave_it_
     assert plain["opcodes"].get("FFMA", 0) >= 128  # 64 crumb fields of K and V per lane at least
     assert plain["spill_loads"] == token["spill_loads"] == 0
     assert plain["registers"] is None or plain["registers"] <= 128
+
+
+def test_page_loop_probe_k16_pairs_the_key_fields(tmp_path):
+    """``probe_page_loop --cc-opts ...,k16`` (static, sm_90; docs/kernel-notes.md, session 12): INT2's page loop with
+    K's fields in packed fp16 pairs has one ``HFMA2`` per pair of K fields (8 words x 8 pairs per lane), about 128
+    fewer ``FFMA`` (V's stay), no spill under the cap, and fewer instructions than the default reader's loop."""
+    import os
+    import subprocess
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("TRITON_INTERPRET", None)
+    rows = {}
+    for name, opts in (("default", None), ("k16", "qk,vg,f24,i32,l2,pt,k16")):
+        out = tmp_path / f"{name}.json"
+        cmd = [sys.executable, "benchmarks/probe_page_loop.py", "--bits", "2", "--batch", "32", "--variants", "plain",
+               "--out", str(out)] + (["--cc-opts", opts] if opts else [])
+        res = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+        assert res.returncode == 0, res.stderr[-3000:]
+        rows[name] = json.loads(out.read_text())["rows"]["plain"]
+    base, k16 = rows["default"], rows["k16"]
+    assert base["opcodes"].get("HFMA2", 0) == 0
+    assert k16["opcodes"].get("HFMA2", 0) >= 64
+    assert base["opcodes"]["FFMA"] - k16["opcodes"]["FFMA"] >= 100
+    assert k16["spill_loads"] == 0
+    assert k16["loop_instructions"] < base["loop_instructions"]
+
+
+def test_k16_arms_add_the_reader_option_for_their_point_only(bench):
+    """The ``-k16`` arms run the library default with "k16" added to the CUDA-core reader's default cc_opts, for
+    that point only: restored afterwards, also when the point fails; other arms run the default unchanged."""
+    from loopkv.ops import triton_config
+
+    before = dict(triton_config.CC_DEFAULT_OPTS_BY_BITS)
+    with bench.reader_options("loopkv-m"):
+        assert triton_config.CC_DEFAULT_OPTS_BY_BITS == before
+    for arm in bench.K16_ARMS:
+        with bench.reader_options(arm):
+            for bits, opts in before.items():
+                assert triton_config.CC_DEFAULT_OPTS_BY_BITS[bits] == (*opts, "k16")
+        assert triton_config.CC_DEFAULT_OPTS_BY_BITS == before
+    with pytest.raises(RuntimeError, match="point failed"), bench.reader_options("kivi4-k16"):
+        raise RuntimeError("point failed")
+    assert triton_config.CC_DEFAULT_OPTS_BY_BITS == before
+    plans = bench.paper_plans(4, 24)
+    assert plans["loopkv-m-k16"].grid() == plans["loopkv-m"].grid()
+    assert plans["kivi4-k16"].grid() == plans["kivi4"].grid()

@@ -52,7 +52,16 @@ from loopkv.ops.triton_config import (  # noqa: F401  (constants re-exported for
     choose_splits,
     int32_offset_overflow,
 )
-from loopkv.ops.triton_far import CC_MAX_GROUP, CC_OPTS, _dot, _exact_scores, cc_opt_bits, choose_far_impl, far_cc
+from loopkv.ops.triton_far import (
+    CC_MAX_GROUP,
+    CC_OPTS,
+    OPT_ASM16,
+    _dot,
+    _exact_scores,
+    cc_opt_bits,
+    choose_far_impl,
+    far_cc,
+)
 from loopkv.ops.triton_quant import _append_token
 from loopkv.ops.triton_register import counters, warmup  # noqa: F401  (warmup re-exported here)
 
@@ -594,6 +603,11 @@ def cell_attention(
     if opt & (CC_OPTS["pt"] | CC_OPTS["sc"]) and (ppi != 1 or pf):
         raise ValueError("cc_opts 'pt' and 'sc' carry the next page's index and scales across iterations of one "
                          f"page: they need pages_per_iter=1 and prefetch=False (got {ppi}, {pf})")
+    if opt & CC_OPTS["k16"] and not opt & CC_OPTS["qk"]:
+        raise ValueError(f"cc_opts 'k16' (K's field work in fp16 pairs) builds on the 'qk' layout: got cc_opts "
+                         f"{tuple(cc_opts or ())}; add 'qk'")
+    if opt & CC_OPTS["k16"] and q.device.type == "cuda" and not torch.version.hip:
+        opt |= OPT_ASM16  # the pairs' mask + fma.rn.f16x2 in inline PTX (the interpreter: the same fields in Triton)
     if q.device.type != "cuda" or torch.version.hip:  # "l2" is a prefetch hint in inline PTX, which neither the
         opt &= ~CC_OPTS["l2"]  # interpreter nor ROCm can run; without it the reader computes the same values
     if opt & CC_OPTS["i32"]:

@@ -268,6 +268,145 @@ def _k_sub(qk, bias, words, ok, qk_scale, BITS: tl.constexpr, LIM: tl.constexpr)
 
 
 @triton.jit
+def _halves16(x):
+    """int32 -> its bits 0-15 and 16-31 as fp16."""
+    lo = (x & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True)
+    hi = ((x >> 16) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True)
+    return lo, hi
+
+
+@triton.jit
+def _pack16(lo, hi):
+    """Two fp16 tiles -> one int32 tile (``lo`` in bits 0-15): the register layout of an ``f16x2``."""
+    return (lo.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF) | (hi.to(tl.int16, bitcast=True).to(tl.int32) << 16)
+
+
+@triton.jit
+def _k16_pack(hi, lo, ASM: tl.constexpr):
+    """fp32 tiles -> packed ``f16x2`` (int32 container; round to nearest even): one ``cvt.rn.f16x2.f32`` on CUDA."""
+    if ASM:
+        return tl.inline_asm_elementwise("cvt.rn.f16x2.f32 $0, $1, $2;", "=r,f,f", [hi, lo], dtype=tl.int32,
+                                         is_pure=True, pack=1)
+    else:
+        return _pack16(lo.to(tl.float16), hi.to(tl.float16))
+
+
+@triton.jit
+def _k16_fma(acc, a, x, BIT: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr):
+    """``acc + a * subnormal(x & mask)`` on packed fp16 pairs (int32 containers): the mask takes the field at bit
+    ``BIT`` of each half of ``x``, which read as fp16 is exactly ``field * 2**(BIT - 24)`` (below bit 10: exponent
+    0 or 1). On CUDA one ``and.b32`` and one ``fma.rn.f16x2`` (no ftz: fp16 subnormals kept); elsewhere the same
+    fields and one rounding of the fp32 ``acc + a * field`` per half."""
+    MASK: tl.constexpr = (15 if BITS == 4 else 3) << BIT
+    if ASM:
+        if MASK == 0xF:
+            asm: tl.constexpr = "{\n .reg .b32 f;\n and.b32 f, $3, 0x000F000F;\n fma.rn.f16x2 $0, $2, f, $1;\n}"
+        elif MASK == 0xF0:
+            asm: tl.constexpr = "{\n .reg .b32 f;\n and.b32 f, $3, 0x00F000F0;\n fma.rn.f16x2 $0, $2, f, $1;\n}"
+        elif MASK == 0x3:
+            asm: tl.constexpr = "{\n .reg .b32 f;\n and.b32 f, $3, 0x00030003;\n fma.rn.f16x2 $0, $2, f, $1;\n}"
+        elif MASK == 0xC:
+            asm: tl.constexpr = "{\n .reg .b32 f;\n and.b32 f, $3, 0x000C000C;\n fma.rn.f16x2 $0, $2, f, $1;\n}"
+        elif MASK == 0x30:
+            asm: tl.constexpr = "{\n .reg .b32 f;\n and.b32 f, $3, 0x00300030;\n fma.rn.f16x2 $0, $2, f, $1;\n}"
+        elif MASK == 0xC0:
+            asm: tl.constexpr = "{\n .reg .b32 f;\n and.b32 f, $3, 0x00C000C0;\n fma.rn.f16x2 $0, $2, f, $1;\n}"
+        else:  # 0x300
+            asm: tl.constexpr = "{\n .reg .b32 f;\n and.b32 f, $3, 0x03000300;\n fma.rn.f16x2 $0, $2, f, $1;\n}"
+        return tl.inline_asm_elementwise(asm, "=r,r,r,r", [acc, a, x], dtype=tl.int32, is_pure=True, pack=1)
+    else:
+        f_lo, f_hi = _halves16(x & (MASK | (MASK << 16)))
+        a_lo, a_hi = _halves16(a)
+        c_lo, c_hi = _halves16(acc)
+        n_lo = (c_lo.to(tl.float32) + a_lo.to(tl.float32) * f_lo.to(tl.float32)).to(tl.float16)
+        n_hi = (c_hi.to(tl.float32) + a_hi.to(tl.float32) * f_hi.to(tl.float32)).to(tl.float16)
+        return _pack16(n_lo, n_hi)
+
+
+@triton.jit
+def _k16_add(x, y, ASM: tl.constexpr):
+    """Packed fp16 pairs (int32 containers): ``x + y`` per half, one ``add.rn.f16x2`` on CUDA."""
+    if ASM:
+        return tl.inline_asm_elementwise("add.rn.f16x2 $0, $1, $2;", "=r,r,r", [x, y], dtype=tl.int32, is_pure=True,
+                                         pack=1)
+    else:
+        x_lo, x_hi = _halves16(x)
+        y_lo, y_hi = _halves16(y)
+        return _pack16((x_lo.to(tl.float32) + y_lo.to(tl.float32)).to(tl.float16),
+                       (x_hi.to(tl.float32) + y_hi.to(tl.float32)).to(tl.float16))
+
+
+@triton.jit
+def _k16_sum(x, ASM: tl.constexpr):
+    """Packed fp16 pair (int32 container) -> fp32 ``lo + hi``."""
+    if ASM:
+        return tl.inline_asm_elementwise(
+            "{\n .reg .b16 l, h;\n .reg .f32 a, b;\n mov.b32 {l, h}, $1;\n cvt.f32.f16 a, l;\n cvt.f32.f16 b, h;\n"
+            " add.f32 $0, a, b;\n}", "=f,r", [x], dtype=tl.float32, is_pure=True, pack=1)
+    else:
+        lo, hi = _halves16(x)
+        return lo.to(tl.float32) + hi.to(tl.float32)
+
+
+@triton.jit
+def _k_prep16(qf, ks, GP: tl.constexpr, KWP: tl.constexpr, PERW: tl.constexpr, ASM: tl.constexpr):
+    """"k16", per page: the query-scale products of field pairs as packed fp16 (a tuple of PERW // 2 int32 tiles
+    [GP, 1, KWP]: pair k is field k of a word's low half and of its high half) and ``unscale``. ``qf`` [GP, KWP,
+    PERW] carries ``2**(24 - bit_j)`` per field (its bit in ``_k_sub16``), so every product ``qk * field`` is in the
+    same unit; the page's largest ``|q * k_scale * 2**(24 - bit)|`` is scaled below ``2**15`` by an exact power of two
+    ``2**(141 - e)`` (e: its biased fp32 exponent, at least 15), which ``unscale`` = ``2**(e - 141)`` undoes."""
+    v = qf * ks[0].to(tl.float32)
+    big = tl.max(tl.max(tl.max(tl.abs(v), 2), 1), 0)
+    e = tl.maximum((big.to(tl.int32, bitcast=True) >> 23) & 255, 15)
+    v = v * ((268 - e) << 23).to(tl.float32, bitcast=True)
+    unscale = ((e - 14) << 23).to(tl.float32, bitcast=True)
+    parts = _split_fields(v, GP, KWP, PERW)
+    HALF: tl.constexpr = PERW // 2
+    qk2 = ()
+    for k in tl.static_range(HALF):
+        qk2 = qk2 + (_k16_pack(parts[HALF + k], parts[k], ASM)[:, None, :],)
+    return qk2, unscale
+
+
+@triton.jit
+def _k_sub16(qk2, unscale, bias, words, ok, qk_scale, GP: tl.constexpr, TS: tl.constexpr, KWP: tl.constexpr,
+             BITS: tl.constexpr, ASM: tl.constexpr, PAIRS: tl.constexpr):
+    """"k16": ``_k_sub`` with the field work in fp16 pairs: per word, one shift and PERW // 2 mask + ``HFMA2``
+    pairs (fp16 sums of PERW // 2 products per half), then each word's pair summed into fp32. Pair k is field k of
+    each half; fields that would reach bit 10 (fp16's exponent) are read from ``w >> 8``: INT4 nibbles 0-1 in place
+    at bits 0 and 4, nibbles 2-3 at bits 0 and 4 of ``w >> 8``; INT2 crumbs 0-4 in place at bits 0-8, crumbs 5-7 at
+    bits 2, 4, 6 of ``w >> 8``."""
+    HALF: tl.constexpr = 16 // BITS
+    w8 = tl.broadcast_to(words >> 8, [GP, TS, KWP])
+    w0 = tl.broadcast_to(words, [GP, TS, KWP])
+    acc = tl.zeros([GP, TS, KWP], tl.int32)  # fp16 pairs, +0.0
+    for k in tl.static_range(HALF):  # the bits in the docstring
+        a = tl.broadcast_to(qk2[k], [GP, TS, KWP])
+        if BITS == 4:
+            if k < 2:
+                acc = _k16_fma(acc, a, w0, 4 * k, BITS, ASM)
+            else:
+                acc = _k16_fma(acc, a, w8, 4 * (k - 2), BITS, ASM)
+        else:
+            if k < 5:
+                acc = _k16_fma(acc, a, w0, 2 * k, BITS, ASM)
+            else:
+                acc = _k16_fma(acc, a, w8, 2 * k - 8, BITS, ASM)
+    # PAIRS levels (the words a lane holds, log2, at most 2: one warp, [TS, KWP] tiles of 4 words per lane from
+    # KWP * TS = 128 on): neighbouring words' pairs added in fp16 before widening, on register axes (static, sm_90:
+    # INT4 page loop 898 -> 862 instructions with 2 levels; INT2 723 -> 711 with 1, 861 with a second level that
+    # crosses lanes)
+    if PAIRS >= 1:
+        a, b = tl.split(tl.reshape(acc, [GP, TS, KWP // 2, 2]))
+        acc = _k16_add(a, b, ASM)
+    if PAIRS >= 2:
+        a, b = tl.split(tl.reshape(acc, [GP, TS, KWP // 4, 2]))
+        acc = _k16_add(a, b, ASM)
+    s = (tl.sum(_k16_sum(acc, ASM), 2) * unscale + bias) * qk_scale
+    return tl.where(ok, s, float("-inf"))
+
+
+@triton.jit
 def _v_sub(acc, zacc, p, hi, lo, vs, vz, v_hi, v_lo, v_scale, v_zero, page, sub, ok, cold, GP: tl.constexpr,
            TS: tl.constexpr, BITS: tl.constexpr, VPREC: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
            LOAD_V: tl.constexpr, OPT: tl.constexpr):
@@ -329,15 +468,24 @@ def _v_sub(acc, zacc, p, hi, lo, vs, vz, v_hi, v_lo, v_scale, v_zero, page, sub,
 
 @triton.jit
 def _page_scores(qf, qd, ks, kz, words, ok, qk_scale, GP: tl.constexpr, KWP: tl.constexpr, BITS: tl.constexpr,
-                 LIM: tl.constexpr, NSUB: tl.constexpr, OPT: tl.constexpr):
+                 LIM: tl.constexpr, NSUB: tl.constexpr, OPT: tl.constexpr, TS: tl.constexpr):
     """Scores of a page's ``NSUB`` sub-tiles (a tuple of [GP, TS], log2 units) and the page maximum [GP]."""
-    qk, bias = _k_prep(qf, qd, ks, kz, GP, KWP, 32 // BITS, OPT)
     m_p = tl.full([GP], float("-inf"), tl.float32)
     ss = ()
-    for sb in tl.static_range(NSUB):
-        s = _k_sub(qk, bias, words[sb], ok, qk_scale, BITS, LIM)
-        m_p = tl.maximum(m_p, tl.max(s, 1))
-        ss = ss + (s,)
+    if OPT & 512:  # "k16"
+        qk2, unscale = _k_prep16(qf, ks, GP, KWP, 32 // BITS, (OPT & 1024) != 0)
+        bias = tl.sum(qd * kz.to(tl.float32), 1)[:, None]
+        for sb in tl.static_range(NSUB):
+            s = _k_sub16(qk2, unscale, bias, words[sb], ok, qk_scale, GP, TS, KWP, BITS, (OPT & 1024) != 0,
+                         (1 if KWP * TS >= 64 else 0) + (1 if KWP * TS >= 128 else 0))
+            m_p = tl.maximum(m_p, tl.max(s, 1))
+            ss = ss + (s,)
+    else:
+        qk, bias = _k_prep(qf, qd, ks, kz, GP, KWP, 32 // BITS, OPT)
+        for sb in tl.static_range(NSUB):
+            s = _k_sub(qk, bias, words[sb], ok, qk_scale, BITS, LIM)
+            m_p = tl.maximum(m_p, tl.max(s, 1))
+            ss = ss + (s,)
     return ss, m_p
 
 
@@ -395,8 +543,16 @@ def far_cc(
         j3 = tl.arange(0, PERW)[None, None, :]
         q3k = tl.load(q + b64 * sq_b + (h * G + g3) * sq_h + w3 * PERW + j3, mask=(g3 < G) & (w3 * PERW + j3 < D),
                       other=0.0).to(tl.float32)
-        s3 = tl.where(j3 < LIM, BITS * j3, BITS * j3 - 16)
-        qf = q3k * ((127 + 96 - s3) << 23).to(tl.float32, bitcast=True)
+        if OPT & 512:  # "k16": 2**(24 - bit) of the field's fp16 subnormal (the bits of _k_sub16)
+            kk = j3 % (16 // BITS)
+            if BITS == 4:
+                b3 = 4 * (kk % 2)
+            else:
+                b3 = tl.where(kk < 5, 2 * kk, 2 * kk - 8)
+            qf = q3k * ((127 + 24 - b3) << 23).to(tl.float32, bitcast=True)
+        else:
+            s3 = tl.where(j3 < LIM, BITS * j3, BITS * j3 - 16)
+            qf = q3k * ((127 + 96 - s3) << 23).to(tl.float32, bitcast=True)
     else:
         qf = ()  # field j of the query, times 2**(96 - s_j)
         for j in tl.static_range(PERW):
@@ -481,7 +637,7 @@ def far_cc(
         m_top = m_i
         for pp in tl.static_range(PPI):
             s_pp, m_p = _page_scores(qf, qd, cur[pp][2], cur[pp][3], cur[pp][4], cur[pp][1], qk_scale, GP, KWP,
-                                     BITS, LIM, NSUB, OPT)
+                                     BITS, LIM, NSUB, OPT, TS)
             ss = ss + s_pp
             m_pages = m_pages + (m_p,)
             m_top = tl.maximum(m_top, m_p)
@@ -544,7 +700,14 @@ FAR_IMPLS = ("cc", "dot")
 # of the page's loads can issue); "sc": also the next page's scales (k_scale, k_zero, v_scale, v_zero: 16 fp16
 # values per lane at head_dim 128), carried in registers (17% of the stall samples were on the first use of the
 # page's scales). Both need pages_per_iter 1 and no register prefetch. Not yet measured on the GPU.
-CC_OPTS = {"qk": 1, "vg": 2, "f24": 4, "i32": 8, "l2": 64, "pt": 128, "sc": 256}
+# "k16" (session 12, not yet measured on a GPU): K's field work in packed fp16 pairs (``_k_sub16``): a word's two
+# 16-bit halves hold channels PERW * w + k and PERW * w + PERW // 2 + k at the same bit, so one mask and one
+# ``fma.rn.f16x2`` (inline PTX on CUDA) take a field of each; per word one shift (fields that would reach fp16's
+# exponent bits are read from ``w >> 8``), PERW // 2 pairs, and the pair's sums widened to fp32. The page's
+# query-scale products are scaled below 2**15 by an exact power of two. Needs "qk". Not bit-equal to the fp32
+# reader: fp16 rounding of each product and of the sums of PERW // 2 of them (bound in tests/ops).
+CC_OPTS = {"qk": 1, "vg": 2, "f24": 4, "i32": 8, "l2": 64, "pt": 128, "sc": 256, "k16": 512}
+OPT_ASM16 = 1024  # not a cc_opts name: the launcher adds it to "k16" on CUDA (the pairs' work in inline PTX)
 
 
 def cc_opt_bits(cc_opts) -> int:

@@ -77,6 +77,8 @@ def main(case: dict) -> dict:
     # what the launcher does on a GPU only
     if impl == "cc":
         kwargs["OPT"] = ta.cc_opt_bits(cfg["cc_opts"] if opts is None else opts)
+        if kwargs["OPT"] & ta.CC_OPTS["k16"]:
+            kwargs["OPT"] |= ta.OPT_ASM16  # "k16"'s pairs in inline PTX, as on CUDA
     kwargs["UPCAST"] = False
     options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages", "maxnreg", "enable_fp_fusion") if k in kwargs}
     if cfg.get("maxnreg"):

@@ -23,7 +23,14 @@ triton = pytest.importorskip("triton")
 from loopkv.ops import codec, layout, triton_config  # noqa: E402
 from loopkv.ops import triton_attention as ta  # noqa: E402
 from loopkv.ops.cell_attention import cell_attention_reference  # noqa: E402
-from tests.tolerances import ATTN_BF16_ATOL, ATTN_BF16_RTOL, ATTN_FP32_ATOL, ATTN_FP32_RTOL  # noqa: E402
+from tests.tolerances import (  # noqa: E402
+    ATTN_BF16_ATOL,
+    ATTN_BF16_RTOL,
+    ATTN_FP32_ATOL,
+    ATTN_FP32_RTOL,
+    ATTN_K16_ATOL,
+    ATTN_K16_REL_L2,
+)
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 interpret = pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1 (set on machines without CUDA)")
@@ -166,6 +173,43 @@ def test_cuda_core_reader_opt_in_variants(cc_opts, bits, tau, group, head_dim, d
         assert torch.equal(out, ta.cell_attention(q, *st, bits, tau, scale, splits=2))  # inputs take "dot")
 
 
+K16_CASES = [  # bits, tau, query heads per KV head, head_dim, dtype
+    (4, INF, 1, 128, torch.float32),  # 4 words per lane: two levels of fp16 pair sums
+    (4, 2.0, 2, 64, torch.float32),  # V precision with cold tokens, two query heads, one level
+    (2, INF, 1, 128, torch.float32),
+    (2, INF, 2, 96, torch.bfloat16),  # padded head_dim
+]
+
+
+@interpret
+@pytest.mark.interpret
+@pytest.mark.parametrize(("bits", "tau", "group", "head_dim", "dtype"), K16_CASES)
+def test_cuda_core_reader_k16_within_its_fp16_bound(bits, tau, group, head_dim, dtype):
+    """cc_opts "k16" (K's field work in packed fp16 pairs) over ragged rows against the float64 reference: within
+    its own documented tier (tests/tolerances.py, fp16 products and sums), and, the same stored codes read in
+    another precision, not further from the fp32 reader than that. The fp32 reader stays within ATTN_FP32."""
+    lengths = [288 + 32 * 3 + 5, 288 + 32 * 2, 300, 17, 0]
+    st = make_cell(len(lengths), 2, head_dim, 4, bits, lengths, dtype=dtype, seed=40 + bits + head_dim)
+    g = torch.Generator().manual_seed(7 + head_dim)
+    q = (2 * torch.randn(len(lengths), 2 * group, head_dim, generator=g)).to(dtype)
+    scale = head_dim**-0.5
+    kw = {"splits": 2, "far_impl": "cc", "num_warps": 1, "sub_tokens": 8}
+    out = ta.cell_attention(q, *st, bits, tau, scale, cc_opts=("qk", "vg", "f24", "k16"), **kw)
+    want = reference64(q, st, bits, tau, scale)
+    assert out.dtype == q.dtype
+    assert out.shape == q.shape
+    if dtype == torch.float32:
+        err = (out.double() - want).norm() / want.norm()
+        assert err < ATTN_K16_REL_L2
+        assert (out.double() - want).abs().max() < ATTN_K16_ATOL
+        assert err > 1e-5  # fp16 arithmetic really ran (the fp32 reader is ~1e-6 here)
+    else:
+        torch.testing.assert_close(out.double(), want, atol=ATTN_BF16_ATOL, rtol=ATTN_BF16_RTOL)
+    assert torch.equal(out[4], torch.zeros_like(out[4]))  # length 0 -> zeros
+    fp32 = ta.cell_attention(q, *st, bits, tau, scale, cc_opts=("qk", "vg", "f24"), **kw)
+    assert (out.double() - fp32.double()).abs().max() < ATTN_K16_ATOL
+
+
 @pytest.mark.slow
 @interpret
 @pytest.mark.interpret
@@ -245,6 +289,8 @@ def test_far_impl_choice_and_argument_errors():
         assert "pt" in triton_config.CC_DEFAULT_OPTS_BY_BITS[4]
         out = ta.cell_attention(q, *st, 4, INF, 0.125, far_impl="cc", **kw)
         assert_close_to_reference(out, q, st, 4, INF, 0.125)
+    with pytest.raises(ValueError, match="'k16'.*'qk'"):  # k16 builds its factors on qk's layout
+        ta.cell_attention(q, *st, 4, INF, 0.125, far_impl="cc", cc_opts=("vg", "k16"))
     for removed in ("la", "p2"):  # measured slower and removed (sessions 4 and 5)
         with pytest.raises(ValueError, match="cc_opts"):
             ta.cell_attention(q, *st, 4, 14.0, 0.125, far_impl="cc", cc_opts=(removed,))
@@ -428,6 +474,28 @@ def test_gpu_cuda_core_reader_real_shape(bits, tau):
             torch.testing.assert_close(out.double(), want, atol=ATTN_BF16_ATOL, rtol=ATTN_BF16_RTOL)
         out = ta.cell_attention(q, *st, bits, tau, head_dim**-0.5, far_impl="dot", near_block=32)
         torch.testing.assert_close(out.double(), want, atol=ATTN_BF16_ATOL, rtol=ATTN_BF16_RTOL)
+        # "k16" (session 12): its inline PTX runs only here; bf16 outputs keep the bf16 tier
+        k16 = (*triton_config.CC_DEFAULT_OPTS_BY_BITS[bits], "k16")
+        out = ta.cell_attention(q, *st, bits, tau, head_dim**-0.5, far_impl="cc", cc_opts=k16)
+        torch.testing.assert_close(out.double(), want, atol=ATTN_BF16_ATOL, rtol=ATTN_BF16_RTOL)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("bits", "tau"), [(4, INF), (4, 14.0), (2, INF)])
+def test_gpu_k16_fp32_inputs_within_its_fp16_bound(bits, tau):
+    """"k16"'s inline PTX (and.b32 + fma.rn.f16x2, add.rn.f16x2, cvt.rn.f16x2.f32) with fp32 inputs, where its own
+    rounding is visible: within the tier the interpreter's emulation meets (tests/tolerances.py), at B = 4 x 8K."""
+    batch, heads, head_dim = 4, 16, 128
+    maxp = layout.stored_pages(8192)
+    lengths = [8192, 8192 - 77, 300, 4000]
+    st = make_cell(batch, heads, head_dim, maxp, bits, lengths, dtype=torch.float32, device="cuda", seed=5)
+    q = (2 * torch.randn(batch, heads, head_dim)).cuda()
+    want = reference64(q, st, bits, tau, head_dim**-0.5)
+    k16 = (*triton_config.CC_DEFAULT_OPTS_BY_BITS[bits], "k16")
+    out = ta.cell_attention(q, *st, bits, tau, head_dim**-0.5, far_impl="cc", cc_opts=k16)
+    err = (out.double() - want).norm() / want.norm()
+    assert 1e-5 < err < ATTN_K16_REL_L2
+    assert (out.double() - want).abs().max() < ATTN_K16_ATOL
 
 
 @pytest.mark.gpu
