@@ -4,6 +4,7 @@ the hot-fraction measurement against an independent count, and the table/plot sc
 import importlib.util
 import json
 import math
+import os
 import pathlib
 import sys
 
@@ -526,3 +527,20 @@ def test_k16_arms_add_the_reader_option_for_their_point_only(bench):
     plans = bench.paper_plans(4, 24)
     assert plans["loopkv-m-k16"].grid() == plans["loopkv-m"].grid()
     assert plans["kivi4-k16"].grid() == plans["kivi4"].grid()
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs Triton's interpreter (set on CPU)")
+def test_k16_error_probe_puts_the_fp16_rounding_far_below_the_codes_error(tmp_path):
+    """``probe_k16_error``: on the same keys and values, "k16"'s fp16 rounding of the key scores stays more than 20x
+    below the codes' own error against the unquantized pages (INT4 and INT2; measured 76-244x in session 12) and
+    above fp32 rounding (so the fp16 path really ran), while the fp32 reader stays at fp32 rounding."""
+    pytest.importorskip("triton")
+    probe = _load("probe_k16_error")
+    out = tmp_path / "k16.json"
+    probe.main(["--out", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert {(r["bits"], r["q_std"]) for r in rows} == {(4, 1.0), (4, 2.0), (2, 1.0), (2, 2.0)}
+    for r in rows:
+        assert r["fp32_reader_vs_codes"] < 1e-5
+        assert 1e-5 < r["k16_vs_codes"] < 6e-3
+        assert r["codes_vs_unquantized"] > 20 * r["k16_vs_codes"]
