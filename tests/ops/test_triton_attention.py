@@ -213,6 +213,30 @@ def test_cuda_core_reader_k16_within_its_fp16_bound(bits, tau, group, head_dim, 
 @pytest.mark.slow
 @interpret
 @pytest.mark.interpret
+@pytest.mark.parametrize(("bits", "tau", "group", "head_dim", "kw", "extra"), [
+    (4, INF, 1, 256, {}, ()),  # 8 words per lane: the fp16 pair sums stop at two levels
+    (4, 14.0, 1, 128, {"sub_tokens": 16}, ()),
+    (2, INF, 2, 64, {"sub_tokens": 4}, ()),  # one word per lane: no pair-sum level
+    (4, INF, 1, 128, {"pages_per_iter": 2}, ()),
+    (2, INF, 1, 128, {"prefetch": True}, ()),
+    (4, 2.0, 1, 128, {}, ("sc",)),  # scales carried a page ahead
+])
+def test_cuda_core_reader_k16_tilings(bits, tau, group, head_dim, kw, extra):
+    """"k16" with the reader's other tilings and head_dim 256: within its tier of the float64 reference."""
+    lengths = [288 + 32 * 3 + 5, 288 + 32 * 2, 300, 17, 0]
+    st = make_cell(len(lengths), 2, head_dim, 4, bits, lengths, seed=50 + bits + head_dim)
+    q = 2 * torch.randn(len(lengths), 2 * group, head_dim, generator=torch.Generator().manual_seed(1))
+    scale = head_dim**-0.5
+    out = ta.cell_attention(q, *st, bits, tau, scale, splits=2, far_impl="cc", cc_opts=("qk", "vg", "f24", *extra,
+                                                                                           "k16"), **kw)
+    want = reference64(q, st, bits, tau, scale)
+    assert (out.double() - want).norm() / want.norm() < ATTN_K16_REL_L2
+    assert (out.double() - want).abs().max() < ATTN_K16_ATOL
+
+
+@pytest.mark.slow
+@interpret
+@pytest.mark.interpret
 @pytest.mark.parametrize("seed", range(4))
 def test_cuda_core_reader_opt_in_variants_random(seed):
     """Random subsets of ``cc_opts`` with random tilings, page counts and shapes against the reference."""
