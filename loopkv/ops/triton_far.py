@@ -298,24 +298,12 @@ def _k16_fma(acc, a, x, BIT: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr
     0 or 1). On CUDA one ``and.b32`` and one ``fma.rn.f16x2`` (no ftz: fp16 subnormals kept); elsewhere the same
     fields and one rounding of the fp32 ``acc + a * field`` per half."""
     MASK: tl.constexpr = (15 if BITS == 4 else 3) << BIT
+    f = x & (MASK | (MASK << 16))  # the field of each half (an int32 AND: one LOP3 with the mask inline)
     if ASM:
-        if MASK == 0xF:
-            asm: tl.constexpr = "{\n .reg .b32 f;\n and.b32 f, $3, 0x000F000F;\n fma.rn.f16x2 $0, $2, f, $1;\n}"
-        elif MASK == 0xF0:
-            asm: tl.constexpr = "{\n .reg .b32 f;\n and.b32 f, $3, 0x00F000F0;\n fma.rn.f16x2 $0, $2, f, $1;\n}"
-        elif MASK == 0x3:
-            asm: tl.constexpr = "{\n .reg .b32 f;\n and.b32 f, $3, 0x00030003;\n fma.rn.f16x2 $0, $2, f, $1;\n}"
-        elif MASK == 0xC:
-            asm: tl.constexpr = "{\n .reg .b32 f;\n and.b32 f, $3, 0x000C000C;\n fma.rn.f16x2 $0, $2, f, $1;\n}"
-        elif MASK == 0x30:
-            asm: tl.constexpr = "{\n .reg .b32 f;\n and.b32 f, $3, 0x00300030;\n fma.rn.f16x2 $0, $2, f, $1;\n}"
-        elif MASK == 0xC0:
-            asm: tl.constexpr = "{\n .reg .b32 f;\n and.b32 f, $3, 0x00C000C0;\n fma.rn.f16x2 $0, $2, f, $1;\n}"
-        else:  # 0x300
-            asm: tl.constexpr = "{\n .reg .b32 f;\n and.b32 f, $3, 0x03000300;\n fma.rn.f16x2 $0, $2, f, $1;\n}"
-        return tl.inline_asm_elementwise(asm, "=r,r,r,r", [acc, a, x], dtype=tl.int32, is_pure=True, pack=1)
+        return tl.inline_asm_elementwise("fma.rn.f16x2 $0, $2, $3, $1;", "=r,r,r,r", [acc, a, f], dtype=tl.int32,
+                                         is_pure=True, pack=1)
     else:
-        f_lo, f_hi = _halves16(x & (MASK | (MASK << 16)))
+        f_lo, f_hi = _halves16(f)
         a_lo, a_hi = _halves16(a)
         c_lo, c_hi = _halves16(acc)
         n_lo = (c_lo.to(tl.float32) + a_lo.to(tl.float32) * f_lo.to(tl.float32)).to(tl.float16)
