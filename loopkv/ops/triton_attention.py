@@ -607,7 +607,7 @@ def cell_attention(
         raise ValueError(f"cc_opts 'k16' (K's field work in fp16 pairs) builds on the 'qk' layout: got cc_opts "
                          f"{tuple(cc_opts or ())}; add 'qk'")
     if opt & CC_OPTS["k16"] and q.device.type == "cuda" and not torch.version.hip:
-        opt |= OPT_ASM16  # the pairs' mask + fma.rn.f16x2 in inline PTX (the interpreter: the same fields in Triton)
+        opt |= OPT_ASM16  # the pairs' fp16x2 arithmetic in inline PTX (the interpreter: the same values in Triton)
     if q.device.type != "cuda" or torch.version.hip:  # "l2" is a prefetch hint in inline PTX, which neither the
         opt &= ~CC_OPTS["l2"]  # interpreter nor ROCm can run; without it the reader computes the same values
     if opt & CC_OPTS["i32"]:

@@ -295,8 +295,8 @@ def _k16_pack(hi, lo, ASM: tl.constexpr):
 def _k16_fma(acc, a, x, BIT: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr):
     """``acc + a * subnormal(x & mask)`` on packed fp16 pairs (int32 containers): the mask takes the field at bit
     ``BIT`` of each half of ``x``, which read as fp16 is exactly ``field * 2**(BIT - 24)`` (below bit 10: exponent
-    0 or 1). On CUDA one ``and.b32`` and one ``fma.rn.f16x2`` (no ftz: fp16 subnormals kept); elsewhere the same
-    fields and one rounding of the fp32 ``acc + a * field`` per half."""
+    0 or 1). On CUDA one ``LOP3`` and one ``fma.rn.f16x2`` (inline PTX, no ftz: fp16 subnormals kept); elsewhere
+    the same fields and one rounding of the fp32 ``acc + a * field`` per half."""
     MASK: tl.constexpr = (15 if BITS == 4 else 3) << BIT
     f = x & (MASK | (MASK << 16))  # the field of each half (an int32 AND: one LOP3 with the mask inline)
     if ASM:
