@@ -384,9 +384,11 @@ def _cell_attn_kernel(
         _store_partial(ws_o, ws_ml, slot, g_r, gr, m_i, l_i, acc, c, GR, DP)
         if APPEND == 2:  # the near program whose slots hold the token writes it (after its own reads of them)
             tslot = tl.where(pos < 32, pos, 32 + (pos - 32) % 288)
-            if (pid == tslot // BN) & (pos < CAP):
-                _write_token(k_new, v_new, skn_b, skn_h, svn_b, svn_h, b, h, bh64, pos,
-                             sink_k, sink_v, win_k, win_v, c, cm, D)
+            if pid == tslot // BN:
+                for part in tl.static_range(2):  # K, then V; BITS 0: the token only (at capacity: nothing)
+                    _append_token(k_new, v_new, skn_b, skn_h, 1, svn_b, svn_h, 1, b, h, part, pos,
+                                  sink_k, sink_v, win_k, win_v, page_table, H, MAXP, CAP,
+                                  own_k, k_scale, k_zero, own_hi, own_lo, v_scale, v_zero, 0, D, DP)
     elif is_app:  # APPEND: K (even) or V (odd) of the new token, and a share of the page leaving the window
         if APPEND == 1:
             _append_token(k_new, v_new, skn_b, skn_h, 1, svn_b, svn_h, 1, b, h, (pid - nprog) % 2, pos,
@@ -427,23 +429,6 @@ def _cell_attn_kernel(
     if not is_app:
         _merge(ws_o, ws_ml, cnt, out, so_b, so_h, rcnt, lengths, b, h, bh, bh64, nprog, length, H, c, cm, G, GR, DP,
                NPP, APPEND, NSL)
-
-
-@triton.jit
-def _write_token(k_new, v_new, skn_b, skn_h, svn_b, svn_h, b, h, bh64, pos, sink_k, sink_v, win_k, win_v, c, cm,
-                 D: tl.constexpr):
-    """APPEND 2: the token's K and V (row b, KV head h) into sink slot ``pos`` (pos < 32) or ring slot
-    ``(pos - 32) % 288``."""
-    kn = tl.load(k_new + b.to(tl.int64) * skn_b + h * skn_h + c, mask=cm)
-    vn = tl.load(v_new + b.to(tl.int64) * svn_b + h * svn_h + c, mask=cm)
-    if pos < 32:  # SINK
-        off = (bh64 * 32 + pos) * D + c
-        tl.store(sink_k + off, kn.to(sink_k.dtype.element_ty), mask=cm)
-        tl.store(sink_v + off, vn.to(sink_v.dtype.element_ty), mask=cm)
-    else:  # RING = 288
-        off = (bh64 * 288 + (pos - 32) % 288) * D + c
-        tl.store(win_k + off, kn.to(win_k.dtype.element_ty), mask=cm)
-        tl.store(win_v + off, vn.to(win_v.dtype.element_ty), mask=cm)
 
 
 @triton.jit
@@ -671,7 +656,6 @@ def append_attention(
         return torch.empty_like(q, memory_format=torch.contiguous_format)
     return cell_attention(q, sink_k, sink_v, win_k, win_v, lengths, page_table, k_pages, k_scale, k_zero,
                           v_hi, v_lo, v_scale, v_zero, bits, tau, scale, append=(k_new, v_new, own_bits), **kwargs)
-
 
 
 def token_attention(

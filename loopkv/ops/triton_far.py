@@ -458,22 +458,21 @@ def _v_sub(acc, zacc, p, hi, lo, vs, vz, v_hi, v_lo, v_scale, v_zero, page, sub,
 def _page_scores(qf, qd, ks, kz, words, ok, qk_scale, GP: tl.constexpr, KWP: tl.constexpr, BITS: tl.constexpr,
                  LIM: tl.constexpr, NSUB: tl.constexpr, OPT: tl.constexpr, TS: tl.constexpr):
     """Scores of a page's ``NSUB`` sub-tiles (a tuple of [GP, TS], log2 units) and the page maximum [GP]."""
-    m_p = tl.full([GP], float("-inf"), tl.float32)
-    ss = ()
     if OPT & 512:  # "k16"
         qk2, unscale = _k_prep16(qf, ks, GP, KWP, 32 // BITS, (OPT & 1024) != 0)
-        bias = tl.sum(qd * kz.to(tl.float32), 1)[:, None]
-        for sb in tl.static_range(NSUB):
-            s = _k_sub16(qk2, unscale, bias, words[sb], ok, qk_scale, GP, TS, KWP, BITS, (OPT & 1024) != 0,
-                         (1 if KWP * TS >= 64 else 0) + (1 if KWP * TS >= 128 else 0))
-            m_p = tl.maximum(m_p, tl.max(s, 1))
-            ss = ss + (s,)
+        bias = tl.sum(qd * kz.to(tl.float32), 1)[:, None]  # q . k_zero, as _k_prep
     else:
         qk, bias = _k_prep(qf, qd, ks, kz, GP, KWP, 32 // BITS, OPT)
-        for sb in tl.static_range(NSUB):
+    m_p = tl.full([GP], float("-inf"), tl.float32)
+    ss = ()
+    for sb in tl.static_range(NSUB):
+        if OPT & 512:
+            s = _k_sub16(qk2, unscale, bias, words[sb], ok, qk_scale, GP, TS, KWP, BITS, (OPT & 1024) != 0,
+                         (1 if KWP * TS >= 64 else 0) + (1 if KWP * TS >= 128 else 0))
+        else:
             s = _k_sub(qk, bias, words[sb], ok, qk_scale, BITS, LIM)
-            m_p = tl.maximum(m_p, tl.max(s, 1))
-            ss = ss + (s,)
+        m_p = tl.maximum(m_p, tl.max(s, 1))
+        ss = ss + (s,)
     return ss, m_p
 
 

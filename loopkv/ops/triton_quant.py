@@ -335,7 +335,6 @@ def append(
     )
 
 
-
 @triton.jit
 def _advance_kernel(
     cells, pools, lengths, s_len, win_k, win_v, s_win, page_table, s_pt,
