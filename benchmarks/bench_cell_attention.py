@@ -321,12 +321,6 @@ READERS = {
     # session 12: the split count at the end-to-end peaks' shapes (LoopKV-M: B = 36 x 16 KV heads, heuristic 29;
     # KIVI-4: B = 24, heuristic 43), with 2,112 one-warp slots on 132 SMs (16 per SM at the register cap), where a
     # split count that fills whole waves of far programs might beat the heuristic's 124 programs per SM
-    # session 12, static only (sm_90, Triton 3.9, B = 32 x 16K): K's field work in packed fp16 pairs ("k16",
-    # loopkv/ops/triton_far.py): page loop INT4 966 -> 862 instructions (spill loads 19 -> 4), V precision 974 -> 870,
-    # INT2 (with "i32") 804 -> 711. "l2_pt_k16" is INT4's default plus k16, "i32_l2_pt_k16" INT2's; each mode is
-    # checked against "dot" like every arm (k16's own fp16 rounding: tests/tolerances.py)
-    "l2_pt_k16": {"cc_opts": (*CC3, "l2", "pt", "k16")},
-    "i32_l2_pt_k16": {"cc_opts": (*CC4, "l2", "pt", "k16")},
     "split20": {"splits": 20},
     "split22": {"splits": 22},
     "split26": {"splits": 26},
@@ -335,6 +329,15 @@ READERS = {
     "split36": {"splits": 36},
     "split40": {"splits": 40},
     "split43": {"splits": 43},
+    # session 12, static only (sm_90, Triton 3.9, B = 32 x 16K): K's field work in packed fp16 pairs ("k16",
+    # loopkv/ops/triton_far.py): page loop INT4 966 -> 862 instructions (spill loads 19 -> 4), V precision 974 -> 870,
+    # INT2 (with "i32") 804 -> 711. "l2_pt_k16" is INT4's default plus k16, "i32_l2_pt_k16" INT2's; each mode is
+    # checked against "dot" like every arm (k16's own fp16 rounding: tests/tolerances.py)
+    "l2_pt_k16": {"cc_opts": (*CC3, "l2", "pt", "k16")},
+    "i32_l2_pt_k16": {"cc_opts": (*CC4, "l2", "pt", "k16")},
+    # session 13 (cell_attention_2026-11-30_session13_k16_peaks.json): at B = 36 x 16K "l2_pt_k16" ran INT4 in 0.453
+    # vs 0.470 ms and V precision in 0.466 vs 0.492; "i32_l2_pt_k16" INT2 in 0.361 vs 0.384. "k16" is the default for
+    # 16-bit inputs since (triton_config); the arms "l2_pt" and "i32_l2_pt" (below) are the defaults up to session 12
     # session 6, not measured: the next page's page-table entry ("pt") and scales ("sc") carried one iteration
     # ahead. Nsight Compute's source view of the INT4 default (ncu_2026-11-30_session6_int4_source.json) put 8% of
     # the page loop's stall samples on the R2UR that waits for the page index and 17% on the first use of the page's

@@ -43,7 +43,6 @@ versions, date, every measurement) to ``--out`` and prints a table last.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import itertools
 import json
@@ -69,7 +68,7 @@ ARMS = ("bf16", "kivi4", "kivi4v", "loopkv-r", "loopkv-m")
 # Plan's accounting, which does not count V precision's savings). The speed setting docs/kernels.md
 # recommends while V precision costs more than it saves on this reader.
 EXTRA_ARMS = ("loopkv-m-notau", "loopkv-m-fused", "loopkv-m-step", "kivi4-step", "loopkv-m-cell", "kivi4-cell",
-              "loopkv-m-k16", "kivi4-k16")
+              "loopkv-m-k32", "kivi4-k32")
 # "loopkv-m-fused": M with LoopKVCache(fused_append=True): each decode append inside its cell's attention launch
 # (append_attention_, docs/design-decisions.md §10; session 8: 5.9% more GPU time per step than M at batch 1 x 8K)
 FUSED_ARMS = ("loopkv-m-fused",)
@@ -79,9 +78,10 @@ FUSED_ARMS = ("loopkv-m-fused",)
 # per cell and step, the default before session 11 (session 11's JSON named these arms "loopkv-m" and "kivi4")
 STEP_ARMS = ("loopkv-m-step", "kivi4-step")
 CELL_ARMS = ("loopkv-m-cell", "kivi4-cell")
-# "-k16": the library default with the CUDA-core reader's opt-in "k16" added to its default cc_opts (K's field work
-# in packed fp16, loopkv/ops/triton_far.py; session 12, static only): set for the point, restored after
-K16_ARMS = ("loopkv-m-k16", "kivi4-k16")
+# "-k32": the library default with "k16" dropped from the CUDA-core reader's default cc_opts (K's field work in fp32,
+# the default up to session 12), set for the point and restored after (triton_config.cc_options). Session 13's JSON
+# has the opposite arms, "-k16" (the then-opt-in "k16" added), which are today's defaults
+K32_ARMS = ("loopkv-m-k32", "kivi4-k32")
 STACKED = True  # LoopKVCache(stacked=...): the cells as slices of a few buffers (design-decisions §11); --per-cell
 TAU = 14.0
 GIB = 1 << 30
@@ -143,8 +143,8 @@ def paper_plans(loops: int, layers: int) -> dict[str, loopkv.Plan]:
         "kivi4-step": loopkv.Plan.uniform(loops=loops, layers=layers, option="int4"),
         "loopkv-m-cell": loopkv.Plan.from_grid(m, tau=TAU),
         "kivi4-cell": loopkv.Plan.uniform(loops=loops, layers=layers, option="int4"),
-        "loopkv-m-k16": loopkv.Plan.from_grid(m, tau=TAU),
-        "kivi4-k16": loopkv.Plan.uniform(loops=loops, layers=layers, option="int4"),
+        "loopkv-m-k32": loopkv.Plan.from_grid(m, tau=TAU),
+        "kivi4-k32": loopkv.Plan.uniform(loops=loops, layers=layers, option="int4"),
     }
 
 
@@ -431,19 +431,9 @@ def profiled(batch: int, peak: int, mode: str) -> bool:
     return mode == "all" or (mode == "ends" and batch in (1, peak))
 
 
-@contextlib.contextmanager
 def reader_options(arm):
-    """For the ``-k16`` arms: the CUDA-core reader's default cc_opts plus "k16" while the point runs (the launcher
-    reads ``triton_config.CC_DEFAULT_OPTS_BY_BITS`` at every launch, captures included)."""
-    if arm not in K16_ARMS:
-        yield
-        return
-    saved = dict(triton_config.CC_DEFAULT_OPTS_BY_BITS)
-    triton_config.CC_DEFAULT_OPTS_BY_BITS.update({b: (*o, "k16") for b, o in saved.items()})
-    try:
-        yield
-    finally:
-        triton_config.CC_DEFAULT_OPTS_BY_BITS.update(saved)
+    """The CUDA-core reader's default variants for ``arm``'s points: the ``-k32`` arms drop "k16" (restored after)."""
+    return triton_config.cc_options(drop=("k16",) if arm in K32_ARMS else ())
 
 
 def measure(model, cfg, arm, plans, **kw):
@@ -780,7 +770,7 @@ def smoke() -> None:
     plans = paper_plans(cfg.total_ut_steps, cfg.num_hidden_layers)
     register()
     ctx = 700
-    for arm in (*ARMS, *FUSED_ARMS, *STEP_ARMS, *CELL_ARMS, *K16_ARMS):
+    for arm in (*ARMS, *FUSED_ARMS, *STEP_ARMS, *CELL_ARMS, *K32_ARMS):
         model.set_attn_implementation("sdpa" if arm == "bf16" else "loopkv")
         cache = build_cache(arm, plans, cfg, batch=2, capacity=ctx + 64, dtype=torch.float32, device="cpu")
         fill(cache, ctx, k_scale=0.5)

@@ -485,22 +485,23 @@ def test_page_loop_probe_finds_the_readers_loop_and_the_token_programs_leave_it_
 
 def test_page_loop_probe_k16_pairs_the_key_fields(tmp_path):
     """``probe_page_loop --cc-opts ...,k16`` (static, sm_90; docs/kernel-notes.md, session 12): INT2's page loop with
-    K's fields in packed fp16 pairs has one ``HFMA2`` per pair of K fields (8 words x 8 pairs per lane), about 128
-    fewer ``FFMA`` (V's stay), no spill under the cap, and fewer instructions than the default reader's loop."""
+    K's fields in packed fp16 pairs (the default since session 13) has one ``HFMA2`` per pair of K fields (8 words x
+    8 pairs per lane), about 128 fewer ``FFMA`` (V's stay), no spill under the cap, and fewer instructions than the
+    reader without it (session 12's default)."""
     import os
     import subprocess
 
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env.pop("TRITON_INTERPRET", None)
     rows = {}
-    for name, opts in (("default", None), ("k16", "qk,vg,f24,i32,l2,pt,k16")):
+    for name, opts in (("k32", "qk,vg,f24,i32,l2,pt"), ("k16", None)):
         out = tmp_path / f"{name}.json"
         cmd = [sys.executable, "benchmarks/probe_page_loop.py", "--bits", "2", "--batch", "32", "--variants", "plain",
                "--out", str(out)] + (["--cc-opts", opts] if opts else [])
         res = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
         assert res.returncode == 0, res.stderr[-3000:]
         rows[name] = json.loads(out.read_text())["rows"]["plain"]
-    base, k16 = rows["default"], rows["k16"]
+    base, k16 = rows["k32"], rows["k16"]
     assert base["opcodes"].get("HFMA2", 0) == 0
     assert k16["opcodes"].get("HFMA2", 0) >= 64
     assert base["opcodes"]["FFMA"] - k16["opcodes"]["FFMA"] >= 100
@@ -508,25 +509,26 @@ def test_page_loop_probe_k16_pairs_the_key_fields(tmp_path):
     assert k16["loop_instructions"] < base["loop_instructions"]
 
 
-def test_k16_arms_add_the_reader_option_for_their_point_only(bench):
-    """The ``-k16`` arms run the library default with "k16" added to the CUDA-core reader's default cc_opts, for
-    that point only: restored afterwards, also when the point fails; other arms run the default unchanged."""
+def test_k32_arms_drop_k16_for_their_point_only(bench):
+    """The ``-k32`` arms run the library default without "k16" (K's field work in fp32, the reader up to session 12),
+    for that point only: restored afterwards, also when the point fails; other arms run the default unchanged."""
     from loopkv.ops import triton_config
 
     before = dict(triton_config.CC_DEFAULT_OPTS_BY_BITS)
+    assert all("k16" in opts for opts in before.values())  # session 13: on by default
     with bench.reader_options("loopkv-m"):
         assert triton_config.CC_DEFAULT_OPTS_BY_BITS == before
-    for arm in bench.K16_ARMS:
+    for arm in bench.K32_ARMS:
         with bench.reader_options(arm):
             for bits, opts in before.items():
-                assert triton_config.CC_DEFAULT_OPTS_BY_BITS[bits] == (*opts, "k16")
+                assert triton_config.CC_DEFAULT_OPTS_BY_BITS[bits] == tuple(o for o in opts if o != "k16")
         assert triton_config.CC_DEFAULT_OPTS_BY_BITS == before
-    with pytest.raises(RuntimeError, match="point failed"), bench.reader_options("kivi4-k16"):
+    with pytest.raises(RuntimeError, match="point failed"), bench.reader_options("kivi4-k32"):
         raise RuntimeError("point failed")
     assert triton_config.CC_DEFAULT_OPTS_BY_BITS == before
     plans = bench.paper_plans(4, 24)
-    assert plans["loopkv-m-k16"].grid() == plans["loopkv-m"].grid()
-    assert plans["kivi4-k16"].grid() == plans["kivi4"].grid()
+    assert plans["loopkv-m-k32"].grid() == plans["loopkv-m"].grid()
+    assert plans["kivi4-k32"].grid() == plans["kivi4"].grid()
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs Triton's interpreter (set on CPU)")
@@ -544,3 +546,23 @@ def test_k16_error_probe_puts_the_fp16_rounding_far_below_the_codes_error(tmp_pa
         assert r["fp32_reader_vs_codes"] < 1e-5
         assert 1e-5 < r["k16_vs_codes"] < 6e-3
         assert r["codes_vs_unquantized"] > 20 * r["k16_vs_codes"]
+
+
+def test_served_quality_probe_smoke_writes_every_arm_and_reader(tmp_path):
+    """``probe_served_quality --smoke`` (CPU): the small model served in bf16 through LoopKVCache, teacher-forced,
+    per arm and reader. On CPU the cache runs the reference ops, which have no reader variants, so the two readers
+    give identical logits there; the served BF16 cache is not exact (bf16 model against fp32) but close."""
+    probe = _load("probe_served_quality")
+    out = tmp_path / "served.json"
+    probe.main(["--smoke", "--arms", "BF16 (exact),LoopKV-M", "--out", str(out)])
+    result = json.loads(out.read_text())
+    assert result["complete"]
+    assert result["decode_steps"] == 8
+    rows = {(r["arm"], r["reader"]): r for r in result["rows"]}
+    assert set(rows) == {(a, r) for a in ("BF16 (exact)", "LoopKV-M") for r in ("k32", "k16", "k16 vs k32")}
+    for arm in ("BF16 (exact)", "LoopKV-M"):
+        assert rows[arm, "k16 vs k32"]["kl"] == 0
+        assert rows[arm, "k16 vs k32"]["max_abs_logit_diff"] == 0
+        assert 0 < rows[arm, "k16"]["kl_vs_exact"] < 1e-2
+    with pytest.raises(SystemExit, match="unknown"):
+        probe.main(["--smoke", "--arms", "KIVI-5", "--out", str(out)])

@@ -588,6 +588,8 @@ def cell_attention(
     if opt & (CC_OPTS["pt"] | CC_OPTS["sc"]) and (ppi != 1 or pf):
         raise ValueError("cc_opts 'pt' and 'sc' carry the next page's index and scales across iterations of one "
                          f"page: they need pages_per_iter=1 and prefetch=False (got {ppi}, {pf})")
+    if cc_opts is None and (exact or torch.version.hip):  # the default's "k16" (fp16 pairs) is for 16-bit inputs,
+        opt &= ~CC_OPTS["k16"]  # whose own rounding is larger (triton_config), on CUDA (inline PTX); explicit: kept
     if opt & CC_OPTS["k16"] and not opt & CC_OPTS["qk"]:
         raise ValueError(f"cc_opts 'k16' (K's field work in fp16 pairs) builds on the 'qk' layout: got cc_opts "
                          f"{tuple(cc_opts or ())}; add 'qk'")

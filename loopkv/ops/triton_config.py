@@ -6,6 +6,9 @@ every number was measured on the H200 (docs/kernels.md, docs/kernel-notes.md).
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterable, Iterator
+
 import torch
 
 NEAR_BLOCK = 64  # near slots per program (dot reader): the 320 sink + ring slots take 5 programs
@@ -58,7 +61,37 @@ CC_DEFAULT_OPTS = ("qk", "vg", "f24")
 # 0.451; INT2 (with "i32") 0.344 vs 0.351, 0.103 vs 0.105, 0.016 vs 0.016. One run; every arm within 4.9e-4 of
 # the tensor-core reader. "sc" (the next page's scales carried in registers too) was slower everywhere (INT4
 # 0.463, INT2 0.389 at B=32), so it stays an opt-in variant.
-CC_DEFAULT_OPTS_BY_BITS = {4: (*CC_DEFAULT_OPTS, "l2", "pt"), 2: (*CC_DEFAULT_OPTS, "i32", "l2", "pt")}
+# Session 13 (cell_attention_2026-11-30_session13_k16_peaks.json, decode_2026-11-30_session13_graph_16k_k16.json):
+# "k16" (K's code fields worked in packed fp16 pairs, triton_far._k_sub16) ran INT4 at B=36 x 16K in 0.453 vs
+# 0.470 ms, V precision 0.466 vs 0.492, INT2 (with "i32") 0.361 vs 0.384; at the 16K decode peaks (graph capture)
+# M's step took 58.67 vs 61.51 ms and KIVI-4's 45.58 vs 46.83. Its fp16 rounding is 76-244x below the codes' own
+# error (k16_error_2026-11-30_session12_cpu.json; tests/tolerances.py ATTN_K16_*), so it is on by default for
+# 16-bit inputs; the launcher drops it from the default for fp32 inputs (which ask for fp32 arithmetic) and on ROCm
+# (no PTX). Not yet measured: a served model's logits with and without it (benchmarks/probe_served_quality.py;
+# docs/design-decisions.md §13). To read without it: cc_options(drop=("k16",)) below.
+CC_DEFAULT_OPTS_BY_BITS = {4: (*CC_DEFAULT_OPTS, "l2", "pt", "k16"), 2: (*CC_DEFAULT_OPTS, "i32", "l2", "pt", "k16")}
+
+
+@contextlib.contextmanager
+def cc_options(add: Iterable[str] = (), drop: Iterable[str] = ()) -> Iterator[None]:
+    """Within the block, the CUDA-core reader's default variants (``CC_DEFAULT_OPTS_BY_BITS``) gain ``add`` and lose
+    ``drop`` (names of ``triton_far.CC_OPTS``), for A/B runs of whole models (benchmarks). The launcher reads the
+    defaults at every launch, so a CUDA graph captured inside the block keeps them; they are restored on exit."""
+    from loopkv.ops.triton_far import CC_OPTS
+
+    add, drop = tuple(add), tuple(drop)
+    unknown = sorted(set(add + drop) - set(CC_OPTS))
+    if unknown:
+        raise ValueError(f"cc_options: unknown reader variant(s) {unknown}; choose from {sorted(CC_OPTS)}")
+    saved = dict(CC_DEFAULT_OPTS_BY_BITS)
+    CC_DEFAULT_OPTS_BY_BITS.update({b: tuple(o for o in opts if o not in drop) + tuple(a for a in add if a not in opts)
+                                    for b, opts in saved.items()})
+    try:
+        yield
+    finally:
+        CC_DEFAULT_OPTS_BY_BITS.update(saved)
+
+
 # Launch options every loopkv kernel passes. Fused multiply-adds: the kernels were measured and their codes
 # checked bit for bit with fp fusion on, Triton's default up to 3.9; Triton 3.9 warns that 3.10 turns it off by
 # default, which would split the reader's one FFMA per code field into FMUL + FADD and could change the

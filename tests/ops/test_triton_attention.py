@@ -6,7 +6,8 @@ is imported, on machines without CUDA; Triton reads it when the kernels are deco
 
 Tolerances: fp32 inputs run every product in fp32 (``ATTN_FP32_*``); bf16 inputs run the tensor-core
 path with fp16 operands (``q * k_scale`` and ``p * v_scale`` rounded to fp16, relative 2**-11, far
-below the one bf16 rounding of the output that ``ATTN_BF16_*`` allows).
+below the one bf16 rounding of the output that ``ATTN_BF16_*`` allows). The CUDA-core reader's "k16" (on by
+default for 16-bit inputs since session 13) sums K's products in fp16: its own tier, ``ATTN_K16_*``.
 """
 
 import math
@@ -73,17 +74,38 @@ def reference64(q, st, bits, tau, scale):
     return cell_attention_reference(q.double(), *up, bits, tau, scale)
 
 
-def assert_close_to_reference(out, q, st, bits, tau, scale, want=None):
+def reads_k16(q, bits, group, far_impl=None, cc_opts=None):
+    """Whether ``cell_attention`` runs "k16" for this call: the CUDA-core reader, with "k16" named in ``cc_opts``
+    or, when none are given, in the default for ``bits`` and the inputs are 16-bit (docs/kernels.md)."""
+    exact = q.dtype == torch.float32
+    if ta.choose_far_impl(bits, group, far_impl, cc_default=ta.CC_DEFAULT, exact=exact) != "cc":
+        return False
+    if cc_opts is None:
+        return not exact and "k16" in triton_config.CC_DEFAULT_OPTS_BY_BITS[bits]
+    return "k16" in cc_opts
+
+
+def assert_k16_close(out, want):
+    """Within "k16"'s tier of the float64 reference (tests/tolerances.py): relative L2 and largest difference."""
+    assert (out.double() - want).norm() / want.norm() < ATTN_K16_REL_L2
+    assert (out.double() - want).abs().max() < ATTN_K16_ATOL
+
+
+def assert_close_to_reference(out, q, st, bits, tau, scale, want=None, k16=False):
     """``out`` within the reader's tolerance of the float64 reference (computed where the inputs are: on the GPU
-    in float64 there, which keeps the GPU tests from waiting on the CPU; ``want`` if given)."""
+    in float64 there, which keeps the GPU tests from waiting on the CPU; ``want`` if given). ``k16``: the call
+    ran "k16" (``reads_k16``), whose fp16 sums have their own tier."""
     if want is None:
         want = reference64(q, st, bits, tau, scale)
+    assert out.dtype == q.dtype
+    assert out.shape == q.shape
+    if k16:
+        assert_k16_close(out, want)
+        return
     if q.dtype == torch.float32:
         atol, rtol = ATTN_FP32_ATOL, ATTN_FP32_RTOL
     else:
         atol, rtol = ATTN_BF16_ATOL, ATTN_BF16_RTOL
-    assert out.dtype == q.dtype
-    assert out.shape == q.shape
     torch.testing.assert_close(out.double(), want, atol=atol, rtol=rtol)
 
 
@@ -115,7 +137,7 @@ def test_matches_reference(bits, tau, group, head_dim, dtype, far_impl):
     q = torch.randn(len(LENGTHS), heads * group, head_dim).to(dtype)
     scale = head_dim**-0.5
     out = ta.cell_attention(q, *st, bits, tau, scale, splits=2, far_impl=far_impl)
-    assert_close_to_reference(out, q, st, bits, tau, scale)
+    assert_close_to_reference(out, q, st, bits, tau, scale, k16=reads_k16(q, bits, group, far_impl))
     assert torch.equal(out[0], torch.zeros_like(out[0]))  # length 0 -> zeros
 
 
@@ -170,7 +192,8 @@ def test_cuda_core_reader_opt_in_variants(cc_opts, bits, tau, group, head_dim, d
     assert_close_to_reference(out, q, st, bits, tau, scale)
     assert torch.equal(out, ta.cell_attention(q, *st, bits, tau, scale, cc_opts=(), **kw))
     if cc_opts == ta.CC_DEFAULT_OPTS and dtype != torch.float32:  # what the launcher runs when not told (fp32
-        assert torch.equal(out, ta.cell_attention(q, *st, bits, tau, scale, splits=2))  # inputs take "dot")
+        with triton_config.cc_options(drop=("k16",)):  # inputs take "dot"), but for "k16"'s fp16 sums
+            assert torch.equal(out, ta.cell_attention(q, *st, bits, tau, scale, splits=2))
 
 
 K16_CASES = [  # bits, tau, query heads per KV head, head_dim, dtype
@@ -229,9 +252,7 @@ def test_cuda_core_reader_k16_tilings(bits, tau, group, head_dim, kw, extra):
     scale = head_dim**-0.5
     out = ta.cell_attention(q, *st, bits, tau, scale, splits=2, far_impl="cc", cc_opts=("qk", "vg", "f24", *extra,
                                                                                            "k16"), **kw)
-    want = reference64(q, st, bits, tau, scale)
-    assert (out.double() - want).norm() / want.norm() < ATTN_K16_REL_L2
-    assert (out.double() - want).abs().max() < ATTN_K16_ATOL
+    assert_k16_close(out, reference64(q, st, bits, tau, scale))
 
 
 @pytest.mark.slow
@@ -273,14 +294,51 @@ def test_launch_config_follows_the_measurements():
     assert tc._config(2, "cc", 512, 2)["maxnreg"] is None
     assert {tc._config(b, "cc", bh)["sub_tokens"] for b in (4, 2) for bh in (16, 64, 512)} == {8}
     # session 5: INT4 prefetches the next page to L2, INT2 also uses 32-bit offsets (measured faster there only);
-    # session 7: both load the next page's page-table entry a page ahead
-    assert tc._config(4, "cc", 512)["cc_opts"] == ("qk", "vg", "f24", "l2", "pt")
-    assert tc._config(2, "cc", 512)["cc_opts"] == ("qk", "vg", "f24", "i32", "l2", "pt")
+    # session 7: both load the next page's page-table entry a page ahead; session 13: K's fields in fp16 pairs
+    assert tc._config(4, "cc", 512)["cc_opts"] == ("qk", "vg", "f24", "l2", "pt", "k16")
+    assert tc._config(2, "cc", 512)["cc_opts"] == ("qk", "vg", "f24", "i32", "l2", "pt", "k16")
     assert tc._config(4, "dot", 512).get("maxnreg") is None
     # fp32 inputs on code pages: four warps, one stage (static, session 6: one warp spilled 8-9 KB per thread)
     assert (tc._config(4, "dot", 512)["num_warps"], tc._config(4, "dot", 512)["num_stages"]) == (1, 3)
     assert (tc._config(2, "dot", 16, 4, True)["num_warps"], tc._config(2, "dot", 16, 4, True)["num_stages"]) == (4, 1)
     assert tc._config(16, "dot").get("maxnreg") is None
+
+
+@interpret
+@pytest.mark.interpret
+@pytest.mark.parametrize("bits", [4, 2])
+def test_default_reader_runs_k16_for_16_bit_inputs_only(bits):
+    """Session 13: the default CUDA-core reader works K's fields in fp16 pairs ("k16") for bf16 inputs, giving the
+    bits of the explicit default set; fp32 inputs read in fp32 (the set without "k16"), unless "k16" is named."""
+    st32 = make_cell(2, 1, 64, 2, bits, [288 + 32 * 2 + 3, 300], seed=3)
+    st16 = [t.to(torch.bfloat16) if t.dtype == torch.float32 else t for t in st32]
+    q = 2 * torch.randn(2, 1, 64, generator=torch.Generator().manual_seed(4))
+    default = triton_config.CC_DEFAULT_OPTS_BY_BITS[bits]
+    k32 = tuple(o for o in default if o != "k16")
+    kw = {"splits": 2, "far_impl": "cc"}
+    out16 = ta.cell_attention(q.bfloat16(), *st16, bits, INF, 0.125, **kw)
+    assert torch.equal(out16, ta.cell_attention(q.bfloat16(), *st16, bits, INF, 0.125, cc_opts=default, **kw))
+    out32 = ta.cell_attention(q, *st32, bits, INF, 0.125, **kw)
+    assert torch.equal(out32, ta.cell_attention(q, *st32, bits, INF, 0.125, cc_opts=k32, **kw))
+    named = ta.cell_attention(q, *st32, bits, INF, 0.125, cc_opts=default, **kw)
+    assert not torch.equal(named, out32)  # fp16 sums ran: another rounding
+    assert_k16_close(named, reference64(q, st32, bits, INF, 0.125))
+
+
+def test_cc_options_changes_the_defaults_inside_its_block_only():
+    before = dict(triton_config.CC_DEFAULT_OPTS_BY_BITS)
+    with triton_config.cc_options(drop=("k16",), add=("sc",)):
+        for bits, opts in before.items():
+            assert triton_config.CC_DEFAULT_OPTS_BY_BITS[bits] == (*(o for o in opts if o != "k16"), "sc")
+    assert triton_config.CC_DEFAULT_OPTS_BY_BITS == before
+    with triton_config.cc_options(add=("k16",)):  # already there: not twice
+        assert triton_config.CC_DEFAULT_OPTS_BY_BITS == before
+    with pytest.raises(KeyError), triton_config.cc_options(drop=("pt",)):
+        raise KeyError("a failing block")
+    assert triton_config.CC_DEFAULT_OPTS_BY_BITS == before
+    with pytest.raises(ValueError, match=r"unknown reader variant\(s\) \['fast'\]; choose from"):
+        with triton_config.cc_options(add=("fast",)):
+            pass
 
 
 def test_far_impl_choice_and_argument_errors():
@@ -467,7 +525,8 @@ def test_gpu_matches_reference(bits, tau, heads, group, head_dim, dtype, far_imp
     want = reference64(q, st, bits, tau, scale)  # the splits change the reader, not the result
     for splits in (None, 1, 7):
         out = ta.cell_attention(q, *st, bits, tau, scale, splits=splits, far_impl=far_impl)
-        assert_close_to_reference(out, q, st, bits, tau, scale, want=want)
+        assert_close_to_reference(out, q, st, bits, tau, scale, want=want,
+                                  k16=reads_k16(q, bits, group, far_impl))
 
 
 CC_CONFIGS = [  # (num_warps, sub_tokens, pages_per_iter, prefetch): the benchmark's CUDA-core arms and more
@@ -478,7 +537,8 @@ CC_CONFIGS = [  # (num_warps, sub_tokens, pages_per_iter, prefetch): the benchma
 @pytest.mark.parametrize(("bits", "tau"), [(4, INF), (4, 14.0), (2, INF)])
 def test_gpu_cuda_core_reader_real_shape(bits, tau):
     """Ouro-1.4B cell at B = 8 x 16K (16 KV heads x 128, bf16, one query per KV head; also two): every
-    CUDA-core config of the benchmark against a float64 reference computed on the GPU."""
+    CUDA-core config of the benchmark against a float64 reference computed on the GPU. The configs run the default
+    variants, "k16" included (its tier); the explicit variant sets without "k16" keep the bf16 tier."""
     batch, heads, head_dim = 8, 16, 128
     maxp = layout.stored_pages(16384)
     lengths = [16384, 16384 - 77, 5, 300, 16384 // 2 + 13, 16384, 320, 4000]
@@ -489,18 +549,18 @@ def test_gpu_cuda_core_reader_real_shape(bits, tau):
         for (nw, ts, ppi, pf), splits in zip(configs, (None, 5, None, 3, None), strict=False):
             out = ta.cell_attention(q, *st, bits, tau, head_dim**-0.5, splits=splits, far_impl="cc",
                                     num_warps=nw, sub_tokens=ts, pages_per_iter=ppi, prefetch=pf)
-            torch.testing.assert_close(out.double(), want, atol=ATTN_BF16_ATOL, rtol=ATTN_BF16_RTOL)
-        # session 2's reader, one variant, the default, 32-bit offsets, pipelined / L2-prefetching loops (bench arms)
-        for opts in ((), ("vg", "f24"), None, ("qk", "vg", "f24", "i32"),
+            assert_close_to_reference(out, q, st, bits, tau, head_dim**-0.5, want=want,
+                                      k16=reads_k16(q, bits, group, "cc"))
+        # session 2's reader, one variant, 32-bit offsets, pipelined / L2-prefetching loops, the reader up to
+        # session 12 (bench arms; all without "k16"), then the default (with it)
+        for opts in ((), ("vg", "f24"), ("qk", "vg", "f24", "i32"),
                      ("qk", "vg", "f24", "i32", "l2"), ("qk", "vg", "f24", "l2"), ("qk", "vg", "f24", "l2", "pt"),
-                     ("qk", "vg", "f24", "l2", "sc"), ("qk", "vg", "f24", "i32", "l2", "sc")):
+                     ("qk", "vg", "f24", "l2", "sc"), ("qk", "vg", "f24", "i32", "l2", "sc"),
+                     tuple(o for o in triton_config.CC_DEFAULT_OPTS_BY_BITS[bits] if o != "k16"), None):
             out = ta.cell_attention(q, *st, bits, tau, head_dim**-0.5, far_impl="cc", cc_opts=opts)
-            torch.testing.assert_close(out.double(), want, atol=ATTN_BF16_ATOL, rtol=ATTN_BF16_RTOL)
+            assert_close_to_reference(out, q, st, bits, tau, head_dim**-0.5, want=want,
+                                      k16=reads_k16(q, bits, group, "cc", opts))
         out = ta.cell_attention(q, *st, bits, tau, head_dim**-0.5, far_impl="dot", near_block=32)
-        torch.testing.assert_close(out.double(), want, atol=ATTN_BF16_ATOL, rtol=ATTN_BF16_RTOL)
-        # "k16" (session 12): its inline PTX runs only here; bf16 outputs keep the bf16 tier
-        k16 = (*triton_config.CC_DEFAULT_OPTS_BY_BITS[bits], "k16")
-        out = ta.cell_attention(q, *st, bits, tau, head_dim**-0.5, far_impl="cc", cc_opts=k16)
         torch.testing.assert_close(out.double(), want, atol=ATTN_BF16_ATOL, rtol=ATTN_BF16_RTOL)
 
 
@@ -515,7 +575,8 @@ def test_gpu_k16_fp32_inputs_within_its_fp16_bound(bits, tau):
     st = make_cell(batch, heads, head_dim, maxp, bits, lengths, dtype=torch.float32, device="cuda", seed=5)
     q = (2 * torch.randn(batch, heads, head_dim)).cuda()
     want = reference64(q, st, bits, tau, head_dim**-0.5)
-    k16 = (*triton_config.CC_DEFAULT_OPTS_BY_BITS[bits], "k16")
+    k16 = triton_config.CC_DEFAULT_OPTS_BY_BITS[bits]  # named explicitly: fp32 inputs drop the default's "k16"
+    assert "k16" in k16
     out = ta.cell_attention(q, *st, bits, tau, head_dim**-0.5, far_impl="cc", cc_opts=k16)
     err = (out.double() - want).norm() / want.norm()
     assert 1e-5 < err < ATTN_K16_REL_L2
