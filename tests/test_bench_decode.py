@@ -550,8 +550,8 @@ def test_k16_error_probe_puts_the_fp16_rounding_far_below_the_codes_error(tmp_pa
 
 def test_served_quality_probe_smoke_writes_every_arm_and_reader(tmp_path):
     """``probe_served_quality --smoke`` (CPU): the small model served in bf16 through LoopKVCache, teacher-forced,
-    per arm and reader. On CPU the cache runs the reference ops, which have no reader variants, so the two readers
-    give identical logits there; the served BF16 cache is not exact (bf16 model against fp32) but close."""
+    per arm and reader. On CPU the cache runs the reference ops, which have no reader variants, so every reader
+    gives the base's logits there; the served BF16 cache is not exact (bf16 model against fp32) but close."""
     probe = _load("probe_served_quality")
     out = tmp_path / "served.json"
     probe.main(["--smoke", "--arms", "BF16 (exact),LoopKV-M", "--out", str(out)])
@@ -559,10 +559,14 @@ def test_served_quality_probe_smoke_writes_every_arm_and_reader(tmp_path):
     assert result["complete"]
     assert result["decode_steps"] == 8
     rows = {(r["arm"], r["reader"]): r for r in result["rows"]}
-    assert set(rows) == {(a, r) for a in ("BF16 (exact)", "LoopKV-M") for r in ("k32", "k16", "k16 vs k32")}
+    readers = ("k32", "k16", "dot", "k16 vs k32", "dot vs k32")
+    assert set(rows) == {(a, r) for a in ("BF16 (exact)", "LoopKV-M") for r in readers}
     for arm in ("BF16 (exact)", "LoopKV-M"):
-        assert rows[arm, "k16 vs k32"]["kl"] == 0
-        assert rows[arm, "k16 vs k32"]["max_abs_logit_diff"] == 0
+        for other in ("k16 vs k32", "dot vs k32"):
+            assert rows[arm, other]["kl"] == 0
+            assert rows[arm, other]["max_abs_logit_diff"] == 0
         assert 0 < rows[arm, "k16"]["kl_vs_exact"] < 1e-2
     with pytest.raises(SystemExit, match="unknown"):
         probe.main(["--smoke", "--arms", "KIVI-5", "--out", str(out)])
+    with pytest.raises(SystemExit):  # argparse: one reader is no comparison
+        probe.main(["--smoke", "--readers", "k16", "--out", str(out)])

@@ -55,6 +55,21 @@ def triton_available() -> bool:
     return True
 
 
+def launchers() -> list:
+    """``(custom op, Triton launcher)`` pairs: what ``register_triton_kernels`` registers for CUDA. Imports Triton.
+    (``benchmarks/probe_served_quality.py --interpret`` registers the same pairs for CPU tensors under
+    ``TRITON_INTERPRET=1``, to run a whole model through the kernels without a GPU.)"""
+    from loopkv.ops import triton_attention, triton_quant
+    from loopkv.ops.append_attention import append_attention_
+    from loopkv.ops.cache_ops import append_, write_pages_
+    from loopkv.ops.cell_attention import cell_attention
+    from loopkv.ops.step_ops import advance_, token_attention_
+
+    return [(cell_attention, triton_attention.cell_attention), (token_attention_, triton_attention.token_attention),
+            (advance_, triton_quant.advance), (append_attention_, triton_attention.append_attention),
+            (append_, triton_quant.append), (write_pages_, triton_quant.write_pages)]
+
+
 def register_triton_kernels() -> bool:
     """Register the Triton launchers as the CUDA kernels of the loopkv ops; True if they are registered."""
     global _registered
@@ -62,18 +77,8 @@ def register_triton_kernels() -> bool:
         return True
     if not triton_available():
         return False
-    from loopkv.ops import triton_attention, triton_quant
-    from loopkv.ops.append_attention import append_attention_
-    from loopkv.ops.cache_ops import append_, write_pages_
-    from loopkv.ops.cell_attention import cell_attention
-    from loopkv.ops.step_ops import advance_, token_attention_
-
-    cell_attention.register_kernel("cuda")(triton_attention.cell_attention)
-    token_attention_.register_kernel("cuda")(triton_attention.token_attention)
-    advance_.register_kernel("cuda")(triton_quant.advance)
-    append_attention_.register_kernel("cuda")(triton_attention.append_attention)
-    append_.register_kernel("cuda")(triton_quant.append)
-    write_pages_.register_kernel("cuda")(triton_quant.write_pages)
+    for op, launcher in launchers():
+        op.register_kernel("cuda")(launcher)
     _registered = True
     return True
 
