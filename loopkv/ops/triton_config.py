@@ -67,8 +67,10 @@ CC_DEFAULT_OPTS = ("qk", "vg", "f24")
 # M's step took 58.67 vs 61.51 ms and KIVI-4's 45.58 vs 46.83. Its fp16 rounding is 76-244x below the codes' own
 # error (k16_error_2026-11-30_session12_cpu.json; tests/tolerances.py ATTN_K16_*), so it is on by default for
 # 16-bit inputs; the launcher drops it from the default for fp32 inputs (which ask for fp32 arithmetic) and on ROCm
-# (no PTX). Not yet measured: a served model's logits with and without it (benchmarks/probe_served_quality.py;
-# docs/design-decisions.md §13). To read without it: cc_options(drop=("k16",)) below.
+# (no PTX). Served small model (CPU, the kernels under Triton's interpreter, LoopKV-M, 16 decode steps;
+# served_quality_2026-11-30_session13_interpret_m.json): its logits are as far from the reader without it (KL
+# 2.03e-4) as the tensor-core reader's are (2.04e-4); not yet run on the GPU (docs/design-decisions.md §13). To read
+# without it: cc_options(drop=("k16",)) below.
 CC_DEFAULT_OPTS_BY_BITS = {4: (*CC_DEFAULT_OPTS, "l2", "pt", "k16"), 2: (*CC_DEFAULT_OPTS, "i32", "l2", "pt", "k16")}
 
 
