@@ -15,12 +15,13 @@ codes). The last two are controls: in a bf16 model any change of rounding moves 
 k32 means something only beside how far two other correct readers are from it.
 
 Run: ``PYTHONPATH=. python benchmarks/probe_served_quality.py`` (CUDA; the steps run eagerly, about 40 ms each on
-the H200, so the defaults' 448 steps per arm and reader take about 3.5 minutes for the five arms; session 13 cut a
-run of 6 x 1024 tokens in its fifth arm). On CPU the cache runs the PyTorch reference ops, which have no reader
-variants: ``--smoke`` only checks the script end to end. ``--interpret`` (CPU, no GPU needed) registers the Triton
-kernels as the ops' CPU kernels under ``TRITON_INTERPRET=1``, so the readers run as on the GPU (the interpreter
-computes "k16"'s fp16 pairs with the same roundings; docs/kernel-notes.md, session 12), at tens of seconds per
-decode step: use a short run, e.g. ``--interpret --docs 1 --len 464 --prefill 448 --arms LoopKV-M``.
+the H200, so the defaults' 448 steps per arm and reader take about 5 minutes for five arms and three readers;
+session 13 cut a run of 6 x 1024 tokens with two readers in its fifth arm). On CPU the cache runs the PyTorch
+reference ops, which have no reader variants: ``--smoke`` only checks the script end to end. ``--interpret`` (CPU,
+no GPU needed) registers the Triton kernels as the ops' CPU kernels under ``TRITON_INTERPRET=1``, so the readers
+run as on the GPU (the interpreter computes "k16"'s fp16 pairs with the same roundings; docs/kernel-notes.md,
+session 12), at tens of seconds per decode step: use a short run, e.g. ``--interpret --docs 1 --len 464
+--prefill 448 --arms LoopKV-M``.
 """
 
 from __future__ import annotations
