@@ -142,15 +142,16 @@ def _simulate(model, plan, ids, *, prefill_len: int, logits_from: int, share_pas
 
 
 def _per_doc(model, arm, docs, exact, *, share_passes: int) -> tuple[list[float], list[float]]:
+    from loopkv.demo import kl_and_agreement
     from loopkv.planning.simulate import FIRST_HISTORY
 
     kls, agree = [], []
     for doc, ref in zip(docs, exact, strict=True):
         got = _simulate(model, arm.plan, doc, prefill_len=FIRST_HISTORY, logits_from=FIRST_HISTORY,
                         share_passes=share_passes)
-        lp, lq = torch.log_softmax(ref, -1), torch.log_softmax(got, -1)
-        kls.append((lp.exp() * (lp - lq)).sum(-1).clamp_min(0).mean().item())
-        agree.append((ref.argmax(-1) == got.argmax(-1)).float().mean().item())
+        kl, ok = kl_and_agreement(ref, got)
+        kls.append(kl)
+        agree.append(ok)
     return kls, agree
 
 

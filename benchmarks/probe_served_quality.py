@@ -82,13 +82,6 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     return args
 
 
-def kl_and_agreement(ref: torch.Tensor, got: torch.Tensor) -> tuple[float, float]:
-    """Mean KL(softmax(ref) || softmax(got)) in fp64 and argmax agreement, over all positions."""
-    lp, lq = torch.log_softmax(ref.double(), -1), torch.log_softmax(got.double(), -1)
-    kl = (lp.exp() * (lp - lq)).sum(-1).clamp_min(0).mean().item()
-    return kl, (ref.argmax(-1) == got.argmax(-1)).double().mean().item()
-
-
 def served_logits(model, plan, ids: torch.Tensor, prefill: int) -> torch.Tensor:
     """Logits at positions ``prefill .. len-1`` of ``ids`` (B, len): prefill, then one token per decode step."""
     import loopkv
@@ -135,7 +128,7 @@ def interpret_on_cpu() -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from loopkv.demo import PROFILE_FILE, _arms
+    from loopkv.demo import PROFILE_FILE, _arms, kl_and_agreement
     from loopkv.models.data import heldout_windows, load_corpus
     from loopkv.models.small import SMALL_DIR, load_small
     from loopkv.planning import Plan
@@ -185,11 +178,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             with reader(name):
                 got[arm.name][name] = served_logits(model, arm.plan, ids, args.prefill)
         for name, logits in got[arm.name].items():
-            kl, agree = kl_and_agreement(exact, logits)
+            kl, agree = kl_and_agreement(exact.double(), logits.double())  # in fp64
             rows.append({"arm": arm.name, "reader": name, "kl_vs_exact": kl, "agreement_vs_exact": agree})
         for name, logits in got[arm.name].items():
             if name != base:
-                kl, agree = kl_and_agreement(got[arm.name][base], logits)
+                kl, agree = kl_and_agreement(got[arm.name][base].double(), logits.double())
                 rows.append({"arm": arm.name, "reader": f"{name} vs {base}", "kl": kl, "agreement": agree,
                              "max_abs_logit_diff": (logits - got[arm.name][base]).abs().max().item()})
         result["seconds"] = time.perf_counter() - t0

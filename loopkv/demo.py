@@ -119,15 +119,23 @@ def _simulate(model, plan, ids, *, prefill_len, logits_from):
                              share_passes=passes).float()
 
 
+def kl_and_agreement(ref: torch.Tensor, got: torch.Tensor) -> tuple[float, float]:
+    """Mean KL(softmax(ref) || softmax(got)) over all positions, in the logits' dtype, and the share of positions
+    whose argmax agrees."""
+    lp, lq = torch.log_softmax(ref, -1), torch.log_softmax(got, -1)
+    kl = (lp.exp() * (lp - lq)).sum(-1).clamp_min(0).mean().item()
+    return kl, (ref.argmax(-1) == got.argmax(-1)).float().mean().item()
+
+
 def _kl_and_agreement(model, arm: Arm, docs, exact_logits) -> None:
     from loopkv.planning.simulate import FIRST_HISTORY
 
     kls, agree = [], []
     for doc, ref in zip(docs, exact_logits, strict=True):
         got = _simulate(model, arm.plan, doc, prefill_len=FIRST_HISTORY, logits_from=FIRST_HISTORY)
-        lp, lq = torch.log_softmax(ref, -1), torch.log_softmax(got, -1)
-        kls.append((lp.exp() * (lp - lq)).sum(-1).clamp_min(0).mean().item())
-        agree.append((ref.argmax(-1) == got.argmax(-1)).float().mean().item())
+        kl, ok = kl_and_agreement(ref, got)
+        kls.append(kl)
+        agree.append(ok)
     arm.kl, arm.agree = sum(kls) / len(kls), sum(agree) / len(agree)
 
 

@@ -2,6 +2,7 @@
 README's main command; the full demo runs the same code with more prompts)."""
 
 import pytest
+import torch
 
 from loopkv.models.small import SMALL_DIR
 
@@ -16,3 +17,19 @@ def test_demo_quick_prints_the_table(tmp_path, capsys):
         assert arm in out
     assert (tmp_path / "loopkv-r.png").stat().st_size > 0
     assert (tmp_path / "loopkv-m.json").is_file()
+
+
+def test_kl_and_agreement_against_a_hand_computed_case():
+    """``loopkv.demo.kl_and_agreement`` (the demo, bench_quality and probe_served_quality all use it): mean over
+    positions of sum_v p log(p / q), and the share of positions whose argmax agrees."""
+    import math
+
+    from loopkv.demo import kl_and_agreement
+
+    ref = torch.tensor([[0.0, math.log(3.0)], [0.0, 0.0]], dtype=torch.float64)  # p = (1/4, 3/4), (1/2, 1/2)
+    got = torch.tensor([[0.0, 0.0], [math.log(3.0), 0.0]], dtype=torch.float64)  # q = (1/2, 1/2), (3/4, 1/4)
+    want = (0.25 * math.log(0.5) + 0.75 * math.log(1.5) + 0.5 * math.log(2 / 3) + 0.5 * math.log(2.0)) / 2
+    kl, agree = kl_and_agreement(ref, got)
+    assert kl == pytest.approx(want, rel=1e-12)
+    assert agree == 0.5  # position 0: 1 vs 0 (ties go to the first index); position 1: 0 vs 0
+    assert kl_and_agreement(ref, ref) == (0.0, 1.0)
