@@ -17,7 +17,9 @@ k32 means something only beside how far two other correct readers are from it.
 Run: ``PYTHONPATH=. python benchmarks/probe_served_quality.py`` (CUDA; the steps run eagerly, about 40 ms each on
 the H200, so the defaults' 448 steps per arm and reader take about 5 minutes for five arms and three readers;
 session 13 cut a run of 6 x 1024 tokens with two readers in its fifth arm). On CPU the cache runs the PyTorch
-reference ops, which have no reader variants: ``--smoke`` only checks the script end to end. ``--interpret`` (CPU,
+reference ops, which have no reader variants: ``--smoke`` only checks the script end to end, and ``--reference``
+serves every arm through them at full size (the ops' specification, fp32 math on the stored codes): the served
+baseline a GPU run's readers are compared with (session 14). ``--interpret`` (CPU,
 no GPU needed) registers the Triton kernels as the ops' CPU kernels under ``TRITON_INTERPRET=1``, so the readers
 run as on the GPU (the interpreter computes "k16"'s fp16 pairs with the same roundings; docs/kernel-notes.md,
 session 12), at tens of seconds per decode step: use a short run, e.g. ``--interpret --docs 1 --len 464
@@ -69,10 +71,15 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--smoke", action="store_true", help="CPU, one short document: checks the script only")
     p.add_argument("--interpret", action="store_true",
                    help="CPU: the Triton kernels under TRITON_INTERPRET=1 as the ops' CPU kernels (slow)")
+    p.add_argument("--reference", action="store_true",
+                   help="CPU: serve through the PyTorch reference ops only (the ops' specification), at any size: "
+                        "the served baseline for a GPU run's rows")
     p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/served_quality_<date>.json)")
     args = p.parse_args(argv)
     if args.smoke:
         args.docs, args.len, args.prefill = 1, 328, 320
+    if args.reference and (args.smoke or args.interpret):
+        p.error("--reference runs the reference ops alone; it does not combine with --smoke or --interpret")
     args.readers = args.readers.split(",")
     unknown = sorted(set(args.readers) - set(READERS))
     if unknown or len(args.readers) < 2:
@@ -136,8 +143,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     args = _parse(argv)
     device = "cpu" if args.smoke or args.interpret or not torch.cuda.is_available() else "cuda"
-    if device == "cpu" and not (args.smoke or args.interpret):
-        raise SystemExit("probe_served_quality needs CUDA, or --interpret on CPU (slow); --smoke checks the script")
+    if args.reference:
+        device = "cpu"
+    elif device == "cpu" and not (args.smoke or args.interpret):
+        raise SystemExit("probe_served_quality needs CUDA, or on CPU --reference (the reference ops) or --interpret "
+                         "(the kernels, slow); --smoke checks the script")
     if args.interpret:
         use_interpreter()
     t0 = time.perf_counter()
@@ -164,6 +174,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "device": (torch.cuda.get_device_name(0) if device == "cuda" else
                    f"cpu ({'Triton interpreter' if args.interpret else 'reference ops'})"),
+        "readers": ["reference"] if args.reference else (["reference"] if args.interpret else []) + args.readers,
         "versions": versions(), "args": vars(args), "decode_steps": args.len - args.prefill, "rows": rows,
         "complete": False,
     }
@@ -172,9 +183,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         for arm in arms:
             got[arm.name]["reference"] = served_logits(model, arm.plan, ids, args.prefill)
         interpret_on_cpu()
-    base = args.readers[0]
+    base = "reference" if args.reference else args.readers[0]
     for arm in arms:
-        for name in args.readers:
+        if args.reference:  # the reference ops, which are the CPU kernels: no reader variants to switch
+            got[arm.name]["reference"] = served_logits(model, arm.plan, ids, args.prefill)
+        for name in () if args.reference else args.readers:
             with reader(name):
                 got[arm.name][name] = served_logits(model, arm.plan, ids, args.prefill)
         for name, logits in got[arm.name].items():

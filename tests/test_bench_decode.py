@@ -570,3 +570,18 @@ def test_served_quality_probe_smoke_writes_every_arm_and_reader(tmp_path):
         probe.main(["--smoke", "--arms", "KIVI-5", "--out", str(out)])
     with pytest.raises(SystemExit):  # argparse: one reader is no comparison
         probe.main(["--smoke", "--readers", "k16", "--out", str(out)])
+    # --reference: the same served path through the reference ops alone, at any size; with the smoke's sizes it
+    # reproduces the smoke's rows (on CPU every reader there ran the reference ops)
+    ref = tmp_path / "reference.json"
+    probe.main(["--reference", "--docs", "1", "--len", "328", "--prefill", "320", "--arms", "BF16 (exact),LoopKV-M",
+                "--out", str(ref)])
+    ref_result = json.loads(ref.read_text())
+    assert ref_result["complete"]
+    assert ref_result["readers"] == ["reference"]
+    ref_rows = {(r["arm"], r["reader"]): r for r in ref_result["rows"]}
+    assert set(ref_rows) == {("BF16 (exact)", "reference"), ("LoopKV-M", "reference")}
+    for arm in ("BF16 (exact)", "LoopKV-M"):
+        assert ref_rows[arm, "reference"]["kl_vs_exact"] == rows[arm, "k32"]["kl_vs_exact"]
+        assert ref_rows[arm, "reference"]["agreement_vs_exact"] == rows[arm, "k32"]["agreement_vs_exact"]
+    with pytest.raises(SystemExit):  # argparse: --reference is its own mode
+        probe.main(["--reference", "--smoke", "--out", str(ref)])
