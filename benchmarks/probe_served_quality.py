@@ -19,7 +19,9 @@ the H200, so the defaults' 448 steps per arm and reader take about 5 minutes for
 session 13 cut a run of 6 x 1024 tokens with two readers in its fifth arm). On CPU the cache runs the PyTorch
 reference ops, which have no reader variants: ``--smoke`` only checks the script end to end, and ``--reference``
 serves every arm through them at full size (the ops' specification, fp32 math on the stored codes): the served
-baseline a GPU run's readers are compared with (session 14). ``--interpret`` (CPU,
+baseline a GPU run's readers are compared with (session 14). ``--simulate`` adds, per arm, the dense simulation that
+``loopkv demo`` and ``bench_quality.py`` report, on the same documents and positions, so their numbers can be set
+beside the served cache's (``--dtype float32`` to compare like with like). ``--interpret`` (CPU,
 no GPU needed) registers the Triton kernels as the ops' CPU kernels under ``TRITON_INTERPRET=1``, so the readers
 run as on the GPU (the interpreter computes "k16"'s fp16 pairs with the same roundings; docs/kernel-notes.md,
 session 12), at tens of seconds per decode step: use a short run, e.g. ``--interpret --docs 1 --len 464
@@ -74,6 +76,11 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--reference", action="store_true",
                    help="CPU: serve through the PyTorch reference ops only (the ops' specification), at any size: "
                         "the served baseline for a GPU run's rows")
+    p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
+                   help="the served model's dtype (the exact reference is always fp32)")
+    p.add_argument("--simulate", action="store_true",
+                   help="also the demo's dense simulation of each plan (loopkv.demo, the numbers `loopkv demo` and "
+                        "bench_quality report) on the same documents and positions, compared with the served cache")
     p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/served_quality_<date>.json)")
     args = p.parse_args(argv)
     if args.smoke:
@@ -101,6 +108,15 @@ def served_logits(model, plan, ids: torch.Tensor, prefill: int) -> torch.Tensor:
         for t in range(prefill, ids.shape[1]):
             out.append(model(input_ids=ids[:, t:t + 1], past_key_values=cache).logits[:, -1].float())
     return torch.stack(out, 1)
+
+
+def simulated_logits(model, plan, ids: torch.Tensor, prefill: int) -> torch.Tensor:
+    """What ``loopkv demo`` reports for ``plan``: its dense simulation (``loopkv.demo._simulate``: reference
+    quantization, share sources iterated two passes toward the served fixed point), per document, at the positions
+    ``served_logits`` returns."""
+    from loopkv.demo import _simulate
+
+    return torch.stack([_simulate(model, plan, doc, prefill_len=prefill, logits_from=prefill) for doc in ids])
 
 
 def versions() -> dict:
@@ -152,7 +168,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         use_interpreter()
     t0 = time.perf_counter()
     exact_model = load_small(dtype=torch.float32, device=device)
-    model = load_small(dtype=torch.bfloat16, device=device)
+    model = load_small(dtype=getattr(torch, args.dtype), device=device)
     cfg = model.config
     ids = torch.stack(list(heldout_windows(load_corpus(), n=args.docs, seq_len=args.len, seed=1))).to(device)
     with torch.no_grad():
@@ -190,6 +206,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         for name in () if args.reference else args.readers:
             with reader(name):
                 got[arm.name][name] = served_logits(model, arm.plan, ids, args.prefill)
+        if args.simulate:
+            got[arm.name]["simulated"] = simulated_logits(model, arm.plan, ids, args.prefill)
         for name, logits in got[arm.name].items():
             kl, agree = kl_and_agreement(exact.double(), logits.double())  # in fp64
             rows.append({"arm": arm.name, "reader": name, "kl_vs_exact": kl, "agreement_vs_exact": agree})
@@ -203,8 +221,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{arm.name} done at {time.perf_counter() - t0:.0f} s", flush=True)
     result["complete"] = True
     out.write_text(json.dumps(result, indent=1))
-    print(f"\nsmall model in bf16 served through LoopKVCache, {args.docs} document(s), {args.len - args.prefill} "
-          f"teacher-forced decode steps after a {args.prefill}-token prefill, on {device}")
+    print(f"\nsmall model in {args.dtype} served through LoopKVCache, {args.docs} document(s), "
+          f"{args.len - args.prefill} teacher-forced decode steps after a {args.prefill}-token prefill, on {device}")
     print(f"{'arm':14s} {'reader':16s} {'KL vs exact':>12s} {'agree':>7s} {'KL base||it':>12s} {'agree':>7s} "
           f"{'max |dlogit|':>12s}")
     for r in rows:

@@ -585,3 +585,13 @@ def test_served_quality_probe_smoke_writes_every_arm_and_reader(tmp_path):
         assert ref_rows[arm, "reference"]["agreement_vs_exact"] == rows[arm, "k32"]["agreement_vs_exact"]
     with pytest.raises(SystemExit):  # argparse: --reference is its own mode
         probe.main(["--reference", "--smoke", "--out", str(ref)])
+    # --simulate: the demo's dense simulation beside the served cache; in fp32 the two are the same computation
+    # (reference quantization; at 328 tokens two share passes reach the served fixed point)
+    sim = tmp_path / "simulated.json"
+    probe.main(["--reference", "--dtype", "float32", "--simulate", "--docs", "1", "--len", "328", "--prefill", "320",
+                "--arms", "KIVI-4,LoopKV-M", "--out", str(sim)])
+    sim_rows = {(r["arm"], r["reader"]): r for r in json.loads(sim.read_text())["rows"]}
+    for arm in ("KIVI-4", "LoopKV-M"):
+        assert sim_rows[arm, "simulated vs reference"]["kl"] < 1e-9
+        assert sim_rows[arm, "simulated vs reference"]["max_abs_logit_diff"] < 1e-3
+        assert sim_rows[arm, "reference"]["kl_vs_exact"] > 1e-7  # quantized: not the exact model
