@@ -1,7 +1,7 @@
 """Served-path quality of the CUDA-core reader's variants on the small model (GPU; session 13).
 
 ``loopkv demo`` and ``bench_quality.py`` measure a plan's quality by dense simulation (reference quantization and
-fp32 attention), so they cannot see how a reader rounds. This probe serves the small model in bf16 through
+fp32 attention), so they cannot see how a reader rounds. This probe serves the small model in bf16 (``--dtype``) through
 ``LoopKVCache`` (prefill, then teacher-forced decode one token per step: every cell read by the Triton kernel), once
 per reader setting, and compares each step's logits with the exact fp32 model on the same held-out documents:
 
