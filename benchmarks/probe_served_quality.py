@@ -182,6 +182,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if unknown:
             raise SystemExit(f"--arms: unknown {unknown}; choose from {[a.name for a in arms]}")
         arms = [a for a in arms if a.name in names]
+    variants = [] if args.reference else args.readers  # the reader settings switched per arm (CUDA, --interpret)
     out = pathlib.Path(args.out or RESULTS / f"served_quality_{datetime.date.today().isoformat()}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     rows = []
@@ -190,7 +191,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "device": (torch.cuda.get_device_name(0) if device == "cuda" else
                    f"cpu ({'Triton interpreter' if args.interpret else 'reference ops'})"),
-        "readers": ["reference"] if args.reference else (["reference"] if args.interpret else []) + args.readers,
+        "readers": (["reference"] if args.reference or args.interpret else []) + variants,
         "versions": versions(), "args": vars(args), "decode_steps": args.len - args.prefill, "rows": rows,
         "complete": False,
     }
@@ -199,11 +200,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         for arm in arms:
             got[arm.name]["reference"] = served_logits(model, arm.plan, ids, args.prefill)
         interpret_on_cpu()
-    base = "reference" if args.reference else args.readers[0]
+    base = variants[0] if variants else "reference"
     for arm in arms:
         if args.reference:  # the reference ops, which are the CPU kernels: no reader variants to switch
             got[arm.name]["reference"] = served_logits(model, arm.plan, ids, args.prefill)
-        for name in () if args.reference else args.readers:
+        for name in variants:
             with reader(name):
                 got[arm.name][name] = served_logits(model, arm.plan, ids, args.prefill)
         if args.simulate:
