@@ -66,6 +66,8 @@ def main(argv=None) -> dict:
     p.add_argument("--cc-opts", default=None,
                    help="comma-separated cc_opts of the CUDA-core reader instead of the launcher's default "
                         "(e.g. qk,vg,f24,l2,pt,k16)")
+    p.add_argument("--maxnreg", type=int, default=None,
+                   help="register cap for ptxas instead of the launcher's (e.g. 112: 18 one-warp programs per SM)")
     p.add_argument("--out", default=None, help="JSON path")
     args = p.parse_args(argv)
     rows = {}
@@ -74,6 +76,8 @@ def main(argv=None) -> dict:
                 "head_dim": args.head_dim, **VARIANTS[name]}
         if args.cc_opts is not None:
             case["cc_opts"] = [o for o in args.cc_opts.split(",") if o]
+        if args.maxnreg is not None:
+            case["maxnreg"] = args.maxnreg
         rows[name] = page_loop(case)
         r = rows[name]
         print(f"{name:7s} registers {r['registers']} stack {r['stack']} page loop {r['loop_instructions']} "

@@ -37,6 +37,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from loopkv.ops import triton_config
 from loopkv.ops.cell_attention import cell_attention_reference
 from loopkv.ops.codec import GROUP, PAGE, SINK
 from loopkv.ops.layout import RING, capacity
@@ -320,9 +321,14 @@ def _cell_attn_kernel(
     BITS: tl.constexpr, VPREC: tl.constexpr, BN: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr,
     UPCAST: tl.constexpr, FIELD: tl.constexpr, NPP: tl.constexpr, FAR: tl.constexpr, PPI: tl.constexpr,
     TS: tl.constexpr, PREFETCH: tl.constexpr, OPT: tl.constexpr, APPEND: tl.constexpr, OWN_BITS: tl.constexpr,
-    NSL: tl.constexpr,
+    NSL: tl.constexpr, FAR_FIRST: tl.constexpr,
 ):
     """Program (i, b*H + h): near slots (i < NNEAR) or history split i - NNEAR of row b, KV head h.
+
+    FAR_FIRST (not with APPEND 1): the programs are renumbered in launch order (``i`` fastest) so that every
+    (b, h)'s history programs come first and all near programs after them: the GPU hands out programs in that
+    order, so the short near programs fill the SMs that the long history programs leave idle at the end of the
+    launch. Same programs, same partials, same merge: the output is bit-identical.
 
     APPEND 1 (``append_attention_``, docs/design-decisions.md §10): the cell's new token (k_new, v_new [B, H, 1, D],
     strides skn_*, svn_*) is appended in the same launch. Programs NNEAR + NSPLIT + 2 s and + 2 s + 1
@@ -338,6 +344,15 @@ def _cell_attn_kernel(
     RP: tl.constexpr = GR * NGP
     pid = tl.program_id(0)
     bh = tl.program_id(1)
+    if FAR_FIRST:
+        lin = bh * (NNEAR + NSPLIT) + pid  # launch order
+        nfar = NSPLIT * tl.num_programs(1)
+        if lin < nfar:
+            bh = lin // tl.maximum(NSPLIT, 1)
+            pid = NNEAR + lin % tl.maximum(NSPLIT, 1)
+        else:
+            bh = (lin - nfar) // NNEAR
+            pid = (lin - nfar) % NNEAR
     b = bh // H
     h = bh % H
     nprog = NNEAR + NSPLIT
@@ -491,6 +506,7 @@ def cell_attention(
     far_impl: str | None = None, pages_per_iter: int | None = None, sub_tokens: int | None = None,
     prefetch: bool | None = None, near_block: int | None = None, cc_opts: tuple | None = None,
     maxnreg: int | None = None, append: tuple | None = None, token: tuple | None = None,
+    far_first: bool | None = None,
 ) -> Tensor:
     """Triton ``cell_attention``: q [B, Hq, D] -> [B, Hq, D] (shapes: docs/storage-layout.md).
 
@@ -503,6 +519,9 @@ def cell_attention(
     CUDA-core reader, names of ``triton_far.CC_OPTS`` (None: ``triton_config.CC_DEFAULT_OPTS_BY_BITS``; ``()``:
     session 2's reader).
     ``maxnreg``: register cap per thread handed to ``ptxas`` (more programs per SM; CUDA only).
+    ``far_first``: launch every history program before the near programs (the kernel's ``FAR_FIRST``; None:
+    ``triton_config.FAR_FIRST``); same output bit for bit. Not with ``append`` (whose extra programs keep the
+    launch order).
     ``append``: ``(k_new, v_new, own_bits)``, used by ``append_attention`` (which checks them): the token is
     appended in the same launch. ``token``: ``(k_new, v_new)``, used by ``token_attention`` (which checks them): the
     token is read from them and written into sink or ring; ``lengths`` is not written.
@@ -604,6 +623,13 @@ def cell_attention(
             check_int32_offsets(**pools)
         elif int32_offset_overflow(**pools):  # the default (INT2) on a pool this large: 64-bit offsets
             opt &= ~CC_OPTS["i32"]
+    ff = bool(triton_config.FAR_FIRST if far_first is None else far_first)
+    if ff and mode == 1:
+        if far_first:
+            raise ValueError("far_first=True reorders the programs of cell_attention and token_attention; "
+                             "append_attention's launch keeps its order: leave far_first unset there")
+        ff = False
+    ff = ff and nsplit > 0  # nothing to reorder without history programs
     _cell_attn_kernel[(nprog + app_progs, B * H)](
         q, q.stride(0), q.stride(1), sink_k, sink_v, win_k, win_v, lengths, page_table,
         k_pages, k_scale, k_zero, v_hi, v_lo, v_scale, v_zero,
@@ -616,7 +642,7 @@ def cell_attention(
         FIELD=0 if exact else FIELD_MODE[field_mode or DEFAULT_FIELD_MODE],
         NPP=max(16, _next_pow2(nprog)), FAR=1 if impl == "cc" and nsplit else 0, PPI=ppi, TS=ts if impl == "cc" else 0,
         PREFETCH=pf, OPT=opt,
-        APPEND=mode, OWN_BITS=own_bits, NSL=APPEND_SLICES,
+        APPEND=mode, OWN_BITS=own_bits, NSL=APPEND_SLICES, FAR_FIRST=ff,
         num_warps=nw, num_stages=num_stages or cfg["num_stages"], **launch, **KERNEL_OPTIONS,
     )
     return out

@@ -73,26 +73,42 @@ CC_DEFAULT_OPTS = ("qk", "vg", "f24")
 # all five arms, 8 documents x 448 decode steps) the KL from the reader without it is 3.0-3.7e-4, the tensor-core
 # reader's 3.3-3.5e-4 (docs/design-decisions.md §13). To read without it: cc_options(drop=("k16",)) below.
 CC_DEFAULT_OPTS_BY_BITS = {4: (*CC_DEFAULT_OPTS, "l2", "pt", "k16"), 2: (*CC_DEFAULT_OPTS, "i32", "l2", "pt", "k16")}
+# Launch every (row, KV head)'s history programs before the near programs (``cell_attention(far_first=...)``,
+# ``_cell_attn_kernel``'s FAR_FIRST): the short near programs then fill the end of the launch.
+FAR_FIRST = True
+# The CUDA-core reader's register cap per thread (``maxnreg``, handed to ptxas) with one query head per KV head:
+# 65536 registers per SM / (32 * cap) one-warp programs fit per SM (128: 16). See ``_config``.
+CC_REG_CAP = 128
 
 
 @contextlib.contextmanager
-def cc_options(add: Iterable[str] = (), drop: Iterable[str] = ()) -> Iterator[None]:
+def cc_options(add: Iterable[str] = (), drop: Iterable[str] = (), reg_cap: int | None = None,
+               far_first: bool | None = None) -> Iterator[None]:
     """Within the block, the CUDA-core reader's default variants (``CC_DEFAULT_OPTS_BY_BITS``) gain ``add`` and lose
-    ``drop`` (names of ``triton_far.CC_OPTS``), for A/B runs of whole models (benchmarks). The launcher reads the
-    defaults at every launch, so a CUDA graph captured inside the block keeps them; they are restored on exit."""
+    ``drop`` (names of ``triton_far.CC_OPTS``), and, if given, its register cap is ``reg_cap`` (``CC_REG_CAP``) and
+    the launch order ``far_first`` (``FAR_FIRST``), for A/B runs of whole models (benchmarks). The launcher reads
+    them at every launch, so a CUDA graph captured inside the block keeps them; they are restored on exit."""
     from loopkv.ops.triton_far import CC_OPTS
 
+    global CC_REG_CAP, FAR_FIRST
     add, drop = tuple(add), tuple(drop)
     unknown = sorted(set(add + drop) - set(CC_OPTS))
     if unknown:
         raise ValueError(f"cc_options: unknown reader variant(s) {unknown}; choose from {sorted(CC_OPTS)}")
-    saved = dict(CC_DEFAULT_OPTS_BY_BITS)
+    if reg_cap is not None and not (isinstance(reg_cap, int) and 32 <= reg_cap <= 255):
+        raise ValueError(f"cc_options: reg_cap must be an int in [32, 255] (registers per thread), got {reg_cap!r}")
+    saved, saved_cap, saved_ff = dict(CC_DEFAULT_OPTS_BY_BITS), CC_REG_CAP, FAR_FIRST
     CC_DEFAULT_OPTS_BY_BITS.update({b: tuple(o for o in opts if o not in drop) + tuple(a for a in add if a not in opts)
                                     for b, opts in saved.items()})
+    if reg_cap is not None:
+        CC_REG_CAP = reg_cap
+    if far_first is not None:
+        FAR_FIRST = bool(far_first)
     try:
         yield
     finally:
         CC_DEFAULT_OPTS_BY_BITS.update(saved)
+        CC_REG_CAP, FAR_FIRST = saved_cap, saved_ff
 
 
 # Launch options every loopkv kernel passes. Fused multiply-adds: the kernels were measured and their codes
@@ -132,7 +148,7 @@ def _config(bits: int, far_impl: str, rows_heads: int = 1, group: int = 1, exact
     does not spill (16-24 B) and 256 x 4 heads has 7.6 KB."""
     if bits in (4, 2):
         if far_impl == "cc":
-            cap = 128 if group == 1 and (bits == 4 or rows_heads >= 64) else None
+            cap = CC_REG_CAP if group == 1 and (bits == 4 or rows_heads >= 64) else None
             return {"num_warps": 1, "num_stages": 1, "pages_per_iter": 1, "sub_tokens": 8, "prefetch": False,
                     "near_block": CC_NEAR_BLOCK, "cc_opts": CC_DEFAULT_OPTS_BY_BITS[bits], "maxnreg": cap}
         if exact:

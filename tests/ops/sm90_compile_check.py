@@ -83,6 +83,8 @@ def main(case: dict) -> dict:
     options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages", "maxnreg", "enable_fp_fusion") if k in kwargs}
     if cfg.get("maxnreg"):
         options["maxnreg"] = cfg["maxnreg"]
+    if case.get("maxnreg"):  # a cap other than the launcher's (probe_page_loop.py --maxnreg)
+        options["maxnreg"] = int(case["maxnreg"])
     names = [n for n in kernel.arg_names if n not in kwargs]
     sig, constexprs, attrs = {}, {}, {}
     for name, value in zip(names, args, strict=True):

@@ -298,6 +298,10 @@ def test_launch_config_follows_the_measurements():
     assert tc._config(4, "cc", 512)["cc_opts"] == ("qk", "vg", "f24", "l2", "pt", "k16")
     assert tc._config(2, "cc", 512)["cc_opts"] == ("qk", "vg", "f24", "i32", "l2", "pt", "k16")
     assert tc._config(4, "dot", 512).get("maxnreg") is None
+    # session 15: the register cap stays 128 (112-152 measured slower), history programs launch first (measured
+    # faster from B = 8 on; cell_attention_2026-11-30_session15_*.json)
+    assert tc.CC_REG_CAP == 128
+    assert tc.FAR_FIRST is True
     # fp32 inputs on code pages: four warps, one stage (static, session 6: one warp spilled 8-9 KB per thread)
     assert (tc._config(4, "dot", 512)["num_warps"], tc._config(4, "dot", 512)["num_stages"]) == (1, 3)
     assert (tc._config(2, "dot", 16, 4, True)["num_warps"], tc._config(2, "dot", 16, 4, True)["num_stages"]) == (4, 1)
@@ -339,6 +343,20 @@ def test_cc_options_changes_the_defaults_inside_its_block_only():
     with pytest.raises(ValueError, match=r"unknown reader variant\(s\) \['fast'\]; choose from"):
         with triton_config.cc_options(add=("fast",)):
             pass
+    # the register cap: the configs of capped readers take it inside the block, uncapped ones stay uncapped
+    cap = triton_config.CC_REG_CAP
+    with triton_config.cc_options(reg_cap=120):
+        assert triton_config._config(4, "cc", 512, 1)["maxnreg"] == 120
+        assert triton_config._config(2, "cc", 512, 1)["maxnreg"] == 120
+        assert triton_config._config(2, "cc", 16, 1)["maxnreg"] is None
+        assert triton_config._config(4, "cc", 512, 2)["maxnreg"] is None
+        assert triton_config.CC_DEFAULT_OPTS_BY_BITS == before
+    assert triton_config.CC_REG_CAP == cap
+    assert triton_config._config(4, "cc", 512, 1)["maxnreg"] == cap
+    with pytest.raises(ValueError, match=r"reg_cap must be an int in \[32, 255\]"):
+        with triton_config.cc_options(reg_cap=16):
+            pass
+    assert triton_config.CC_REG_CAP == cap
 
 
 def test_far_impl_choice_and_argument_errors():
@@ -529,6 +547,34 @@ def test_gpu_matches_reference(bits, tau, heads, group, head_dim, dtype, far_imp
                                   k16=reads_k16(q, bits, group, far_impl))
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize(("bits", "tau"), [(4, INF), (4, 14.0), (2, INF), (16, INF)])
+def test_gpu_far_first_bit_identical(bits, tau):
+    """The compiled kernel with ``far_first`` (history programs launched first) at B = 32 x 16 KV heads x 128, rows
+    of 0 to 4K tokens: the same output bits as the default launch order, for the reader and for the token path
+    (whose near program also writes the token)."""
+    maxp, batch, heads, D = 128, 32, 16, 128
+    g = torch.Generator().manual_seed(bits)
+    lengths = [0, 5, 300, layout.capacity(maxp)] + torch.randint(320, layout.capacity(maxp) + 1, (batch - 4,),
+                                                                   generator=g).tolist()
+    st = make_cell(batch, heads, D, maxp, bits, lengths, dtype=torch.bfloat16, device="cuda", seed=bits)
+    q = torch.randn(batch, heads, D, generator=g).bfloat16().cuda()
+    base = ta.cell_attention(q, *st, bits, tau, D**-0.5, far_first=False)
+    for splits in (None, 7):
+        assert torch.equal(ta.cell_attention(q, *st, bits, tau, D**-0.5, far_first=True, splits=splits),
+                           ta.cell_attention(q, *st, bits, tau, D**-0.5, far_first=False, splits=splits))
+    assert_close_to_reference(base, q, st, bits, tau, D**-0.5, k16=reads_k16(q, bits, 1))
+    if bits == 16:
+        return
+    kn, vn = (torch.randn(batch, heads, 1, D, generator=g).bfloat16().cuda() for _ in range(2))
+    outs = []
+    for ff in (False, True):
+        cell = [t.clone() for t in st]
+        outs.append((ta.token_attention(q, kn, vn, *cell, bits, tau, D**-0.5, far_first=ff), cell))
+    assert torch.equal(outs[0][0], outs[1][0])
+    assert all(torch.equal(a, b) for a, b in zip(outs[0][1], outs[1][1], strict=True))
+
+
 CC_CONFIGS = [  # (num_warps, sub_tokens, pages_per_iter, prefetch): the benchmark's CUDA-core arms and more
     (4, 16, 1, False), (4, 32, 1, True), (1, 8, 1, False), (4, 16, 2, False), (2, 16, 1, True)]
 
@@ -636,3 +682,40 @@ def test_gpu_cuda_graph_replay_append_and_attention():
         for a, b in zip(dev, mirror, strict=True):
             assert torch.equal(a.cpu(), b)
         torch.testing.assert_close(out.cpu().double(), want, atol=ATTN_BF16_ATOL, rtol=ATTN_BF16_RTOL)
+
+
+@interpret
+@pytest.mark.interpret
+@pytest.mark.parametrize(("bits", "tau", "far_impl", "dtype"), [
+    (4, INF, "cc", torch.bfloat16), (4, 14.0, "cc", torch.bfloat16), (2, INF, "cc", torch.float32),
+    (4, INF, "dot", torch.float32), (16, INF, None, torch.float32),
+])
+def test_far_first_launch_order_gives_the_same_bits(bits, tau, far_impl, dtype):
+    """``far_first`` renumbers the programs (every history program, then the near ones): the same programs write
+    the same partials and the merge reads them in slot order, so the output is bit-identical, in rows of different
+    lengths (no history, one page, pages + a partial page), with the token path too; append_attention refuses it."""
+    lengths = [17, 288 + 32 * 1, 288 + 32 * 3 + 5]
+    st = make_cell(3, 2, 64, 4, bits, lengths, dtype=dtype, seed=11)
+    q = torch.randn(3, 2, 64, generator=torch.Generator().manual_seed(12)).to(dtype)
+    kw = {"splits": 3, "far_impl": far_impl}
+    base = ta.cell_attention(q, *st, bits, tau, 0.125, far_first=False, **kw)
+    got = ta.cell_attention(q, *st, bits, tau, 0.125, far_first=True, **kw)
+    assert torch.equal(got, base)
+    default = triton_config.FAR_FIRST
+    for ff in (True, False):  # the default the launcher reads at every launch
+        with triton_config.cc_options(far_first=ff):
+            assert triton_config.FAR_FIRST is ff
+            assert torch.equal(ta.cell_attention(q, *st, bits, tau, 0.125, **kw), base)
+        assert triton_config.FAR_FIRST is default
+    assert_close_to_reference(base, q, st, bits, tau, 0.125, k16=reads_k16(q, bits, 1, far_impl))
+    if bits == 16:
+        return
+    kn, vn = (torch.randn(3, 2, 1, 64, generator=torch.Generator().manual_seed(s)).to(dtype) for s in (13, 14))
+    outs = []
+    for ff in (False, True):
+        cell = [t.clone() for t in st]
+        outs.append((ta.token_attention(q, kn, vn, *cell, bits, tau, 0.125, far_first=ff, **kw), cell))
+    assert torch.equal(outs[0][0], outs[1][0])
+    assert all(torch.equal(a, b) for a, b in zip(outs[0][1], outs[1][1], strict=True))  # the same token writes
+    with pytest.raises(ValueError, match="append_attention's launch keeps its order"):
+        ta.append_attention(q, kn, vn, *[t.clone() for t in st], bits, bits, tau, 0.125, far_first=True, **kw)
