@@ -288,9 +288,10 @@ READERS = {
     "r168": {"maxnreg": 168},
     "r128": {"maxnreg": 128},  # INT4's default since this measurement (INT2: no gain measured, stays uncapped)
     "r112": {"maxnreg": 112},
-    # session 15: the k16 default under lower caps (static, sm_90, Triton 3.9, probe_page_loop.py --maxnreg): at 120
-    # (17 programs per SM) INT4 859 instructions per page-head and 1 spill load (128: 862, 4), V precision 870 and 0
-    # (870, 0), INT2 715 and 0 (711, 0); at 112 (18 per SM) INT4 877 and 19, V precision 878 and 8, INT2 717 and 2
+    # session 15: the k16 default (before "ff") under lower caps (static, sm_90, Triton 3.9, probe_page_loop.py
+    # --maxnreg): at 120 (17 programs per SM) INT4 859 instructions per page-head and 1 spill load (128: 862, 4),
+    # V precision 870 and 0 (870, 0), INT2 715 and 0 (711, 0); at 112 (18 per SM) INT4 877 and 19, V precision 878
+    # and 8, INT2 717 and 2. Measured slower than 128 at every shape (cell_attention_2026-11-30_session15_caps_*)
     "r120": {"maxnreg": 120},
     # session 15, after r120 and r112 measured slower than 128 at every shape (cell_attention_2026-11-30_session15_
     # caps_*.json): higher caps, fewer programs per SM (static, as above: INT4 136 -> 857 instructions, 0 spill loads,
@@ -301,8 +302,11 @@ READERS = {
     # session 15: every history program launched before the near programs (far_first; bit-identical output). At
     # B = 32 x 16K the default's time is about 0.35 ms proportional to the pages plus 0.06 ms that is not
     # (cell_attention_2026-11-30_session15_b32_contexts.json: 1344-16384 tokens); part of the latter is the end of
-    # the launch, where the last long history programs run while other SMs idle
+    # the launch, where the last long history programs run while other SMs idle. Measured: B = 32 x 16K INT4 0.395 vs
+    # 0.407 ms, V precision 0.379 vs 0.418, INT2 0.292 vs 0.324 (cell_attention_2026-11-30_session15_ff_*.json); the
+    # default since (triton_config.FAR_FIRST), so today "ff" is the default and "default" is too; "nf" is the old order
     "ff": {"far_first": True},
+    "nf": {"far_first": False},
     # INT2 with 8-token sub-tiles under the cap (static: 128 registers, 804 instructions per page-head and no
     # spill in the page loop); measured in session 4: B=32 x 16K 0.399 ms vs 0.472 for the 16-token default of
     # then, and the INT2 default from B x H >= 64 since (cell_attention_2026-11-29_session4_quick.json). INT4: the

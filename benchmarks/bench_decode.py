@@ -69,7 +69,7 @@ ARMS = ("bf16", "kivi4", "kivi4v", "loopkv-r", "loopkv-m")
 # recommends while V precision costs more than it saves on this reader.
 EXTRA_ARMS = ("loopkv-m-notau", "loopkv-m-fused", "loopkv-m-step", "kivi4-step", "loopkv-m-cell", "kivi4-cell",
               "loopkv-m-k32", "kivi4-k32", *(f"{a}-r{c}" for c in (112, 120, 136, 144) for a in ("loopkv-m", "kivi4")),
-              "loopkv-m-ff", "kivi4-ff")
+              "loopkv-m-ff", "kivi4-ff", "loopkv-m-nf", "kivi4-nf")
 # "loopkv-m-fused": M with LoopKVCache(fused_append=True): each decode append inside its cell's attention launch
 # (append_attention_, docs/design-decisions.md §10; session 8: 5.9% more GPU time per step than M at batch 1 x 8K)
 FUSED_ARMS = ("loopkv-m-fused",)
@@ -87,9 +87,12 @@ K32_ARMS = ("loopkv-m-k32", "kivi4-k32")
 # (one-warp programs per SM: 112 -> 18, 120 -> 17, 128 -> 16, 136 -> 15, 144 -> 14), set for the point and restored
 # after (cc_options)
 REG_CAP_ARMS = {a: int(a.rsplit("-r", 1)[1]) for a in EXTRA_ARMS if a.rsplit("-", 1)[1][:1] == "r"}
-# "-ff": the library default with every cell's history programs launched before its near programs
-# (triton_config.FAR_FIRST, cell_attention(far_first=...)), set for the point and restored after (cc_options)
+# "-ff": every cell's history programs launched before its near programs (triton_config.FAR_FIRST,
+# cell_attention(far_first=...)), set for the point and restored after (cc_options). Measured in session 15 against
+# the then-default launch order (decode_2026-11-30_session15_graph_16k_ff.json) and the default since: today "-ff" is
+# the plain arm, and "-nf" is the old order
 FAR_FIRST_ARMS = ("loopkv-m-ff", "kivi4-ff")
+OLD_ORDER_ARMS = ("loopkv-m-nf", "kivi4-nf")
 STACKED = True  # LoopKVCache(stacked=...): the cells as slices of a few buffers (design-decisions §11); --per-cell
 TAU = 14.0
 GIB = 1 << 30
@@ -154,7 +157,8 @@ def paper_plans(loops: int, layers: int) -> dict[str, loopkv.Plan]:
         "loopkv-m-k32": loopkv.Plan.from_grid(m, tau=TAU),
         "kivi4-k32": loopkv.Plan.uniform(loops=loops, layers=layers, option="int4"),
         **{arm: loopkv.Plan.from_grid(m, tau=TAU) if arm.startswith("loopkv-m") else
-           loopkv.Plan.uniform(loops=loops, layers=layers, option="int4") for arm in (*REG_CAP_ARMS, *FAR_FIRST_ARMS)},
+           loopkv.Plan.uniform(loops=loops, layers=layers, option="int4")
+           for arm in (*REG_CAP_ARMS, *FAR_FIRST_ARMS, *OLD_ORDER_ARMS)},
     }
 
 
@@ -443,9 +447,10 @@ def profiled(batch: int, peak: int, mode: str) -> bool:
 
 def reader_options(arm):
     """The reader's defaults for ``arm``'s points: the ``-k32`` arms drop "k16", the ``-r<cap>`` arms set the register
-    cap, the ``-ff`` arms launch history programs first (all restored after)."""
+    cap, the ``-ff`` / ``-nf`` arms launch history programs first / in the old order (all restored after)."""
+    ff = True if arm in FAR_FIRST_ARMS else False if arm in OLD_ORDER_ARMS else None
     return triton_config.cc_options(drop=("k16",) if arm in K32_ARMS else (), reg_cap=REG_CAP_ARMS.get(arm),
-                                    far_first=True if arm in FAR_FIRST_ARMS else None)
+                                    far_first=ff)
 
 
 def measure(model, cfg, arm, plans, **kw):
@@ -782,7 +787,7 @@ def smoke() -> None:
     plans = paper_plans(cfg.total_ut_steps, cfg.num_hidden_layers)
     register()
     ctx = 700
-    for arm in (*ARMS, *FUSED_ARMS, *STEP_ARMS, *CELL_ARMS, *K32_ARMS, *REG_CAP_ARMS, *FAR_FIRST_ARMS):
+    for arm in (*ARMS, *FUSED_ARMS, *STEP_ARMS, *CELL_ARMS, *K32_ARMS, *REG_CAP_ARMS, *FAR_FIRST_ARMS, *OLD_ORDER_ARMS):
         model.set_attn_implementation("sdpa" if arm == "bf16" else "loopkv")
         cache = build_cache(arm, plans, cfg, batch=2, capacity=ctx + 64, dtype=torch.float32, device="cpu")
         fill(cache, ctx, k_scale=0.5)
