@@ -5,7 +5,9 @@ exact sink + window slots (``BN`` slots each, of the virtual array ``[sink 32 | 
 ``NSPLIT`` *far* programs split the row's history pages (``n_pages(lengths[b])``, read on the device)
 into contiguous chunks, flash-decoding style. Each program writes a partial ``(m, l, o)`` in log2
 units; the last program of (b, h) to finish (an atomic counter that it resets to zero, so CUDA-graph
-replays stay correct) merges the partials by log-sum-exp and writes ``out[b, h*G:(h+1)*G]``.
+replays stay correct) merges the partials by log-sum-exp and writes ``out[b, h*G:(h+1)*G]``. By default
+(``FAR_FIRST``, docs/design-decisions.md §14) the programs are renumbered so that the GPU starts every
+history program before any near program: the short near programs fill the end of the launch.
 
 Query rows are *expanded*: tile row ``r`` is query head ``g = r // NGP`` of the KV head's group and V
 channel group ``gr = r % NGP`` (``NGP`` = padded ``head_dim // 32``). So one ``tl.dot`` computes all
