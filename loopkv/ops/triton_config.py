@@ -78,9 +78,9 @@ CC_DEFAULT_OPTS_BY_BITS = {4: (*CC_DEFAULT_OPTS, "l2", "pt", "k16"), 2: (*CC_DEF
 # long history programs. Same output bits. Session 15 on the H200 (cell_attention_2026-11-30_session15_ff_*.json,
 # same run as cuDNN): B = 32 x 16K INT4 0.395 vs 0.407 ms, V precision 0.379 vs 0.418, INT2 0.292 vs 0.324; B = 8 x
 # 16K INT4 5%, V precision 8%, INT2 11% faster; B = 1 x 8K level (INT4 0.0176 vs 0.0174, V precision 0.0205 vs
-# 0.0199). At the 16K decode peaks
-# (graph capture, decode_2026-11-30_session15_graph_16k_ff.json) LoopKV-M's step 54.3 vs 58.6 ms, KIVI-4's 44.9 vs
-# 45.7; batch 1 x 8K 15.28 vs 15.23 ms. append_attention's launch (APPEND 1) keeps the launch order.
+# 0.0199). At the 16K decode peaks (graph capture, decode_2026-11-30_session15_graph_16k_ff.json) LoopKV-M's step
+# 54.3 vs 58.6 ms, KIVI-4's 44.9 vs 45.7; batch 1 x 8K 15.28 vs 15.23 ms. append_attention's launch (APPEND 1) keeps
+# the launch order.
 FAR_FIRST = True
 # The CUDA-core reader's register cap per thread (``maxnreg``, handed to ptxas) with one query head per KV head:
 # 65536 registers per SM / (32 * cap) one-warp programs fit per SM (128: 16). See ``_config``. Session 15 remeasured
