@@ -304,7 +304,7 @@ READERS = {
     # (cell_attention_2026-11-30_session15_b32_contexts.json: 1344-16384 tokens); part of the latter is the end of
     # the launch, where the last long history programs run while other SMs idle. Measured: B = 32 x 16K INT4 0.395 vs
     # 0.407 ms, V precision 0.379 vs 0.418, INT2 0.292 vs 0.324 (cell_attention_2026-11-30_session15_ff_*.json); the
-    # default since (triton_config.FAR_FIRST), so today "ff" is the default and "default" is too; "nf" is the old order
+    # default since (triton_config.FAR_FIRST), so today "ff" runs what "default" runs; "nf" is the old order
     "ff": {"far_first": True},
     "nf": {"far_first": False},
     # INT2 with 8-token sub-tiles under the cap (static: 128 registers, 804 instructions per page-head and no

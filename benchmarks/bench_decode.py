@@ -68,8 +68,9 @@ ARMS = ("bf16", "kivi4", "kivi4v", "loopkv-r", "loopkv-m")
 # Plan's accounting, which does not count V precision's savings). The speed setting docs/kernels.md
 # recommends while V precision costs more than it saves on this reader.
 EXTRA_ARMS = ("loopkv-m-notau", "loopkv-m-fused", "loopkv-m-step", "kivi4-step", "loopkv-m-cell", "kivi4-cell",
-              "loopkv-m-k32", "kivi4-k32", *(f"{a}-r{c}" for c in (112, 120, 136, 144) for a in ("loopkv-m", "kivi4")),
-              "loopkv-m-ff", "kivi4-ff", "loopkv-m-nf", "kivi4-nf")
+              "loopkv-m-k32", "kivi4-k32", "loopkv-m-r112", "kivi4-r112", "loopkv-m-r120", "kivi4-r120",
+              "loopkv-m-r136", "kivi4-r136", "loopkv-m-r144", "kivi4-r144", "loopkv-m-ff", "kivi4-ff", "loopkv-m-nf",
+              "kivi4-nf")
 # "loopkv-m-fused": M with LoopKVCache(fused_append=True): each decode append inside its cell's attention launch
 # (append_attention_, docs/design-decisions.md §10; session 8: 5.9% more GPU time per step than M at batch 1 x 8K)
 FUSED_ARMS = ("loopkv-m-fused",)
@@ -86,7 +87,7 @@ K32_ARMS = ("loopkv-m-k32", "kivi4-k32")
 # "-r<cap>": the library default with the CUDA-core reader's register cap at <cap> instead of triton_config.CC_REG_CAP
 # (one-warp programs per SM: 112 -> 18, 120 -> 17, 128 -> 16, 136 -> 15, 144 -> 14), set for the point and restored
 # after (cc_options)
-REG_CAP_ARMS = {a: int(a.rsplit("-r", 1)[1]) for a in EXTRA_ARMS if a.rsplit("-", 1)[1][:1] == "r"}
+REG_CAP_ARMS = {f"{a}-r{c}": c for c in (112, 120, 136, 144) for a in ("loopkv-m", "kivi4")}
 # "-ff": every cell's history programs launched before its near programs (triton_config.FAR_FIRST,
 # cell_attention(far_first=...)), set for the point and restored after (cc_options). Measured in session 15 against
 # the then-default launch order (decode_2026-11-30_session15_graph_16k_ff.json) and the default since: today "-ff" is

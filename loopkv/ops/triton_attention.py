@@ -346,12 +346,12 @@ def _cell_attn_kernel(
     RP: tl.constexpr = GR * NGP
     pid = tl.program_id(0)
     bh = tl.program_id(1)
-    if FAR_FIRST:
+    if FAR_FIRST:  # the launcher sets it only with NSPLIT > 0
         lin = bh * (NNEAR + NSPLIT) + pid  # launch order
         nfar = NSPLIT * tl.num_programs(1)
         if lin < nfar:
-            bh = lin // tl.maximum(NSPLIT, 1)
-            pid = NNEAR + lin % tl.maximum(NSPLIT, 1)
+            bh = lin // NSPLIT
+            pid = NNEAR + lin % NSPLIT
         else:
             bh = (lin - nfar) // NNEAR
             pid = (lin - nfar) % NNEAR

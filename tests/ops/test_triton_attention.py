@@ -510,6 +510,42 @@ def test_random_shapes(seed):
     out = ta.cell_attention(q, *st, bits, tau, head_dim**-0.5, splits=pick([1, 2, 4]), **kw)
     assert_close_to_reference(out, q, st, bits, tau, head_dim**-0.5)
 
+@interpret
+@pytest.mark.interpret
+@pytest.mark.parametrize(("bits", "tau", "far_impl", "dtype"), [
+    (4, INF, "cc", torch.bfloat16), (4, 14.0, "cc", torch.bfloat16), (2, INF, "cc", torch.float32),
+    (4, INF, "dot", torch.float32), (16, INF, None, torch.float32),
+])
+def test_far_first_launch_order_gives_the_same_bits(bits, tau, far_impl, dtype):
+    """``far_first`` renumbers the programs (every history program, then the near ones): the same programs write
+    the same partials and the merge reads them in slot order, so the output is bit-identical, in rows of different
+    lengths (no history, one page, pages + a partial page), with the token path too; append_attention refuses it."""
+    lengths = [17, 288 + 32 * 1, 288 + 32 * 3 + 5]
+    st = make_cell(3, 2, 64, 4, bits, lengths, dtype=dtype, seed=11)
+    q = torch.randn(3, 2, 64, generator=torch.Generator().manual_seed(12)).to(dtype)
+    kw = {"splits": 3, "far_impl": far_impl}
+    base = ta.cell_attention(q, *st, bits, tau, 0.125, far_first=False, **kw)
+    got = ta.cell_attention(q, *st, bits, tau, 0.125, far_first=True, **kw)
+    assert torch.equal(got, base)
+    default = triton_config.FAR_FIRST
+    for ff in (True, False):  # the default the launcher reads at every launch
+        with triton_config.cc_options(far_first=ff):
+            assert triton_config.FAR_FIRST is ff
+            assert torch.equal(ta.cell_attention(q, *st, bits, tau, 0.125, **kw), base)
+        assert triton_config.FAR_FIRST is default
+    assert_close_to_reference(base, q, st, bits, tau, 0.125, k16=reads_k16(q, bits, 1, far_impl))
+    if bits == 16:
+        return
+    kn, vn = (torch.randn(3, 2, 1, 64, generator=torch.Generator().manual_seed(s)).to(dtype) for s in (13, 14))
+    outs = []
+    for ff in (False, True):
+        cell = [t.clone() for t in st]
+        outs.append((ta.token_attention(q, kn, vn, *cell, bits, tau, 0.125, far_first=ff, **kw), cell))
+    assert torch.equal(outs[0][0], outs[1][0])
+    assert all(torch.equal(a, b) for a, b in zip(outs[0][1], outs[1][1], strict=True))  # the same token writes
+    with pytest.raises(ValueError, match="append_attention's launch keeps its order"):
+        ta.append_attention(q, kn, vn, *[t.clone() for t in st], bits, bits, tau, 0.125, far_first=True, **kw)
+
 
 # ---------------------------------------------------------------------------------------------- GPU
 
@@ -682,40 +718,3 @@ def test_gpu_cuda_graph_replay_append_and_attention():
         for a, b in zip(dev, mirror, strict=True):
             assert torch.equal(a.cpu(), b)
         torch.testing.assert_close(out.cpu().double(), want, atol=ATTN_BF16_ATOL, rtol=ATTN_BF16_RTOL)
-
-
-@interpret
-@pytest.mark.interpret
-@pytest.mark.parametrize(("bits", "tau", "far_impl", "dtype"), [
-    (4, INF, "cc", torch.bfloat16), (4, 14.0, "cc", torch.bfloat16), (2, INF, "cc", torch.float32),
-    (4, INF, "dot", torch.float32), (16, INF, None, torch.float32),
-])
-def test_far_first_launch_order_gives_the_same_bits(bits, tau, far_impl, dtype):
-    """``far_first`` renumbers the programs (every history program, then the near ones): the same programs write
-    the same partials and the merge reads them in slot order, so the output is bit-identical, in rows of different
-    lengths (no history, one page, pages + a partial page), with the token path too; append_attention refuses it."""
-    lengths = [17, 288 + 32 * 1, 288 + 32 * 3 + 5]
-    st = make_cell(3, 2, 64, 4, bits, lengths, dtype=dtype, seed=11)
-    q = torch.randn(3, 2, 64, generator=torch.Generator().manual_seed(12)).to(dtype)
-    kw = {"splits": 3, "far_impl": far_impl}
-    base = ta.cell_attention(q, *st, bits, tau, 0.125, far_first=False, **kw)
-    got = ta.cell_attention(q, *st, bits, tau, 0.125, far_first=True, **kw)
-    assert torch.equal(got, base)
-    default = triton_config.FAR_FIRST
-    for ff in (True, False):  # the default the launcher reads at every launch
-        with triton_config.cc_options(far_first=ff):
-            assert triton_config.FAR_FIRST is ff
-            assert torch.equal(ta.cell_attention(q, *st, bits, tau, 0.125, **kw), base)
-        assert triton_config.FAR_FIRST is default
-    assert_close_to_reference(base, q, st, bits, tau, 0.125, k16=reads_k16(q, bits, 1, far_impl))
-    if bits == 16:
-        return
-    kn, vn = (torch.randn(3, 2, 1, 64, generator=torch.Generator().manual_seed(s)).to(dtype) for s in (13, 14))
-    outs = []
-    for ff in (False, True):
-        cell = [t.clone() for t in st]
-        outs.append((ta.token_attention(q, kn, vn, *cell, bits, tau, 0.125, far_first=ff, **kw), cell))
-    assert torch.equal(outs[0][0], outs[1][0])
-    assert all(torch.equal(a, b) for a, b in zip(outs[0][1], outs[1][1], strict=True))  # the same token writes
-    with pytest.raises(ValueError, match="append_attention's launch keeps its order"):
-        ta.append_attention(q, kn, vn, *[t.clone() for t in st], bits, bits, tau, 0.125, far_first=True, **kw)
