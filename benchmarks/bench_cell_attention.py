@@ -307,6 +307,13 @@ READERS = {
     # default since (triton_config.FAR_FIRST), so today "ff" runs what "default" runs; "nf" is the old order
     "ff": {"far_first": True},
     "nf": {"far_first": False},
+    # session 16: with history first, the near programs run last and fill the end of the launch. 32-slot near
+    # programs (10 per row-head) were chosen before the register cap, when 64-slot tiles set the kernel's
+    # registers (112 vs 89, uncapped); under the cap of 128 both fit. 64 slots: half the near programs (each one
+    # prologue, one partial, one counter add); 16: twice as many, shorter ones for the end of the launch
+    "nb64": {"near_block": 64},
+    "nb16": {"near_block": 16},
+    "split28": {"splits": 28},
     # INT2 with 8-token sub-tiles under the cap (static: 128 registers, 804 instructions per page-head and no
     # spill in the page loop); measured in session 4: B=32 x 16K 0.399 ms vs 0.472 for the 16-token default of
     # then, and the INT2 default from B x H >= 64 since (cell_attention_2026-11-29_session4_quick.json). INT4: the
