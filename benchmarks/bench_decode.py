@@ -741,8 +741,9 @@ def main(argv=None) -> None:
             "benchmark": "bench_decode", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
             "device": torch.cuda.get_device_name(), "versions": versions(), "args": vars(args),
             "model": {"shape": "Ouro-1.4B (random weights)", "params": sum(p.numel() for p in model.parameters())},
-            "kv_budget_bytes": budget, "plans_kib_per_token_stored_read": plan_kib,
-            "plan_grids": {a: plans[a].grid() for a in plans}, "fits": fits, "rows": rows,
+            "kv_budget_bytes": budget,  # the plans of the arms this run measured (paper_plans has more)
+            "plans_kib_per_token_stored_read": {a: plan_kib[a] for a in arms if a in plan_kib},
+            "plan_grids": {a: plans[a].grid() for a in arms if a in plans}, "fits": fits, "rows": rows,
             "summary": summarize(rows, contexts), "errors": errors,
             "complete": done, "wall_s": round(time.perf_counter() - t_start, 1),
             "far_reader_small_groups": "cc" if getattr(triton_attention, "CC_DEFAULT", False) else "dot",
