@@ -137,14 +137,15 @@ def hot_fraction(q, cell, tau, rows: int = 4) -> float:
     hot = total = 0
     scale = D**-0.5
     for b in range(B):
-        pages = codec.PageCodes(*[t[table[b].long()] for t in pool])
+        npg = layout.n_pages(int(cell[4][b]))  # the row's pages (the table may hold more entries)
+        pages = codec.PageCodes(*[t[table[b, :npg].long()] for t in pool])
         kk = codec.decode_k(pages, 4)  # [P, H, 32, D]
         s = torch.einsum("hd,phtd->pht", q[b].float(), kk) * scale
         sink = (torch.einsum("hd,htd->ht", q[b].float(), cell[0][b].float()) * scale).amax(-1)  # [H]
         m_ref = torch.maximum(sink[None], s.amax(-1))  # [P, H]
         hot += int((s >= (m_ref - tau * math.log(2))[..., None]).sum())
         total += s.numel()
-    return hot / total
+    return hot / total if total else math.nan  # no history pages (a context of at most 320 tokens)
 
 
 def bench_graph(make_call, n_sets: int) -> float:
@@ -177,7 +178,8 @@ def history_bytes(B: int, ctx: int, bits: int, cold_fraction: float = 0.0) -> in
     npg = layout.n_pages(ctx)
     exact = B * H * (ctx - 32 * npg) * D * 2 * 2  # sink + window, K and V
     pages = B * H * npg * pool_bytes_per_page(bits)
-    cold = B * H * npg * 32 * cold_fraction * (D // 4)  # lo plane skipped per cold (token, head)
+    # lo plane skipped per cold (token, head); no pages: nothing skipped (the hot fraction is NaN there)
+    cold = B * H * npg * 32 * cold_fraction * (D // 4) if npg else 0
     return int(exact + pages - cold)
 
 
@@ -314,6 +316,11 @@ READERS = {
     "nb64": {"near_block": 64},
     "nb16": {"near_block": 16},
     "split28": {"splits": 28},
+    # session 16, for the next GPU run: the launch's fixed 0.06 ms at B = 32 x 16K (session 15) split into its parts.
+    # A context of 300 tokens has no history pages (near programs, merge and launch only); at 1,344 tokens (32 pages)
+    # 1 split against 32 changes the merge from 11 to 42 partials per (row, KV head) for the same pages
+    "split1": {"splits": 1},
+    "split8": {"splits": 8},
     # INT2 with 8-token sub-tiles under the cap (static: 128 registers, 804 instructions per page-head and no
     # spill in the page loop); measured in session 4: B=32 x 16K 0.399 ms vs 0.472 for the 16-token default of
     # then, and the INT2 default from B x H >= 64 since (cell_attention_2026-11-29_session4_quick.json). INT4: the
