@@ -145,7 +145,7 @@ def hot_fraction(q, cell, tau, rows: int = 4) -> float:
         m_ref = torch.maximum(sink[None], s.amax(-1))  # [P, H]
         hot += int((s >= (m_ref - tau * math.log(2))[..., None]).sum())
         total += s.numel()
-    return hot / total if total else math.nan  # no history pages (a context of at most 320 tokens)
+    return hot / total if total else math.nan  # no history pages (a context under 320 tokens)
 
 
 def bench_graph(make_call, n_sets: int) -> float:
@@ -312,7 +312,9 @@ READERS = {
     # session 16: with history first, the near programs run last and fill the end of the launch. 32-slot near
     # programs (10 per row-head) were chosen before the register cap, when 64-slot tiles set the kernel's
     # registers (112 vs 89, uncapped); under the cap of 128 both fit. 64 slots: half the near programs (each one
-    # prologue, one partial, one counter add); 16: twice as many, shorter ones for the end of the launch
+    # prologue, one partial, one counter add); 16: twice as many, shorter ones for the end of the launch. Measured
+    # (cell_attention_2026-12-01_session16_nb_splits.json): 64 slots 18-38% slower (its variants report 326-348
+    # spills under the cap), 16 level; 24-48 splits no better than the heuristic. The defaults stay
     "nb64": {"near_block": 64},
     "nb16": {"near_block": 16},
     "split28": {"splits": 28},

@@ -741,7 +741,8 @@ def main(argv=None) -> None:
             "benchmark": "bench_decode", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
             "device": torch.cuda.get_device_name(), "versions": versions(), "args": vars(args),
             "model": {"shape": "Ouro-1.4B (random weights)", "params": sum(p.numel() for p in model.parameters())},
-            "kv_budget_bytes": budget,  # the plans of the arms this run measured (paper_plans has more)
+            "kv_budget_bytes": budget,
+            # the plans of the arms this run measured (paper_plans has one per variant arm)
             "plans_kib_per_token_stored_read": {a: plan_kib[a] for a in arms if a in plan_kib},
             "plan_grids": {a: plans[a].grid() for a in arms if a in plans}, "fits": fits, "rows": rows,
             "summary": summarize(rows, contexts), "errors": errors,
