@@ -64,13 +64,6 @@ from loopkv.ops import codec, triton_config
 from loopkv.ops.layout import n_pages
 
 ARMS = ("bf16", "kivi4", "kivi4v", "loopkv-r", "loopkv-m")
-# measured only when named in --arms: M's grid with V precision off (tau = inf; the same 155 / 220 KiB in
-# Plan's accounting, which does not count V precision's savings). The speed setting docs/kernels.md
-# recommends while V precision costs more than it saves on this reader.
-EXTRA_ARMS = ("loopkv-m-notau", "loopkv-m-fused", "loopkv-m-step", "kivi4-step", "loopkv-m-cell", "kivi4-cell",
-              "loopkv-m-k32", "kivi4-k32", "loopkv-m-r112", "kivi4-r112", "loopkv-m-r120", "kivi4-r120",
-              "loopkv-m-r136", "kivi4-r136", "loopkv-m-r144", "kivi4-r144", "loopkv-m-ff", "kivi4-ff", "loopkv-m-nf",
-              "kivi4-nf")
 # "loopkv-m-fused": M with LoopKVCache(fused_append=True): each decode append inside its cell's attention launch
 # (append_attention_, docs/design-decisions.md §10; session 8: 5.9% more GPU time per step than M at batch 1 x 8K)
 FUSED_ARMS = ("loopkv-m-fused",)
@@ -94,6 +87,12 @@ REG_CAP_ARMS = {f"{a}-r{c}": c for c in (112, 120, 136, 144) for a in ("loopkv-m
 # the plain arm, and "-nf" is the old order
 FAR_FIRST_ARMS = ("loopkv-m-ff", "kivi4-ff")
 OLD_ORDER_ARMS = ("loopkv-m-nf", "kivi4-nf")
+# the arms above run their base arm's plan ("loopkv-m" or "kivi4", the prefix of their name) with one cache or
+# reader setting changed
+VARIANT_ARMS = (*FUSED_ARMS, *STEP_ARMS, *CELL_ARMS, *K32_ARMS, *REG_CAP_ARMS, *FAR_FIRST_ARMS, *OLD_ORDER_ARMS)
+# measured only when named in --arms: the variant arms, and "loopkv-m-notau", M's grid with V precision off (tau =
+# inf; the same 155 / 220 KiB in Plan's accounting, which does not count V precision's savings)
+EXTRA_ARMS = ("loopkv-m-notau", *VARIANT_ARMS)
 STACKED = True  # LoopKVCache(stacked=...): the cells as slices of a few buffers (design-decisions §11); --per-cell
 TAU = 14.0
 GIB = 1 << 30
@@ -144,23 +143,14 @@ def paper_plans(loops: int, layers: int) -> dict[str, loopkv.Plan]:
         own.sort(key=lambda c: (c[1] not in edge, c))  # INT2 in the first/last layers first, as the paper's
         for t, i in own[: round(20 / 24 * layers)]:
             m[t][i] = "int2"
-    return {
+    plans = {
         "kivi4": loopkv.Plan.uniform(loops=loops, layers=layers, option="int4"),
         "kivi4v": loopkv.Plan.uniform(loops=loops, layers=layers, option="int4", tau=TAU),
         "loopkv-r": loopkv.Plan.from_grid(r, tau=TAU),
         "loopkv-m": loopkv.Plan.from_grid(m, tau=TAU),
         "loopkv-m-notau": loopkv.Plan.from_grid(m, tau=math.inf),
-        "loopkv-m-fused": loopkv.Plan.from_grid(m, tau=TAU),
-        "loopkv-m-step": loopkv.Plan.from_grid(m, tau=TAU),
-        "kivi4-step": loopkv.Plan.uniform(loops=loops, layers=layers, option="int4"),
-        "loopkv-m-cell": loopkv.Plan.from_grid(m, tau=TAU),
-        "kivi4-cell": loopkv.Plan.uniform(loops=loops, layers=layers, option="int4"),
-        "loopkv-m-k32": loopkv.Plan.from_grid(m, tau=TAU),
-        "kivi4-k32": loopkv.Plan.uniform(loops=loops, layers=layers, option="int4"),
-        **{arm: loopkv.Plan.from_grid(m, tau=TAU) if arm.startswith("loopkv-m") else
-           loopkv.Plan.uniform(loops=loops, layers=layers, option="int4")
-           for arm in (*REG_CAP_ARMS, *FAR_FIRST_ARMS, *OLD_ORDER_ARMS)},
     }
+    return {**plans, **{arm: plans["loopkv-m" if arm.startswith("loopkv-m") else "kivi4"] for arm in VARIANT_ARMS}}
 
 
 # ---- caches, filled synthetically -------------------------------------------------------------------------
@@ -790,7 +780,7 @@ def smoke() -> None:
     plans = paper_plans(cfg.total_ut_steps, cfg.num_hidden_layers)
     register()
     ctx = 700
-    for arm in (*ARMS, *FUSED_ARMS, *STEP_ARMS, *CELL_ARMS, *K32_ARMS, *REG_CAP_ARMS, *FAR_FIRST_ARMS, *OLD_ORDER_ARMS):
+    for arm in (*ARMS, *VARIANT_ARMS):
         model.set_attn_implementation("sdpa" if arm == "bf16" else "loopkv")
         cache = build_cache(arm, plans, cfg, batch=2, capacity=ctx + 64, dtype=torch.float32, device="cpu")
         fill(cache, ctx, k_scale=0.5)

@@ -510,6 +510,7 @@ def test_random_shapes(seed):
     out = ta.cell_attention(q, *st, bits, tau, head_dim**-0.5, splits=pick([1, 2, 4]), **kw)
     assert_close_to_reference(out, q, st, bits, tau, head_dim**-0.5)
 
+
 @interpret
 @pytest.mark.interpret
 @pytest.mark.parametrize(("bits", "tau", "far_impl", "dtype"), [
