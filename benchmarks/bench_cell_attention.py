@@ -76,12 +76,14 @@ def make_dense(B: int, ctx: int, *, seed: int, hot: bool = False) -> dict:
     return {"q": q.to(torch.bfloat16), "k": k, "v": v}
 
 
-def make_cell(dense: dict, bits: int) -> list:
-    """Cell storage (the op's argument order after q) holding the dense context."""
+def make_cell(dense: dict, bits: int, capacity: int | None = None) -> list:
+    """Cell storage (the op's argument order after q) holding the dense context; ``capacity`` (tokens): a page table
+    (and pool) for rows of that length, as a cache built with ``max_cache_len=capacity`` has (the launcher chooses
+    its split count from the table's width)."""
     k, v = dense["k"], dense["v"]
     B, _, ctx, _ = k.shape
     npg = layout.n_pages(ctx)
-    maxp = max(npg, 1)
+    maxp = max(npg, layout.max_pages(capacity) if capacity else 0, 1)
     sink_k, sink_v = k[:, :, :32].contiguous(), v[:, :, :32].contiguous()
     win_k = torch.zeros(B, H, layout.RING, D, device=DEVICE, dtype=k.dtype)
     win_v = torch.zeros_like(win_k)
@@ -323,6 +325,18 @@ READERS = {
     # 1 split against 32 changes the merge from 11 to 42 partials per (row, KV head) for the same pages
     "split1": {"splits": 1},
     "split8": {"splits": 8},
+    # session 17: that run and a timeline of every program (probe_timeline.py) showed a history program costs its SM
+    # slot a few microseconds no page pays back (3 us for one with no pages), so rows with few pages want fewer
+    # programs: at B = 32 x 1,344 tokens 8 splits ran 0.065 ms, the heuristic's 32 0.082. The kernel now gives a row
+    # chunks of at least ceil(sqrt(chunk_coef * B*H * pages)) pages (triton_config.CHUNK_COEF; "splitN" arms pass
+    # splits and so keep the even split); these arms try other coefficients, "coef0" is the even split
+    "coef0": {"chunk_coef": 0.0},
+    "coef1": {"chunk_coef": 0.001},
+    "coef4": {"chunk_coef": 0.004},
+    "coef8": {"chunk_coef": 0.008},
+    "split4": {"splits": 4},
+    "split12": {"splits": 12},
+    "split14": {"splits": 14},
     # INT2 with 8-token sub-tiles under the cap (static: 128 registers, 804 instructions per page-head and no
     # spill in the page loop); measured in session 4: B=32 x 16K 0.399 ms vs 0.472 for the 16-token default of
     # then, and the INT2 default from B x H >= 64 since (cell_attention_2026-11-29_session4_quick.json). INT4: the
@@ -387,13 +401,16 @@ MODES = (("int4", 4, math.inf, False), ("int4_vpdata", 4, math.inf, True), ("int
          ("int2", 2, math.inf, False))  # name, bits, tau, V-precision data
 
 
-def run_readers(B: int, ctx: int, rows: list) -> None:
-    """cuDNN BF16 and every reader arm in every mode at one shape; outputs checked against ``dot``."""
+def run_readers(B: int, ctx: int, rows: list, capacity: int | None = None) -> None:
+    """cuDNN BF16 and every reader arm in every mode at one shape; outputs checked against ``dot``. ``capacity``:
+    the cells' page tables are sized for rows of that many tokens (``make_cell``)."""
     dense_bytes = B * H * ctx * D * 2 * 2
     sets = n_sets_for(history_bytes(B, ctx, 4))
     sets_dense = n_sets_for(dense_bytes)
     scale = D**-0.5
     res = {"batch": B, "context": ctx, "history_pages": layout.n_pages(ctx), "arms": {}, "check": {}}
+    if capacity:
+        res["capacity"] = capacity
 
     def record(name, ms, nbytes, **extra):
         res["arms"][name] = {"ms": ms, "bytes": nbytes, "tb_s": nbytes / ms / 1e9, **extra}
@@ -413,7 +430,7 @@ def run_readers(B: int, ctx: int, rows: list) -> None:
     hot = [make_dense(B, ctx, seed=100 + s, hot=True) for s in range(sets)]
     for mode, bits, tau, vpdata in MODES:
         data = hot if vpdata else dense[:sets]
-        cells = [make_cell(d, bits) for d in data]
+        cells = [make_cell(d, bits, capacity) for d in data]
         qs = [d["q"] for d in data]
         cold = 0.0
         if mode == "int4_vp":
@@ -492,6 +509,9 @@ def main() -> None:
     ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"),
                     help="a .json file, or a directory (cell_attention_<date>.json in it)")
     ap.add_argument("--smoke", action="store_true", help="tiny CPU run under TRITON_INTERPRET=1 (script check)")
+    ap.add_argument("--capacity", type=int, default=None,
+                    help="page tables sized for rows of this many tokens (a cache's max_cache_len; default: the "
+                         "context): the split count follows it, the rows hold the context")
     ap.add_argument("--readers", default=None,
                     help="comma-separated reader arms to run (default: all of READERS; 'dot' is always run, as the "
                          "reference every arm is checked against)")
@@ -514,7 +534,8 @@ def main() -> None:
         "torch": torch.__version__, "triton": triton.__version__,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "shape": {"kv_heads": H, "head_dim": D, "q_heads_per_kv": 1, "dtype": "bfloat16", "tau": TAU},
-        "config": {"waves": ta.WAVES, "max_splits": ta.MAX_SPLITS, "mode": "full" if args.full else "readers",
+        "config": {"waves": ta.WAVES, "max_splits": ta.MAX_SPLITS, "chunk_coef": ta.triton_config.CHUNK_COEF,
+                   "capacity": args.capacity, "mode": "full" if args.full else "readers",
                    "readers": READERS},
         "rows": [],
     }
@@ -539,7 +560,7 @@ def main() -> None:
             if args.full:
                 run_shape(B, ctx, result["rows"], {})
             else:
-                run_readers(B, ctx, result["rows"])
+                run_readers(B, ctx, result["rows"], args.capacity)
         except torch.OutOfMemoryError as e:
             result["rows"].append({"batch": B, "context": ctx, "error": repr(e)[:200]})
         if DEVICE == "cuda":

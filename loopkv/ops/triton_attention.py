@@ -313,17 +313,28 @@ def _store_partial(ws_o, ws_ml, slot, g, gr, m_i, l_i, acc, c, GR: tl.constexpr,
 
 
 @triton.jit
+def _clock(SM: tl.constexpr):
+    """TIMELINE (CUDA only): ``%globaltimer`` (ns, one clock for all SMs) or, with SM, ``%smid``; int64."""
+    if SM:
+        return tl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=tl.int32, is_pure=False,
+                                         pack=1).to(tl.int64)
+    else:
+        return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False,
+                                         pack=1)
+
+
+@triton.jit
 def _cell_attn_kernel(
     q, sq_b, sq_h, sink_k, sink_v, win_k, win_v, lengths, page_table,
     k_pages, k_scale, k_zero, v_hi, v_lo, v_scale, v_zero,
     ws_o, ws_ml, cnt, out, so_b, so_h,
-    H, MAXP, NNEAR, NSPLIT, qk_scale, tau,
-    k_new, v_new, skn_b, skn_h, svn_b, svn_h, rcnt, CAP, own_k, own_hi, own_lo,
+    H, MAXP, NNEAR, NSPLIT, CHUNKC, qk_scale, tau,
+    k_new, v_new, skn_b, skn_h, svn_b, svn_h, rcnt, CAP, own_k, own_hi, own_lo, tline,
     G: tl.constexpr, GR: tl.constexpr, GP: tl.constexpr, NGP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
     BITS: tl.constexpr, VPREC: tl.constexpr, BN: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr,
     UPCAST: tl.constexpr, FIELD: tl.constexpr, NPP: tl.constexpr, FAR: tl.constexpr, PPI: tl.constexpr,
     TS: tl.constexpr, PREFETCH: tl.constexpr, OPT: tl.constexpr, APPEND: tl.constexpr, OWN_BITS: tl.constexpr,
-    NSL: tl.constexpr, FAR_FIRST: tl.constexpr,
+    NSL: tl.constexpr, FAR_FIRST: tl.constexpr, TIMELINE: tl.constexpr,
 ):
     """Program (i, b*H + h): near slots (i < NNEAR) or history split i - NNEAR of row b, KV head h.
 
@@ -342,10 +353,15 @@ def _cell_attn_kernel(
     APPEND 2 (``token_attention_``, docs/design-decisions.md §12): the same reads with the appended length and the
     same substitution, and no more programs: the near program whose slots hold the token writes its K and V there
     after reading them from k_new / v_new (session 12; session 11 had two more programs per (b, h) for it).
-    ``lengths`` and the page leaving the window are left to ``advance_``."""
+    ``lengths`` and the page leaving the window are left to ``advance_``.
+    TIMELINE (diagnostics, CUDA only; ``cell_attention(timeline=...)``): each program writes ``(start ns, end ns,
+    SM, program, row-head, history pages)`` at its launch-order index of ``tline`` (int64 [programs, 6])."""
     RP: tl.constexpr = GR * NGP
     pid = tl.program_id(0)
     bh = tl.program_id(1)
+    if TIMELINE:
+        t_start = _clock(False)
+        t_slot = (bh * tl.num_programs(0) + pid).to(tl.int64) * 6  # launch order, before the renumbering
     if FAR_FIRST:  # the launcher sets it only with NSPLIT > 0
         lin = bh * (NNEAR + NSPLIT) + pid  # launch order
         nfar = NSPLIT * tl.num_programs(1)
@@ -366,6 +382,16 @@ def _cell_attn_kernel(
         length = pos + (pos < CAP).to(tl.int32)  # the appended length (unchanged at capacity)
         is_app = pid >= nprog
     npg = tl.maximum(length - 288, 0) // 32  # history pages, n_pages(length)
+    # pages per history program: an even split into NSPLIT chunks, but at least ceil(sqrt(CHUNKC * B*H * npg))
+    # (0: no minimum) so that short rows take fewer programs (docs/kernel-notes.md, session 17). The programs past
+    # the row's last chunk exit at once: no partial, no counter add; the merge waits for the nlive that have one
+    chunk = tl.maximum((npg + NSPLIT - 1) // tl.maximum(NSPLIT, 1), 1)
+    if CHUNKC > 0:
+        want = (CHUNKC * tl.num_programs(1)) * npg.to(tl.float32)
+        least = tl.sqrt_rn(want).to(tl.int32)  # its ceiling in integers (tl.ceil compiles to an ftz cvt)
+        least += (least.to(tl.float32) * least.to(tl.float32) < want).to(tl.int32)
+        chunk = tl.maximum(chunk, tl.minimum(least, npg))
+    nlive = NNEAR + tl.minimum((npg + chunk - 1) // chunk, NSPLIT)
     r = tl.arange(0, RP)
     g_r = r // NGP
     gr = r % NGP
@@ -414,8 +440,7 @@ def _cell_attn_kernel(
                           (pid - nprog) // 2, NSL)
             tl.debug_barrier()  # every thread has read lengths[b]
             _row_done(rcnt, lengths, b, length, H, NSL)
-    else:
-        chunk = (npg + NSPLIT - 1) // NSPLIT
+    elif pid < nlive:
         p0 = (pid - NNEAR) * chunk
         p1 = tl.minimum(p0 + chunk, npg)
         t = tl.arange(0, 32)
@@ -443,9 +468,20 @@ def _cell_attn_kernel(
                 G, GR, GP, NGP, D, DP, BITS, VPREC, DT, PREC, UPCAST, FIELD,
             )
     # ---- the last program of (b, h) merges the partials by log-sum-exp
-    if not is_app:
-        _merge(ws_o, ws_ml, cnt, out, so_b, so_h, rcnt, lengths, b, h, bh, bh64, nprog, length, H, c, cm, G, GR, DP,
-               NPP, APPEND, NSL)
+    if (not is_app) and pid < nlive:
+        _merge(ws_o, ws_ml, cnt, out, so_b, so_h, rcnt, lengths, b, h, bh, bh64, nprog, nlive, length, H, c, cm, G,
+               GR, DP, NPP, APPEND, NSL)
+    if TIMELINE:
+        far = (pid >= NNEAR) & (pid < nlive)
+        p0_t = (pid - NNEAR) * chunk
+        pages = tl.where(far, tl.maximum(tl.minimum(p0_t + chunk, npg) - p0_t, 0), 0)
+        t_end = _clock(False)
+        tl.store(tline + t_slot, t_start)
+        tl.store(tline + t_slot + 1, t_end)
+        tl.store(tline + t_slot + 2, _clock(True))
+        tl.store(tline + t_slot + 3, pid.to(tl.int64))
+        tl.store(tline + t_slot + 4, bh.to(tl.int64))
+        tl.store(tline + t_slot + 5, pages.to(tl.int64))
 
 
 @triton.jit
@@ -459,15 +495,16 @@ def _row_done(rcnt, lengths, b, length, H, NSL: tl.constexpr):
 
 
 @triton.jit
-def _merge(ws_o, ws_ml, cnt, out, so_b, so_h, rcnt, lengths, b, h, bh, bh64, nprog, length, H, c, cm,
+def _merge(ws_o, ws_ml, cnt, out, so_b, so_h, rcnt, lengths, b, h, bh, bh64, nprog, nlive, length, H, c, cm,
            G: tl.constexpr, GR: tl.constexpr, DP: tl.constexpr, NPP: tl.constexpr, APPEND: tl.constexpr,
            NSL: tl.constexpr):
-    """The last program of (b, h) (counter ``cnt[bh]``, reset by it) merges the partials by log-sum-exp."""
+    """The last of the ``nlive`` programs of (b, h) that have a partial (counter ``cnt[bh]``, reset by it) merges
+    their partials (slots ``< nlive`` of the row-head's ``nprog``) by log-sum-exp."""
     tl.debug_barrier()
     done = tl.atomic_add(cnt + bh, 1, sem="acq_rel")
-    if done == nprog - 1:
+    if done == nlive - 1:
         k = tl.arange(0, NPP)
-        kvalid = k < nprog
+        kvalid = k < nlive
         for g in range(G):
             base = (bh64 * nprog + k) * GR + g  # [NPP] partial slots of query head g
             m_k = tl.load(ws_ml + base * 2, mask=kvalid, other=float("-inf"), cache_modifier=".cg")
@@ -479,9 +516,9 @@ def _merge(ws_o, ws_ml, cnt, out, so_b, so_h, rcnt, lengths, b, h, bh, bh64, npr
             for c0 in tl.static_range(0, NPP, 16):  # 16 partials at a time, loads independent
                 kk = c0 + tl.arange(0, 16)
                 slots = (bh64 * nprog + kk) * GR + g
-                wk = tl.exp2(tl.load(ws_ml + slots * 2, mask=kk < nprog, other=float("-inf"),
+                wk = tl.exp2(tl.load(ws_ml + slots * 2, mask=kk < nlive, other=float("-inf"),
                                      cache_modifier=".cg") - m_safe)
-                ok = tl.load(ws_o + slots[:, None] * DP + c[None, :], mask=(kk < nprog)[:, None], other=0.0,
+                ok = tl.load(ws_o + slots[:, None] * DP + c[None, :], mask=(kk < nlive)[:, None], other=0.0,
                              cache_modifier=".cg")
                 o += tl.sum(ok * wk[:, None], 0)
             res = tl.where(l_all > 0, o / tl.where(l_all > 0, l_all, 1.0), 0.0)
@@ -508,7 +545,7 @@ def cell_attention(
     far_impl: str | None = None, pages_per_iter: int | None = None, sub_tokens: int | None = None,
     prefetch: bool | None = None, near_block: int | None = None, cc_opts: tuple | None = None,
     maxnreg: int | None = None, append: tuple | None = None, token: tuple | None = None,
-    far_first: bool | None = None,
+    far_first: bool | None = None, chunk_coef: float | None = None, timeline: Tensor | None = None,
 ) -> Tensor:
     """Triton ``cell_attention``: q [B, Hq, D] -> [B, Hq, D] (shapes: docs/storage-layout.md).
 
@@ -521,12 +558,19 @@ def cell_attention(
     CUDA-core reader, names of ``triton_far.CC_OPTS`` (None: ``triton_config.CC_DEFAULT_OPTS_BY_BITS``; ``()``:
     session 2's reader).
     ``maxnreg``: register cap per thread handed to ``ptxas`` (more programs per SM; CUDA only).
+    ``chunk_coef``: each row's history pages go to as few of its ``splits`` programs as take at least
+    ``ceil(sqrt(chunk_coef * B * H * pages))`` pages each (the rest exit at once); None: ``triton_config.CHUNK_COEF``
+    for the CUDA-core reader unless ``splits`` is given, 0 otherwise (an even split into ``splits`` chunks).
     ``far_first``: launch every history program before the near programs (the kernel's ``FAR_FIRST``; None:
     ``triton_config.FAR_FIRST``); same output bit for bit. Not with ``append`` (whose extra programs keep the
     launch order).
     ``append``: ``(k_new, v_new, own_bits)``, used by ``append_attention`` (which checks them): the token is
     appended in the same launch. ``token``: ``(k_new, v_new)``, used by ``token_attention`` (which checks them): the
     token is read from them and written into sink or ring; ``lengths`` is not written.
+    ``timeline`` (diagnostics, CUDA only: ``benchmarks/probe_timeline.py``): a zeroed contiguous int64 tensor of
+    at least (programs x 6) elements (programs: near + history programs per row and KV head, times B * H; a
+    buffer too small is refused with the count); each program writes ``(start ns, end ns, SM, program, row-head,
+    history pages)`` at its launch-order index.
     """
     if bits not in (16, 4, 2, 0):
         raise ValueError(f"bits must be 16, 4, 2 or 0 (no history), got {bits}")
@@ -568,6 +612,10 @@ def cell_attention(
     else:
         nsplit = choose_splits(B * H, maxp, q.device) if splits is None else int(splits)
     nprog = nnear + nsplit
+    if chunk_coef is None:
+        chunk_coef = triton_config.CHUNK_COEF if impl == "cc" and splits is None else 0.0
+    if not (chunk_coef >= 0 and math.isfinite(chunk_coef)):
+        raise ValueError(f"chunk_coef must be a finite number >= 0 (0: no minimum chunk), got {chunk_coef}")
     ws_o = torch.empty(B * H * nprog * GR * DP, dtype=torch.float32, device=q.device)
     ws_ml = torch.empty(B * H * nprog * GR * 2, dtype=torch.float32, device=q.device)
     cnt = counters(q.device, B * H, purpose="attention")
@@ -632,19 +680,27 @@ def cell_attention(
                              "append_attention's launch keeps its order: leave far_first unset there")
         ff = False
     ff = ff and nsplit > 0  # nothing to reorder without history programs
+    if timeline is not None:
+        rows = (nprog + app_progs) * B * H
+        if q.device.type != "cuda" or torch.version.hip:
+            raise ValueError("cell_attention(timeline=...) reads the GPU's %globaltimer: CUDA only")
+        if timeline.dtype != torch.int64 or not timeline.is_contiguous() or timeline.numel() < 6 * rows:
+            raise ValueError(f"timeline must be a contiguous int64 tensor of at least {rows} x 6 elements (this "
+                             f"launch's programs), got {timeline.dtype} with {timeline.numel()} elements")
     _cell_attn_kernel[(nprog + app_progs, B * H)](
         q, q.stride(0), q.stride(1), sink_k, sink_v, win_k, win_v, lengths, page_table,
         k_pages, k_scale, k_zero, v_hi, v_lo, v_scale, v_zero,
         ws_o, ws_ml, cnt, out, out.stride(0), out.stride(1),
-        H, maxp, nnear, nsplit, scale * LOG2E, float(tau) if vprec else 0.0,
+        H, maxp, nnear, nsplit, float(chunk_coef), scale * LOG2E, float(tau) if vprec else 0.0,
         k_new, v_new, k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1), rcnt, cap, *own,
+        cnt if timeline is None else timeline,
         G=G, GR=GR, GP=_next_pow2(G), NGP=NGP, D=D, DP=DP, BITS=bits if nsplit else 0, VPREC=vprec, BN=bn,
         DT=tl.float32 if exact else tl.float16, PREC="ieee" if exact else "tf32",
         UPCAST=q.device.type != "cuda" and q.dtype == torch.bfloat16,
         FIELD=0 if exact else FIELD_MODE[field_mode or DEFAULT_FIELD_MODE],
         NPP=max(16, _next_pow2(nprog)), FAR=1 if impl == "cc" and nsplit else 0, PPI=ppi, TS=ts if impl == "cc" else 0,
         PREFETCH=pf, OPT=opt,
-        APPEND=mode, OWN_BITS=own_bits, NSL=APPEND_SLICES, FAR_FIRST=ff,
+        APPEND=mode, OWN_BITS=own_bits, NSL=APPEND_SLICES, FAR_FIRST=ff, TIMELINE=timeline is not None,
         num_warps=nw, num_stages=num_stages or cfg["num_stages"], **launch, **KERNEL_OPTIONS,
     )
     return out

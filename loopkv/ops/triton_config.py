@@ -24,8 +24,31 @@ CC_NEAR_BLOCK = 32  # with the cc reader: 10 near programs; the kernel's registe
 # (cell_attention_2026-11-30_session12_splits_peaks.json): at the end-to-end peaks' shapes (B*H = 576 and 384, 16K)
 # no split count from 20 to 43 was more than 1.6% faster than the heuristic in any mode (the run's noise is about
 # 2%); below 26 or above 36 they were up to 9% slower.
-WAVES = 124  # far programs per SM the split heuristic aims for
+# Session 17: with history programs first (FAR_FIRST, session 15) the near programs fill the end of the launch, so
+# fewer, longer history programs no longer leave SMs idle there, and a timeline of every program
+# (benchmarks/probe_timeline.py, timeline_2026-12-01_session17_run1_splits32.json) showed what each one costs beyond
+# its pages: at B = 32 x 1,344 tokens a program with no pages took 3.1 us, with 2 pages 7.2. Measured in one run
+# each (cell_attention_2026-12-01_session17_splits_b32.json, _splits_peaks.json, _fixed_cost.json):
+# 16 splits at B = 32 (62 per SM) ran INT4 at 16K in 0.389 ms against 32 splits' 0.397 (8K: 0.219 vs 0.227; 32K:
+# 0.740 vs 0.748), V precision 0.373 vs 0.382, INT2 0.282 vs 0.291; 12 to 24 splits were within 1% of 16. At B = 36
+# and 24 (the 16K decode peaks; the heuristic now gives 15 and 22) 14 to 22 splits ran level with or up to 4.6% faster
+# than 24 to 29 (INT4 at B = 36: 0.442 ms with 15, 0.441 with 29, 0.432 with 14). At B = 32 x 1,344 tokens 8 splits
+# took 0.065 ms against 32's 0.082. B = 1 and 8 keep MAX_SPLITS. The 16K decode peaks under graph
+# capture: LoopKV-M's step 53.93 vs 54.41 ms, KIVI-4's 44.06 vs 44.97 (decode_2026-12-01_session17_graph_16k_peaks.json
+# against session 16's run).
+WAVES = 62  # far programs per SM the split heuristic aims for (124 up to session 16)
 MAX_SPLITS = 48
+# Session 17: rows shorter than the page table (a cache sized for ``max_cache_len`` early in its decode) need
+# fewer programs than the table's width gives them. The kernel gives a row of ``pages`` history pages chunks of at
+# least ceil(sqrt(CHUNK_COEF * B*H * pages)) pages (this minimizes programs x their fixed cost + the last program's
+# length, with the fixed cost and per-page cost the timeline measured; ``cell_attention(chunk_coef=...)``), and the
+# programs past a row's last chunk exit at once (no partial, no counter add: 1 us instead of 3). It is read on the
+# device, so it follows the rows' lengths inside a CUDA graph. Measured with 32 splits at B = 32
+# (cell_attention_2026-12-01_session17_coef_*.json): 1,344 tokens 0.075 vs 0.078 ms without the minimum (the same
+# with the page table sized for 16K); 0, 0.001 and 0.002 within 1% of each other at 4K and 16K, 0.004 and 0.008 up to
+# 3% and 6% slower at 16K. At batch 1 and 8 (48 splits; cell_attention_2026-12-01_session17_b1_b8.json) level with
+# no minimum at 8K-32K but for one point, V precision at B = 8 x 8K (0.076 vs 0.073 ms).
+CHUNK_COEF = 0.002
 _SM_COUNT: dict[int, int] = {}
 
 
@@ -92,32 +115,37 @@ CC_REG_CAP = 128
 
 @contextlib.contextmanager
 def cc_options(add: Iterable[str] = (), drop: Iterable[str] = (), reg_cap: int | None = None,
-               far_first: bool | None = None) -> Iterator[None]:
+               far_first: bool | None = None, chunk_coef: float | None = None) -> Iterator[None]:
     """Within the block, the CUDA-core reader's default variants (``CC_DEFAULT_OPTS_BY_BITS``) gain ``add`` and lose
     ``drop`` (names of ``triton_far.CC_OPTS``), and, if given, its register cap is ``reg_cap`` (``CC_REG_CAP``) and
-    the launch order ``far_first`` (``FAR_FIRST``), for A/B runs of whole models (benchmarks). The launcher reads
+    the launch order ``far_first`` (``FAR_FIRST``) and the minimum-chunk coefficient ``chunk_coef`` (``CHUNK_COEF``),
+    for A/B runs of whole models (benchmarks). The launcher reads
     them at every launch, so a CUDA graph captured inside the block keeps them; they are restored on exit."""
     from loopkv.ops.triton_far import CC_OPTS
 
-    global CC_REG_CAP, FAR_FIRST
+    global CC_REG_CAP, FAR_FIRST, CHUNK_COEF
     add, drop = tuple(add), tuple(drop)
     unknown = sorted(set(add + drop) - set(CC_OPTS))
     if unknown:
         raise ValueError(f"cc_options: unknown reader variant(s) {unknown}; choose from {sorted(CC_OPTS)}")
     if reg_cap is not None and not (isinstance(reg_cap, int) and 32 <= reg_cap <= 255):
         raise ValueError(f"cc_options: reg_cap must be an int in [32, 255] (registers per thread), got {reg_cap!r}")
-    saved, saved_cap, saved_ff = dict(CC_DEFAULT_OPTS_BY_BITS), CC_REG_CAP, FAR_FIRST
+    if chunk_coef is not None and not (chunk_coef >= 0 and chunk_coef < float("inf")):
+        raise ValueError(f"cc_options: chunk_coef must be a finite number >= 0, got {chunk_coef!r}")
+    saved, saved_cap, saved_ff, saved_coef = dict(CC_DEFAULT_OPTS_BY_BITS), CC_REG_CAP, FAR_FIRST, CHUNK_COEF
     CC_DEFAULT_OPTS_BY_BITS.update({b: tuple(o for o in opts if o not in drop) + tuple(a for a in add if a not in opts)
                                     for b, opts in saved.items()})
     if reg_cap is not None:
         CC_REG_CAP = reg_cap
     if far_first is not None:
         FAR_FIRST = bool(far_first)
+    if chunk_coef is not None:
+        CHUNK_COEF = float(chunk_coef)
     try:
         yield
     finally:
         CC_DEFAULT_OPTS_BY_BITS.update(saved)
-        CC_REG_CAP, FAR_FIRST = saved_cap, saved_ff
+        CC_REG_CAP, FAR_FIRST, CHUNK_COEF = saved_cap, saved_ff, saved_coef
 
 
 # Launch options every loopkv kernel passes. Fused multiply-adds: the kernels were measured and their codes

@@ -6,7 +6,8 @@ recorder; the recorded arguments are then compiled by ``triton.compile`` for ``c
 does only on a GPU put back (the ``maxnreg`` cap, the L2 prefetch, no bf16 upcast). Prints one JSON line:
 registers, stack bytes and what the PTX contains. ``dtype`` (optional, default ``"bfloat16"``): the inputs';
 ``cc_opts`` (optional): a reader variant's options instead of the launcher's default; ``append`` (optional,
-true): the fused ``append_attention`` launch; ``token`` (optional, true): ``token_attention``'s launch.
+true): the fused ``append_attention`` launch; ``token`` (optional, true): ``token_attention``'s launch;
+``timeline`` (optional, true): the build that writes each program's timeline (``%globaltimer``, ``%smid``).
 
     python tests/ops/sm90_compile_check.py '{"bits": 4, "tau": 14.0, "batch": 8, "heads": 8, "group": 1,
                                              "head_dim": 96}'
@@ -80,6 +81,8 @@ def main(case: dict) -> dict:
         if kwargs["OPT"] & ta.CC_OPTS["k16"]:
             kwargs["OPT"] |= ta.OPT_ASM16  # "k16"'s pairs in inline PTX, as on CUDA
     kwargs["UPCAST"] = False
+    if case.get("timeline"):  # the diagnostics build (cell_attention(timeline=...), CUDA only)
+        kwargs["TIMELINE"] = True
     options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages", "maxnreg", "enable_fp_fusion") if k in kwargs}
     if cfg.get("maxnreg"):
         options["maxnreg"] = cfg["maxnreg"]
@@ -110,6 +113,7 @@ def main(case: dict) -> dict:
     ftz = [ln.strip() for ln in ptx.splitlines() if ".ftz" in ln]
     registers, stack = _resources(compiled)
     return {"impl": impl, "opt": kwargs.get("OPT"), "options": options, "registers": registers, "stack": stack,
+            "globaltimer": len(re.findall(r"%globaltimer", ptx)), "smid": len(re.findall(r"%smid", ptx)),
             "prefetch_l2": len(re.findall(r"prefetch\.global\.L2", ptx)),
             "fma": len(re.findall(r"\bfma\.rn\.f32", ptx)), "ftz_not_ex2": [ln for ln in ftz if "ex2" not in ln][:5]}
 

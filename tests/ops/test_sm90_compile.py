@@ -101,3 +101,14 @@ def test_fused_append_attention_compiles_for_sm90(bits):
     assert got["options"]["maxnreg"] == 128
     assert got["registers"] is None or got["registers"] <= 128
     assert got["ftz_not_ex2"] == []
+
+
+def test_timeline_build_compiles_for_sm90_under_the_cap():
+    """``cell_attention(timeline=...)`` (benchmarks/probe_timeline.py) reads ``%globaltimer`` twice and ``%smid``
+    once per program, in inline PTX the interpreter cannot run; the default build reads neither."""
+    case = dict(bits=4, tau=None, batch=32, heads=16, group=1, head_dim=128)
+    got = compile_sm90(timeline=True, **case)
+    assert (got["globaltimer"], got["smid"]) == (2, 1)
+    assert got["registers"] is None or got["registers"] <= 128
+    plain = compile_sm90(**case)
+    assert (plain["globaltimer"], plain["smid"]) == (0, 0)

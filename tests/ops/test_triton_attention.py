@@ -357,6 +357,14 @@ def test_cc_options_changes_the_defaults_inside_its_block_only():
         with triton_config.cc_options(reg_cap=16):
             pass
     assert triton_config.CC_REG_CAP == cap
+    coef = triton_config.CHUNK_COEF
+    with triton_config.cc_options(chunk_coef=0.0):
+        assert triton_config.CHUNK_COEF == 0.0
+    assert triton_config.CHUNK_COEF == coef
+    with pytest.raises(ValueError, match="chunk_coef must be a finite number >= 0"):
+        with triton_config.cc_options(chunk_coef=float("nan")):
+            pass
+    assert triton_config.CHUNK_COEF == coef
 
 
 def test_far_impl_choice_and_argument_errors():
@@ -511,6 +519,48 @@ def test_random_shapes(seed):
     assert_close_to_reference(out, q, st, bits, tau, head_dim**-0.5)
 
 
+def live_chunks(npg, splits, coef, rows_heads):
+    """History programs with pages for a row of ``npg`` pages: the kernel's chunk rule, in Python."""
+    if npg == 0 or splits == 0:
+        return 0
+    chunk = max(-(-npg // splits), 1)
+    if coef > 0:
+        chunk = max(chunk, min(math.ceil(math.sqrt(coef * rows_heads * npg)), npg))
+    return min(-(-npg // chunk), splits)
+
+
+@interpret
+@pytest.mark.interpret
+@pytest.mark.parametrize(("bits", "tau", "dtype"), [
+    (4, INF, torch.float32), (4, 14.0, torch.bfloat16), (2, INF, torch.bfloat16), (16, INF, torch.float32),
+])
+def test_minimum_chunk_keeps_the_result(bits, tau, dtype):
+    """``chunk_coef`` (triton_config.CHUNK_COEF) gives a row's history pages to fewer programs, the rest exit with
+    no partial and the merge waits only for those with one: still the reference's result for rows of no, one,
+    a few and all pages, with the decode token path (which merges the same way) too."""
+    maxp, batch, heads, D = 9, 4, 2, 64
+    lengths = [300, 288 + 32 + 5, 288 + 32 * 4, layout.capacity(maxp)]  # 0, 1, 4 and 9 history pages
+    st = make_cell(batch, heads, D, maxp, bits, lengths, dtype=dtype, seed=bits)
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(batch, heads, D, generator=g).to(dtype)
+    want = reference64(q, st, bits, tau, 0.125)
+    k16 = reads_k16(q, bits, 1)
+    for coef in (0.0, 0.3, 1e6):  # no minimum; some rows in fewer chunks; every row in one chunk
+        assert [live_chunks(layout.n_pages(n), 5, coef, batch * heads) for n in lengths] == \
+            {0.0: [0, 1, 4, 5], 0.3: [0, 1, 1, 2], 1e6: [0, 1, 1, 1]}[coef]
+        out = ta.cell_attention(q, *st, bits, tau, 0.125, splits=5, chunk_coef=coef)
+        assert_close_to_reference(out, q, st, bits, tau, 0.125, want=want, k16=k16)
+    if bits == 16:
+        return
+    kn, vn = (torch.randn(batch, heads, 1, D, generator=g).to(dtype) for _ in range(2))
+    outs = [ta.token_attention(q, kn, vn, *[t.clone() for t in st], bits, tau, 0.125, splits=5, chunk_coef=coef)
+            for coef in (0.0, 1e6)]
+    torch.testing.assert_close(outs[1].double(), outs[0].double(), rtol=0, atol=5e-3 if dtype != torch.float32
+                               else 1e-5)  # the same tokens, merged from 1 instead of 5 history partials
+    with pytest.raises(ValueError, match="chunk_coef"):
+        ta.cell_attention(q, *st, bits, tau, 0.125, chunk_coef=-1.0)
+
+
 @interpret
 @pytest.mark.interpret
 @pytest.mark.parametrize(("bits", "tau", "far_impl", "dtype"), [
@@ -610,6 +660,40 @@ def test_gpu_far_first_bit_identical(bits, tau):
         outs.append((ta.token_attention(q, kn, vn, *cell, bits, tau, D**-0.5, far_first=ff), cell))
     assert torch.equal(outs[0][0], outs[1][0])
     assert all(torch.equal(a, b) for a, b in zip(outs[0][1], outs[1][1], strict=True))
+
+
+@pytest.mark.gpu
+def test_gpu_timeline_records_every_program_and_changes_no_bit():
+    """``cell_attention(timeline=...)`` (benchmarks/probe_timeline.py): the same output bits as the plain launch,
+    one row per program with start <= end on a real SM, and the history programs' pages adding up to every row's
+    pages (rows of 0 to 4K tokens, 7 splits)."""
+    maxp, batch, heads, D, splits = 128, 8, 16, 128, 7
+    g = torch.Generator().manual_seed(5)
+    lengths = [0, 300, layout.capacity(maxp)] + torch.randint(320, layout.capacity(maxp) + 1, (batch - 3,),
+                                                                generator=g).tolist()
+    st = make_cell(batch, heads, D, maxp, 4, lengths, dtype=torch.bfloat16, device="cuda", seed=5)
+    q = torch.randn(batch, heads, D, generator=g).bfloat16().cuda()
+    nprog = 320 // triton_config.CC_NEAR_BLOCK + splits
+    buf = torch.zeros(nprog * batch * heads, 6, dtype=torch.int64, device="cuda")
+    with pytest.raises(ValueError, match="at least"):
+        ta.cell_attention(q, *st, 4, INF, D**-0.5, splits=splits, timeline=buf[:-1])
+    got = ta.cell_attention(q, *st, 4, INF, D**-0.5, splits=splits, timeline=buf)
+    assert torch.equal(got, ta.cell_attention(q, *st, 4, INF, D**-0.5, splits=splits))
+    rows = buf.cpu()
+    assert (rows[:, 1] >= rows[:, 0]).all()
+    assert (rows[:, 0] > 0).all()
+    assert int(rows[:, 2].max()) < torch.cuda.get_device_properties(0).multi_processor_count
+    assert sorted(rows[:, 3].tolist()) == sorted(list(range(nprog)) * batch * heads)
+    want = sum(layout.n_pages(n) for n in lengths) * heads
+    assert int(rows[:, 5].sum()) == want
+    # with a minimum chunk, only the programs the kernel's rule gives pages have any (the others exited)
+    buf.zero_()
+    ta.cell_attention(q, *st, 4, INF, D**-0.5, splits=splits, chunk_coef=0.05, timeline=buf)
+    rows = buf.cpu()
+    live = torch.zeros(batch * heads, dtype=torch.int64).index_add_(0, rows[:, 4], (rows[:, 5] > 0).long())
+    rule = [live_chunks(layout.n_pages(n), splits, 0.05, batch * heads) for n in lengths for _ in range(heads)]
+    assert live.tolist() == rule
+    assert int(rows[:, 5].sum()) == want
 
 
 CC_CONFIGS = [  # (num_warps, sub_tokens, pages_per_iter, prefetch): the benchmark's CUDA-core arms and more
