@@ -50,7 +50,6 @@ CONFIGS = {
     "int4_b32_1344_coef0": (32, 1344, 4, False, {"chunk_coef": 0.0}),
     "int4_b32_16k_coef0": (32, 16384, 4, False, {"chunk_coef": 0.0}),
 }
-SLOTS = 16  # one-warp programs per SM at the reader's 128-register cap
 
 
 def analyze(rows: torch.Tensor, nnear: int) -> dict:
