@@ -3,8 +3,9 @@
 Grid ``(NNEAR + NSPLIT, B * H)``: for every (row b, KV head h), ``NNEAR`` *near* programs cover the
 exact sink + window slots (``BN`` slots each, of the virtual array ``[sink 32 | ring 288]``) and
 ``NSPLIT`` *far* programs split the row's history pages (``n_pages(lengths[b])``, read on the device)
-into contiguous chunks, flash-decoding style. Each program writes a partial ``(m, l, o)`` in log2
-units; the last program of (b, h) to finish (an atomic counter that it resets to zero, so CUDA-graph
+into contiguous chunks, flash-decoding style (chunks of at least ``ceil(sqrt(CHUNKC * B*H * pages))`` pages;
+the far programs past the row's last chunk exit at once). Each other program writes a partial ``(m, l, o)``
+in log2 units; the last of them to finish (an atomic counter that it resets to zero, so CUDA-graph
 replays stay correct) merges the partials by log-sum-exp and writes ``out[b, h*G:(h+1)*G]``. By default
 (``FAR_FIRST``, docs/design-decisions.md §14) the programs are renumbered so that the GPU starts every
 history program before any near program: the short near programs fill the end of the launch.
