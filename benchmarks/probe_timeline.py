@@ -49,6 +49,10 @@ CONFIGS = {
     # session 17: the even split of the rows' pages into the heuristic's splits (no minimum chunk), as before it
     "int4_b32_1344_coef0": (32, 1344, 4, False, {"chunk_coef": 0.0}),
     "int4_b32_16k_coef0": (32, 16384, 4, False, {"chunk_coef": 0.0}),
+    # rows far shorter than the page table (a cache sized for 16K early in its decode): the split count follows the
+    # table, the programs past a row's chunks exit ("capacity" is the table's, not a cell_attention argument)
+    "int4_b32_300_cap16k": (32, 300, 4, False, {"capacity": 16384}),
+    "int4_b32_1344_cap16k": (32, 1344, 4, False, {"capacity": 16384}),
 }
 
 
@@ -115,8 +119,10 @@ def analyze(rows: torch.Tensor, nnear: int) -> dict:
 
 def run_config(name: str, reps: int, flush: torch.Tensor) -> dict:
     B, ctx, bits, vprec, kw = CONFIGS[name]
+    kw = dict(kw)
+    capacity = kw.pop("capacity", None)
     dense = bca.make_dense(B, ctx, seed=17, hot=vprec)
-    cell = bca.make_cell(dense, bits)
+    cell = bca.make_cell(dense, bits, capacity)
     q = dense["q"]
     tau = bca.TAU if vprec else math.inf
     scale = bca.D ** -0.5
@@ -146,7 +152,8 @@ def run_config(name: str, reps: int, flush: torch.Tensor) -> dict:
         runs.append((summary["span_us"], summary, buf.view(rows, 6).cpu().clone()))
     runs.sort(key=lambda r: r[0])
     _, summary, raw = runs[len(runs) // 2]
-    summary.update({"batch": B, "context": ctx, "bits": bits, "vprec": vprec, "kw": kw, "graph_us": graph_us,
+    summary.update({"batch": B, "context": ctx, "capacity": capacity, "bits": bits, "vprec": vprec, "kw": kw,
+                    "graph_us": graph_us,
                     "spans_us": [r[0] for r in runs]})
     return summary, raw[raw[:, 1] > 0]
 
