@@ -516,6 +516,8 @@ def main() -> None:
                     help="comma-separated reader arms to run (default: all of READERS; 'dot' is always run, as the "
                          "reference every arm is checked against)")
     args = ap.parse_args()
+    if args.capacity and args.full:
+        ap.error("--capacity sizes the reader arms' page tables (the default run); --full's arms do not take it")
     if args.readers is not None:
         names = ["dot"] + [r for r in args.readers.split(",") if r and r != "dot"]
         unknown = [r for r in names if r not in READERS]
