@@ -21,7 +21,7 @@ if not torch.cuda.is_available():
 
 triton = pytest.importorskip("triton")
 
-from loopkv.ops import codec, layout, triton_config  # noqa: E402
+from loopkv.ops import cache_ops, codec, layout, triton_config  # noqa: E402
 from loopkv.ops import triton_attention as ta  # noqa: E402
 from loopkv.ops.cell_attention import cell_attention_reference  # noqa: E402
 from tests.tolerances import (  # noqa: E402
@@ -553,10 +553,12 @@ def test_minimum_chunk_keeps_the_result(bits, tau, dtype):
     if bits == 16:
         return
     kn, vn = (torch.randn(batch, heads, 1, D, generator=g).to(dtype) for _ in range(2))
-    outs = [ta.token_attention(q, kn, vn, *[t.clone() for t in st], bits, tau, 0.125, splits=5, chunk_coef=coef)
-            for coef in (0.0, 1e6)]
-    torch.testing.assert_close(outs[1].double(), outs[0].double(), rtol=0, atol=5e-3 if dtype != torch.float32
-                               else 1e-5)  # the same tokens, merged from 1 instead of 5 history partials
+    appended = [t.clone() for t in st]  # the state the token path reads: the token appended (reference op)
+    cache_ops.append_reference(kn, vn, *appended, bits)
+    want = reference64(q, appended, bits, tau, 0.125)
+    for coef in (0.0, 1e6):  # 5 history partials per row, or 1
+        out = ta.token_attention(q, kn, vn, *[t.clone() for t in st], bits, tau, 0.125, splits=5, chunk_coef=coef)
+        assert_close_to_reference(out, q, appended, bits, tau, 0.125, want=want, k16=k16)
     with pytest.raises(ValueError, match="chunk_coef"):
         ta.cell_attention(q, *st, bits, tau, 0.125, chunk_coef=-1.0)
 
