@@ -342,6 +342,10 @@ READERS = {
     # instead of one (INT4 at B = 32 x 16K 0.439 vs 0.389 ms, slower at every shape), and "leadN", N near programs
     # launched before the history programs against the lockstep first wave (N = 1,056 / 2,112 / 4,224: 0.390 /
     # 0.392 / 0.395 vs 0.389 ms)
+    # session 18, measured and removed (cell_attention_2026-12-01_session18_nl2_*.json; the diff is
+    # benchmarks/results/near_l2_attempt_2026-12-01_session18.patch): "nl2", each near program asking L2 for its
+    # slots' V rows before its scores (at B = 32 x 300 in a 32K-wide table 0.046 vs 0.043 ms; level at 16K; the
+    # token path's page loop gained 3 spill loads, static)
     # INT2 with 8-token sub-tiles under the cap (static: 128 registers, 804 instructions per page-head and no
     # spill in the page loop); measured in session 4: B=32 x 16K 0.399 ms vs 0.472 for the 16-token default of
     # then, and the INT2 default from B x H >= 64 since (cell_attention_2026-11-29_session4_quick.json). INT4: the
