@@ -87,9 +87,15 @@ REG_CAP_ARMS = {f"{a}-r{c}": c for c in (112, 120, 136, 144) for a in ("loopkv-m
 # the plain arm, and "-nf" is the old order
 FAR_FIRST_ARMS = ("loopkv-m-ff", "kivi4-ff")
 OLD_ORDER_ARMS = ("loopkv-m-nf", "kivi4-nf")
+# "-s16": session 16's split count (triton_config.WAVES 124 and no minimum chunk, CHUNK_COEF 0), set for the point
+# and restored after (cc_options). Session 18 measured compiled M at the 16K peak 48.10 ms with the default and 46.81
+# with these, in two device calls (decode_2026-12-01_session18_compile_16k_*.json); graph capture had gone the other
+# way across sessions 16-17. These arms put both in one process
+S16_SPLIT_ARMS = ("loopkv-m-s16", "kivi4-s16")
 # the arms above run their base arm's plan ("loopkv-m" or "kivi4", the prefix of their name) with one cache or
 # reader setting changed
-VARIANT_ARMS = (*FUSED_ARMS, *STEP_ARMS, *CELL_ARMS, *K32_ARMS, *REG_CAP_ARMS, *FAR_FIRST_ARMS, *OLD_ORDER_ARMS)
+VARIANT_ARMS = (*FUSED_ARMS, *STEP_ARMS, *CELL_ARMS, *K32_ARMS, *REG_CAP_ARMS, *FAR_FIRST_ARMS, *OLD_ORDER_ARMS,
+                *S16_SPLIT_ARMS)
 # measured only when named in --arms: the variant arms, and "loopkv-m-notau", M's grid with V precision off (tau =
 # inf; the same 155 / 220 KiB in Plan's accounting, which does not count V precision's savings)
 EXTRA_ARMS = ("loopkv-m-notau", *VARIANT_ARMS)
@@ -438,10 +444,12 @@ def profiled(batch: int, peak: int, mode: str) -> bool:
 
 def reader_options(arm):
     """The reader's defaults for ``arm``'s points: the ``-k32`` arms drop "k16", the ``-r<cap>`` arms set the register
-    cap, the ``-ff`` / ``-nf`` arms launch history programs first / in the old order (all restored after)."""
+    cap, the ``-ff`` / ``-nf`` arms launch history programs first / in the old order, the ``-s16`` arms take session
+    16's split count (all restored after)."""
     ff = True if arm in FAR_FIRST_ARMS else False if arm in OLD_ORDER_ARMS else None
+    s16 = arm in S16_SPLIT_ARMS
     return triton_config.cc_options(drop=("k16",) if arm in K32_ARMS else (), reg_cap=REG_CAP_ARMS.get(arm),
-                                    far_first=ff)
+                                    far_first=ff, waves=124 if s16 else None, chunk_coef=0.0 if s16 else None)
 
 
 def measure(model, cfg, arm, plans, **kw):

@@ -526,6 +526,12 @@ def test_k32_arms_drop_k16_for_their_point_only(bench):
     with pytest.raises(RuntimeError, match="point failed"), bench.reader_options("kivi4-k32"):
         raise RuntimeError("point failed")
     assert triton_config.CC_DEFAULT_OPTS_BY_BITS == before
+    waves, coef = triton_config.WAVES, triton_config.CHUNK_COEF
+    for arm in bench.S16_SPLIT_ARMS:  # session 16's split count for the point, the default after
+        with bench.reader_options(arm):
+            assert (triton_config.WAVES, triton_config.CHUNK_COEF) == (124, 0.0)
+            assert triton_config.CC_DEFAULT_OPTS_BY_BITS == before
+        assert (triton_config.WAVES, triton_config.CHUNK_COEF) == (waves, coef)
     plans = bench.paper_plans(4, 24)
     assert plans["loopkv-m-k32"].grid() == plans["loopkv-m"].grid()
     assert plans["kivi4-k32"].grid() == plans["kivi4"].grid()

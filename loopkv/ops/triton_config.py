@@ -115,15 +115,17 @@ CC_REG_CAP = 128
 
 @contextlib.contextmanager
 def cc_options(add: Iterable[str] = (), drop: Iterable[str] = (), reg_cap: int | None = None,
-               far_first: bool | None = None, chunk_coef: float | None = None) -> Iterator[None]:
+               far_first: bool | None = None, chunk_coef: float | None = None,
+               waves: int | None = None) -> Iterator[None]:
     """Within the block, the CUDA-core reader's default variants (``CC_DEFAULT_OPTS_BY_BITS``) gain ``add`` and lose
     ``drop`` (names of ``triton_far.CC_OPTS``), and, if given, its register cap is ``reg_cap`` (``CC_REG_CAP``) and
-    the launch order ``far_first`` (``FAR_FIRST``) and the minimum-chunk coefficient ``chunk_coef`` (``CHUNK_COEF``),
-    for A/B runs of whole models (benchmarks). The launcher reads
-    them at every launch, so a CUDA graph captured inside the block keeps them; they are restored on exit."""
+    the launch order ``far_first`` (``FAR_FIRST``), the minimum-chunk coefficient ``chunk_coef`` (``CHUNK_COEF``) and
+    the history programs per SM the split heuristic aims for ``waves`` (``WAVES``), for A/B runs of whole models
+    (benchmarks). The launcher reads them at every launch, so a CUDA graph captured inside the block keeps them; they
+    are restored on exit."""
     from loopkv.ops.triton_far import CC_OPTS
 
-    global CC_REG_CAP, FAR_FIRST, CHUNK_COEF
+    global CC_REG_CAP, FAR_FIRST, CHUNK_COEF, WAVES
     add, drop = tuple(add), tuple(drop)
     unknown = sorted(set(add + drop) - set(CC_OPTS))
     if unknown:
@@ -132,7 +134,10 @@ def cc_options(add: Iterable[str] = (), drop: Iterable[str] = (), reg_cap: int |
         raise ValueError(f"cc_options: reg_cap must be an int in [32, 255] (registers per thread), got {reg_cap!r}")
     if chunk_coef is not None and not (chunk_coef >= 0 and chunk_coef < float("inf")):
         raise ValueError(f"cc_options: chunk_coef must be a finite number >= 0, got {chunk_coef!r}")
+    if waves is not None and (isinstance(waves, bool) or not isinstance(waves, int) or waves < 1):
+        raise ValueError(f"cc_options: waves must be an int >= 1 (history programs per SM), got {waves!r}")
     saved, saved_cap, saved_ff, saved_coef = dict(CC_DEFAULT_OPTS_BY_BITS), CC_REG_CAP, FAR_FIRST, CHUNK_COEF
+    saved_waves = WAVES
     CC_DEFAULT_OPTS_BY_BITS.update({b: tuple(o for o in opts if o not in drop) + tuple(a for a in add if a not in opts)
                                     for b, opts in saved.items()})
     if reg_cap is not None:
@@ -141,11 +146,13 @@ def cc_options(add: Iterable[str] = (), drop: Iterable[str] = (), reg_cap: int |
         FAR_FIRST = bool(far_first)
     if chunk_coef is not None:
         CHUNK_COEF = float(chunk_coef)
+    if waves is not None:
+        WAVES = waves
     try:
         yield
     finally:
         CC_DEFAULT_OPTS_BY_BITS.update(saved)
-        CC_REG_CAP, FAR_FIRST, CHUNK_COEF = saved_cap, saved_ff, saved_coef
+        CC_REG_CAP, FAR_FIRST, CHUNK_COEF, WAVES = saved_cap, saved_ff, saved_coef, saved_waves
 
 
 # Launch options every loopkv kernel passes. Fused multiply-adds: the kernels were measured and their codes

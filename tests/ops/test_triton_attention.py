@@ -365,6 +365,18 @@ def test_cc_options_changes_the_defaults_inside_its_block_only():
         with triton_config.cc_options(chunk_coef=float("nan")):
             pass
     assert triton_config.CHUNK_COEF == coef
+    cpu, waves = torch.device("cpu"), triton_config.WAVES  # 4 "SMs" on CPU (the interpreter)
+    assert triton_config.choose_splits(8, 100, cpu) == -(-4 * waves // 8)  # 4 SMs x WAVES programs over 8 row-heads
+    with triton_config.cc_options(waves=10):
+        assert triton_config.WAVES == 10
+        assert triton_config.choose_splits(8, 100, cpu) == 5
+        assert triton_config.choose_splits(8, 3, cpu) == 3  # at most one per page
+    assert triton_config.WAVES == waves
+    for bad in (0, 2.5, True):
+        with pytest.raises(ValueError, match="waves must be an int >= 1"):
+            with triton_config.cc_options(waves=bad):
+                pass
+    assert triton_config.WAVES == waves
 
 
 def test_far_impl_choice_and_argument_errors():
