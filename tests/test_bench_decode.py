@@ -526,15 +526,26 @@ def test_k32_arms_drop_k16_for_their_point_only(bench):
     with pytest.raises(RuntimeError, match="point failed"), bench.reader_options("kivi4-k32"):
         raise RuntimeError("point failed")
     assert triton_config.CC_DEFAULT_OPTS_BY_BITS == before
-    waves, coef = triton_config.WAVES, triton_config.CHUNK_COEF
-    for arm in bench.S16_SPLIT_ARMS:  # session 16's split count for the point, the default after
-        with bench.reader_options(arm):
-            assert (triton_config.WAVES, triton_config.CHUNK_COEF) == (124, 0.0)
-            assert triton_config.CC_DEFAULT_OPTS_BY_BITS == before
-        assert (triton_config.WAVES, triton_config.CHUNK_COEF) == (waves, coef)
     plans = bench.paper_plans(4, 24)
     assert plans["loopkv-m-k32"].grid() == plans["loopkv-m"].grid()
     assert plans["kivi4-k32"].grid() == plans["kivi4"].grid()
+
+
+def test_s16_arms_take_session_16s_split_count_for_their_point_only(bench):
+    """The ``-s16`` arms run their base plan with session 16's split count (WAVES 124, no minimum chunk) and
+    the reader's variants unchanged; the defaults are back afterwards."""
+    from loopkv.ops import triton_config
+
+    opts, waves, coef = dict(triton_config.CC_DEFAULT_OPTS_BY_BITS), triton_config.WAVES, triton_config.CHUNK_COEF
+    assert (waves, coef) != (124, 0.0)
+    for arm in bench.S16_SPLIT_ARMS:
+        with bench.reader_options(arm):
+            assert (triton_config.WAVES, triton_config.CHUNK_COEF) == (124, 0.0)
+            assert triton_config.CC_DEFAULT_OPTS_BY_BITS == opts
+        assert (triton_config.WAVES, triton_config.CHUNK_COEF) == (waves, coef)
+    plans = bench.paper_plans(4, 24)
+    assert plans["loopkv-m-s16"].grid() == plans["loopkv-m"].grid()
+    assert plans["kivi4-s16"].grid() == plans["kivi4"].grid()
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs Triton's interpreter (set on CPU)")

@@ -615,8 +615,7 @@ def cell_attention(
     nprog = nnear + nsplit
     if chunk_coef is None:
         chunk_coef = triton_config.CHUNK_COEF if impl == "cc" and splits is None else 0.0
-    if not (chunk_coef >= 0 and math.isfinite(chunk_coef)):
-        raise ValueError(f"chunk_coef must be a finite number >= 0 (0: no minimum chunk), got {chunk_coef}")
+    chunk_coef = triton_config.check_chunk_coef(chunk_coef, "cell_attention")
     ws_o = torch.empty(B * H * nprog * GR * DP, dtype=torch.float32, device=q.device)
     ws_ml = torch.empty(B * H * nprog * GR * 2, dtype=torch.float32, device=q.device)
     cnt = counters(q.device, B * H, purpose="attention")
@@ -692,7 +691,7 @@ def cell_attention(
         q, q.stride(0), q.stride(1), sink_k, sink_v, win_k, win_v, lengths, page_table,
         k_pages, k_scale, k_zero, v_hi, v_lo, v_scale, v_zero,
         ws_o, ws_ml, cnt, out, out.stride(0), out.stride(1),
-        H, maxp, nnear, nsplit, float(chunk_coef), scale * LOG2E, float(tau) if vprec else 0.0,
+        H, maxp, nnear, nsplit, chunk_coef, scale * LOG2E, float(tau) if vprec else 0.0,
         k_new, v_new, k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1), rcnt, cap, *own,
         cnt if timeline is None else timeline,
         G=G, GR=GR, GP=_next_pow2(G), NGP=NGP, D=D, DP=DP, BITS=bits if nsplit else 0, VPREC=vprec, BN=bn,

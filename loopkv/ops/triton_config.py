@@ -7,6 +7,7 @@ every number was measured on the H200 (docs/kernels.md, docs/kernel-notes.md).
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterable, Iterator
 
 import torch
@@ -49,6 +50,14 @@ MAX_SPLITS = 48
 # 3% and 6% slower at 16K. At batch 1 and 8 (48 splits; cell_attention_2026-12-01_session17_b1_b8.json) level with
 # no minimum at 8K-32K but for one point, V precision at B = 8 x 8K (0.076 vs 0.073 ms).
 CHUNK_COEF = 0.002
+
+
+def check_chunk_coef(value: float, where: str) -> float:
+    """``value`` as a minimum-chunk coefficient (a finite number >= 0; 0: no minimum), or a ValueError naming
+    ``where`` it was given."""
+    if not (value >= 0 and math.isfinite(value)):
+        raise ValueError(f"{where}: chunk_coef must be a finite number >= 0 (0: no minimum chunk), got {value!r}")
+    return float(value)
 _SM_COUNT: dict[int, int] = {}
 
 
@@ -125,34 +134,27 @@ def cc_options(add: Iterable[str] = (), drop: Iterable[str] = (), reg_cap: int |
     are restored on exit."""
     from loopkv.ops.triton_far import CC_OPTS
 
-    global CC_REG_CAP, FAR_FIRST, CHUNK_COEF, WAVES
     add, drop = tuple(add), tuple(drop)
     unknown = sorted(set(add + drop) - set(CC_OPTS))
     if unknown:
         raise ValueError(f"cc_options: unknown reader variant(s) {unknown}; choose from {sorted(CC_OPTS)}")
     if reg_cap is not None and not (isinstance(reg_cap, int) and 32 <= reg_cap <= 255):
         raise ValueError(f"cc_options: reg_cap must be an int in [32, 255] (registers per thread), got {reg_cap!r}")
-    if chunk_coef is not None and not (chunk_coef >= 0 and chunk_coef < float("inf")):
-        raise ValueError(f"cc_options: chunk_coef must be a finite number >= 0, got {chunk_coef!r}")
+    if chunk_coef is not None:
+        chunk_coef = check_chunk_coef(chunk_coef, "cc_options")
     if waves is not None and (isinstance(waves, bool) or not isinstance(waves, int) or waves < 1):
         raise ValueError(f"cc_options: waves must be an int >= 1 (history programs per SM), got {waves!r}")
-    saved, saved_cap, saved_ff, saved_coef = dict(CC_DEFAULT_OPTS_BY_BITS), CC_REG_CAP, FAR_FIRST, CHUNK_COEF
-    saved_waves = WAVES
+    knobs = {"CC_REG_CAP": reg_cap, "FAR_FIRST": None if far_first is None else bool(far_first),
+             "CHUNK_COEF": chunk_coef, "WAVES": waves}  # module settings the launcher reads; None: unchanged
+    saved, saved_knobs = dict(CC_DEFAULT_OPTS_BY_BITS), {name: globals()[name] for name in knobs}
     CC_DEFAULT_OPTS_BY_BITS.update({b: tuple(o for o in opts if o not in drop) + tuple(a for a in add if a not in opts)
                                     for b, opts in saved.items()})
-    if reg_cap is not None:
-        CC_REG_CAP = reg_cap
-    if far_first is not None:
-        FAR_FIRST = bool(far_first)
-    if chunk_coef is not None:
-        CHUNK_COEF = float(chunk_coef)
-    if waves is not None:
-        WAVES = waves
+    globals().update({name: value for name, value in knobs.items() if value is not None})
     try:
         yield
     finally:
         CC_DEFAULT_OPTS_BY_BITS.update(saved)
-        CC_REG_CAP, FAR_FIRST, CHUNK_COEF, WAVES = saved_cap, saved_ff, saved_coef, saved_waves
+        globals().update(saved_knobs)
 
 
 # Launch options every loopkv kernel passes. Fused multiply-adds: the kernels were measured and their codes
