@@ -3,10 +3,11 @@
 ``loopkv_attention(module, query, key, value, attention_mask, *, scaling, **kwargs)`` receives the
 handles that ``LoopKVCache.update`` returned as ``key``/``value``:
 
-* decode (one query per row): ``torch.ops.loopkv.cell_attention`` over the cell (sink, pages, window);
+* decode (one query per row): ``torch.ops.loopkv.token_attention_`` writes the token and reads the cell (sink,
+  pages, window); the step's last cell counts the step (``LoopKVCache.decode_cell``);
 * prefill on an empty cell: writes the prompt into the cell (each row only its own tokens, padding
   read from the mask) and attends exactly over the prompt, like KIVI and the paper's engine;
-* several tokens on a non-empty cell: append and attend token by token (the served semantics).
+* several tokens on a non-empty cell: token by token through the decode ops (the served semantics).
 
 Anything that is not a handle goes to transformers' SDPA attention, so a model can mix caches.
 """
@@ -66,22 +67,14 @@ def loopkv_attention(module, query: Tensor, key, value, attention_mask, *, scali
     cache, cell = key.cache, key.cell_index
     B, Hq, S, D = query.shape
     scale = scaling if scaling is not None else D**-0.5
-    if key.pending:  # decode with fused_append / step_append: the token is written by the read's op
-        out = cache.append_read_cell(cell, query[:, :, 0], key.k_new, key.v_new, scale=scale)
+    if S == 1:  # decode: the read writes the token
+        out = cache.decode_cell(cell, query[:, :, 0], key.k_new, key.v_new, scale=scale)  # [B, Hq, D]
         return out[:, None], None
-    if key.k_new is None:  # decode: update() already appended the token
-        out = cache.read_cell(cell, query[:, :, 0], scale=scale)  # [B, Hq, D]
-        return out[:, None], None
-    k_new, v_new = key.k_new, key.v_new
     if cache.is_empty(cell):
         pad = _pad_lengths(attention_mask, B, S, query.device)
-        cache.prefill_cell(cell, k_new, v_new, pad)
-        return _prompt_attention(query, k_new, v_new, pad, scale), None
-    outs = []
-    for i in range(S):  # continuation of a non-empty cell: exactly as if decoded token by token
-        cache.append_cell(cell, k_new[:, :, i : i + 1], v_new[:, :, i : i + 1])
-        outs.append(cache.read_cell(cell, query[:, :, i], scale=scale))
-    return torch.stack(outs, dim=1), None
+        cache.prefill_cell(cell, key.k_new, key.v_new, pad)
+        return _prompt_attention(query, key.k_new, key.v_new, pad, scale), None
+    return cache.continue_cell(cell, query, key.k_new, key.v_new, scale=scale), None
 
 
 def loopkv_mask(*args, **kwargs):

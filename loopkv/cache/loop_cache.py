@@ -1,17 +1,19 @@
 """LoopKVCache: a transformers ``Cache`` with one paged, quantized layer per (loop, layer) cell.
 
 ``model.generate(ids, past_key_values=LoopKVCache(plan, config=model.config, max_batch_size=B,
-max_cache_len=N))``. DESIGN.md §6. ``update()`` writes the new token(s) and returns lightweight handles;
-the attention function registered as ``"loopkv"`` (``loopkv/cache/attention.py``) reads the cell
-through ``torch.ops.loopkv.cell_attention``.
+max_cache_len=N))``. ``update()`` returns lightweight handles (:class:`LoopKVHandle`); the attention function
+registered as ``"loopkv"`` (``loopkv/cache/attention.py``) reads and writes the cell. One decode path
+(docs/design.md, "The decode step"):
 
-* Decode (one token per row): ``update()`` appends through ``torch.ops.loopkv.append_``, which also
-  quantizes the page leaving the window, decided per row on the device (no host sync, one graph).
-* Prefill (several tokens): the attention function knows the padding (from the mask), so it writes
-  the cell (:meth:`LoopKVCache.prefill_cell`): sink and window exact, the pages in between quantized
-  in bulk; each row stores only its own tokens. Attention over the prompt itself is exact.
-* Continuing a non-empty cache with several tokens appends and attends token by token: the exact
-  served semantics, as if those tokens had been decoded.
+* Decode (one token per row): each cell's read, ``torch.ops.loopkv.token_attention_``, also writes the cell's new
+  token into its sink or window ring; after the step's last cell, one ``torch.ops.loopkv.advance_`` per kind of
+  pool counts every cell's token and quantizes the pages that leave the window. Decided per row on the device: no
+  host sync, so a compiled step is one CUDA graph.
+* Prefill (several tokens on an empty cell): the attention function knows the padding (from the mask) and writes
+  the cell (:meth:`LoopKVCache.prefill_cell`): sink and window exact, the pages in between quantized in bulk
+  (``write_pages_``); attention over the prompt itself is exact.
+* Several tokens on a non-empty cell go token by token through the decode ops: the served semantics, as if
+  those tokens had been decoded.
 """
 
 from __future__ import annotations
@@ -25,9 +27,8 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from loopkv.cache.storage import OWN_FIELDS, POOL_FIELDS, CellStorage, allocate_cell, stack_cells
 from loopkv.cells import Cell, CellLayout
-from loopkv.ops import append_attention, cache_ops, cell_attention, codec, step_ops  # noqa: F401  (registers torch.ops.loopkv.*)
-from loopkv.ops.codec import PAGE, SINK
-from loopkv.ops.layout import RING, capacity, n_pages, stored_pages
+from loopkv.format import PAGE, RING, SINK, capacity, check_head_dim, n_pages, stored_pages
+from loopkv.ops import cache_ops, cell_attention, step_ops  # noqa: F401  (registers torch.ops.loopkv.*)
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -43,22 +44,25 @@ def _no_host_sync(device: torch.device) -> bool:
 
 
 class LoopKVHandle:
-    """What ``LoopKVCache.update`` returns in place of dense K/V: the cache, the cell and new tokens.
+    """What ``LoopKVCache.update`` returns in place of dense K/V: the cache, the cell and its new tokens
+    (k_new, v_new [B, H, S, D]). Only the ``"loopkv"`` attention function reads it."""
 
-    k_new, v_new: [B, H, S, D] for prefill/continuation (the attention function writes them); None in
-    decode (``update`` already appended them), or, with ``pending`` (a cache built with ``fused_append=True``),
-    the decode token [B, H, 1, D] that the attention function appends and reads in one op.
-    """
-
+    __slots__ = ("cache", "cell_index", "k_new", "v_new")
     is_loopkv_handle = True
 
-    def __init__(self, cache: LoopKVCache, cell_index: int, k_new: Tensor | None, v_new: Tensor | None, *,
-                 pending: bool = False):
+    def __init__(self, cache: LoopKVCache, cell_index: int, k_new: Tensor, v_new: Tensor):
         self.cache = cache
         self.cell_index = cell_index
         self.k_new = k_new
         self.v_new = v_new
-        self.pending = pending
+
+    def __getattr__(self, name: str):
+        raise AttributeError(
+            f"a LoopKVCache returned a handle from update(), and this model's attention function asked it for "
+            f"{name!r}: only the 'loopkv' attention function reads it. Use a model whose attention dispatches to "
+            "it (loopkv.models.ouro does), or load the model with attn_implementation='loopkv' after "
+            "loopkv.register()"
+        )
 
 
 class LoopKVCell(CacheLayerMixin):
@@ -116,6 +120,16 @@ def _model_shape(config) -> tuple[int, int, int, int]:
     return config.total_ut_steps, config.num_hidden_layers, kv_heads, head_dim
 
 
+def _resolve_dtype(config, dtype) -> torch.dtype:
+    if dtype is None:
+        dtype = getattr(config, "dtype", None) or torch.float32
+        if isinstance(dtype, str):
+            dtype = getattr(torch, dtype)
+    if dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"dtype {dtype} is not supported; use one of {SUPPORTED_DTYPES}")
+    return dtype
+
+
 class LoopKVCache(Cache):
     """The paged bit-plane cache of a looped transformer; one :class:`LoopKVCell` per cell.
 
@@ -126,52 +140,31 @@ class LoopKVCache(Cache):
         max_cache_len: tokens per row (prompt + generated), preallocated.
         dtype: the model's activation dtype (exact sink/window/bf16 pages); default ``config.dtype`` or fp32.
         device: where the storage lives; default CUDA if available, else CPU.
-        fused_append: decode appends the token inside the cell's attention op (``append_attention_``: one launch
-            per cell instead of two; docs/design-decisions.md §10) instead of in ``update``. Off by default: on
-            the H200 the step's GPU time is 5.9% longer with it (compiled, batch 1 x 8K, session 8). With it, a
-            decode ``update`` must be followed by the ``"loopkv"`` attention function on the same cell, which is
-            what the model does.
-        stacked: allocate the cells' tensors as slices of a few stacked buffers (``CellStacks``,
-            docs/design-decisions.md §11), so a compiled step lifts ~25 cache tensors instead of 5-13 per cell.
-            On by default: on the H200 (session 9, compiled, batch 1 x 8K, one call) ``replay()`` holds the host
-            0.78 ms instead of 2.21 and the step takes 8.90 ms instead of 10.32. Both layouts give bit-identical
-            compiled logits there (``benchmarks/probe_code_flips.py``). ``stacked=False`` allocates one set of
-            tensors per cell, as before session 7.
-        step_append: split each decode append (docs/design-decisions.md §12, ``loopkv/ops/step_ops.py``): the
-            cell's read writes its token (``token_attention_``, in the attention launch), and after the step's last
-            cell one ``advance_`` per kind of pool counts every cell's token and quantizes the pages that leave the
-            window: 2-4 launches per step instead of one per cell. ``None`` (default): on whenever ``stacked`` and not
-            ``fused_append``. On the H200 (Ouro-1.4B's shapes) it takes the quantizer from 3.3% to 0.2% of a compiled
-            batch-1 x 8K step, which is 2.8% shorter (session 11); at the 16K peak (batch 36, graph capture) the
-            step takes the same time as with ``step_append=False`` (session 12). The token is written by the
-            ``"loopkv"`` attention function's read, not by ``update()``; a compiled step must update and read every
-            cell once, in order (Ouro does, ``exit_at_step`` included). Eagerly, cells driven one at a time are
-            counted when next updated or looked at (:meth:`flush`).
+
+    The cells' tensors are slices of a few stacked buffers (:class:`~loopkv.cache.storage.CellStacks`), so a
+    compiled step lifts a few tensors, not every cell's. A decode step must update and then read every cell once,
+    in order, with the ``"loopkv"`` attention function (Ouro does, ``exit_at_step`` included): the read writes the
+    token, and the last cell's read counts the step. Eagerly, cells driven one at a time are counted when next
+    updated or looked at (:meth:`flush`).
     """
 
+    attention_implementation = "loopkv"  # the name, in transformers' attention registry, of what reads the handles
+
     def __init__(self, plan, *, config, max_batch_size: int, max_cache_len: int,
-                 dtype: torch.dtype | None = None, device: torch.device | str | None = None,
-                 fused_append: bool = False, stacked: bool = True, step_append: bool | None = None):
+                 dtype: torch.dtype | None = None, device: torch.device | str | None = None):
         from loopkv.cache.attention import register
 
         register()
-        if not isinstance(max_batch_size, int) or max_batch_size < 1:
+        if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int) or max_batch_size < 1:
             raise ValueError(f"max_batch_size must be a positive int, got {max_batch_size!r}")
-        if not isinstance(max_cache_len, int) or max_cache_len < 1:
+        if isinstance(max_cache_len, bool) or not isinstance(max_cache_len, int) or max_cache_len < 1:
             raise ValueError(f"max_cache_len must be a positive int, got {max_cache_len!r}")
         plan.validate_for(config)
         loops, layers, kv_heads, head_dim = _model_shape(config)
         if any(o != "bf16" for o in plan.options):
-            codec.check_head_dim(head_dim)
-        if dtype is None:
-            dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
-            if isinstance(dtype, str):
-                dtype = getattr(torch, dtype)
-        if dtype not in SUPPORTED_DTYPES:
-            raise ValueError(f"dtype {dtype} is not supported; use one of {SUPPORTED_DTYPES}")
-        if device is None:
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-        device = torch.device(device)
+            check_head_dim(head_dim)
+        dtype = _resolve_dtype(config, dtype)
+        device = torch.device(device if device is not None else "cuda" if torch.cuda.is_available() else "cpu")
 
         self.plan = plan
         self.layout = CellLayout(loops, layers)
@@ -182,17 +175,10 @@ class LoopKVCache(Cache):
         self.kv_heads, self.head_dim = kv_heads, head_dim
         self.q_heads = config.num_attention_heads
         self.tau = float(plan.tau)
-        self.fused_append = bool(fused_append)
-        if step_append is None:
-            step_append = bool(stacked) and not self.fused_append
-        self.step_append = bool(step_append)
-        if self.step_append and (self.fused_append or not stacked):
-            raise ValueError("step_append=True needs stacked=True and fused_append=False: its per-step advance_ "
-                             "works on the stacked tensors, and it replaces the fused append")
 
-        self.stacked = bool(stacked)
+        # shapes first (meta), then each stacked buffer allocated once
         dims = dict(batch=max_batch_size, heads=kv_heads, head_dim=head_dim, max_cache_len=max_cache_len,
-                    dtype=dtype, device="meta" if stacked else device)  # stacked: shapes first, memory below
+                    dtype=dtype, device="meta")
         storages: dict[Cell, CellStorage] = {}
         final = [c for c in self.layout if c.loop == self.layout.final_loop]
         for cell in final + [c for c in self.layout if c.loop != self.layout.final_loop]:
@@ -200,18 +186,18 @@ class LoopKVCache(Cache):
             source = storages.get(self.layout.source(cell)) if option == "share" else None
             storages[cell] = allocate_cell(option, source=source, **dims)
         ordered = [storages[c] for c in self.layout]
-        self._stacks = stack_cells(ordered, device) if stacked else None  # the cells' fields become views
+        self._stacks = stack_cells(ordered, device)  # the cells' fields become views of the stacks
         cells = [LoopKVCell(st, max_cache_len=max_cache_len) for st in ordered]
         super().__init__(layers=cells)
-        self._groups = self._advance_groups(ordered) if self.step_append else []
+        self._groups = self._advance_groups(ordered)
         self._no_pool = torch.zeros(0, dtype=torch.int32, device=device)  # a share group's page table and pool
-        # step_append, eager bookkeeping (none while compiling: a compiled step reads every cell, the last one advances)
+        # eager bookkeeping (none while compiling: a compiled step reads every cell, the last one advances)
         self._unread: set[int] = set()  # cells updated whose "loopkv" read has not yet written the token
         self._read: set[int] = set()  # cells whose read wrote the step's token, not yet counted by advance_
         self._read_batch = 0
-        # Every tensor a step can mutate must be a static address, the empty placeholders included (``append_``
-        # declares INT2's lo plane mutated): one unmarked input makes CUDA-graph trees skip the whole step.
-        for t in [*self._stacks.tensors(), *(t for g in self._groups for t in g[1:]), self._no_pool] if stacked else ():
+        # Every tensor a step can mutate must be a static address, the empty placeholders included: one unmarked
+        # input makes CUDA-graph trees skip the whole step.
+        for t in [*self._stacks.tensors(), *(t for g in self._groups for t in g[1:]), self._no_pool]:
             torch._dynamo.mark_static_address(t)
         for layer in cells:  # the views too (a compiled step reads cell 0's lengths through get_seq_length)
             for t in layer.storage.own_tensors().values():
@@ -232,10 +218,10 @@ class LoopKVCache(Cache):
 
     # ---- the transformers Cache API -------------------------------------------------------------
     def update(self, key_states: Tensor, value_states: Tensor, layer_idx: int, *args: Any, **kwargs: Any):
-        """Write the new K/V of cell ``layer_idx`` (``t * L + l``) and return ``(handle, handle)``.
+        """Take the new K/V of cell ``layer_idx`` (``t * L + l``) and return ``(handle, handle)``.
 
-        key_states, value_states: [B, H, S, D] (post-RoPE). S == 1 appends on the device now; S > 1
-        is written by the ``"loopkv"`` attention function, which knows the padding.
+        key_states, value_states: [B, H, S, D] (post-RoPE). The ``"loopkv"`` attention function writes them: a
+        decode token (S == 1) inside the cell's read, a prompt (S > 1) knowing its padding.
         """
         B, H, S, D = key_states.shape
         if B > self.max_batch_size:
@@ -249,38 +235,29 @@ class LoopKVCache(Cache):
                 f"K/V are {key_states.dtype} on {key_states.device}, the cache was built for {self.dtype} on "
                 f"{self.device}: pass dtype=/device= to LoopKVCache matching the model"
             )
-        if S > 1:
-            return (LoopKVHandle(self, layer_idx, key_states, value_states),) * 2
-        st = self._rows(layer_idx, B)
-        # one host check per step (cell 0; every cell holds as many tokens), none when compiling/capturing
-        checks = layer_idx == 0 and not _no_host_sync(self.device)
-        if checks and int(st.lengths.max()) >= self.max_cache_len:
-            raise ValueError(f"a row already holds max_cache_len={self.max_cache_len} tokens; build the "
-                             "LoopKVCache with a larger max_cache_len")
-        if self.step_append and not torch.compiler.is_compiling():
+        if S == 1 and not _no_host_sync(self.device):
             if layer_idx in self._unread:
                 raise RuntimeError(
                     f"cell {layer_idx} was updated again before the 'loopkv' attention function read its previous "
-                    "token: with step_append that read writes the token into the cache. Run the attention after "
-                    "each update (the model does; after an interrupted step call cache.reset()), or build the "
-                    "LoopKVCache with step_append=False, which writes it in update()")
+                    "token (that read writes the token into the cache). Run the attention after each update (the "
+                    "model does); after an interrupted step call cache.reset()")
             if layer_idx in self._read:  # a new step for this cell: count the tokens read so far first
                 self.flush()
+            # one host check per step (cell 0; every cell holds as many tokens)
+            if layer_idx == 0 and int(self._rows(0, B).lengths.max()) >= self.max_cache_len:
+                raise ValueError(f"a row already holds max_cache_len={self.max_cache_len} tokens; build the "
+                                 "LoopKVCache with a larger max_cache_len")
             self._unread.add(layer_idx)
-        if self.fused_append or self.step_append:  # written by the attention function, in the same op as the read
-            return (LoopKVHandle(self, layer_idx, key_states, value_states, pending=True),) * 2
-        torch.ops.loopkv.append_(key_states, value_states, st.sink_k, st.sink_v, st.win_k, st.win_v,
-                                 st.lengths, st.page_table, *st.pool(), st.own_bits)
-        return (LoopKVHandle(self, layer_idx, None, None),) * 2
+        return (LoopKVHandle(self, layer_idx, key_states, value_states),) * 2
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """Tokens held by the longest row (padded prompt length + generated), as transformers counts."""
         if not _no_host_sync(self.device):
             self.flush()
-        if self._stacks is not None and torch.compiler.is_compiling():
+        if torch.compiler.is_compiling():
             # the lengths stack's slice, not the cell's view: a compiled step must not lift two inputs that share
             # memory. AOTAutograd merges such inputs into a "synthetic base", and its metadata then forgets which
-            # inputs are static addresses, so CUDA-graph trees skip the step ("mutated inputs"; H200, session 8)
+            # inputs are static addresses, so CUDA-graph trees skip the step ("mutated inputs")
             return self._stacks.own_slice("lengths", layer_idx).max()
         return self.layers[layer_idx].get_seq_length()
 
@@ -328,75 +305,15 @@ class LoopKVCache(Cache):
     def batch_select_indices(self, indices: Tensor) -> None:
         raise NotImplementedError("LoopKVCache cannot shrink its batch; use reorder_cache or a new cache")
 
-    # ---- loopkv-specific -------------------------------------------------------------------------
-    def warmup(self, *, q_heads: int | None = None) -> None:
-        """JIT-compile (CUDA: Triton) every kernel this cache launches, before any CUDA-graph capture.
-
-        Nothing compiles or allocates inside capture afterwards (DESIGN.md §8). A no-op on the CPU. Besides the
-        kernels on dummy tensors (``triton_register.warmup``), every cell is read once at batch 1 and at
-        ``max_batch_size`` with its own tensors and zero lengths: the reader's launch config depends on the rows
-        read and on the pools' sizes. Between the two ends, a batch can still need one more binary where Triton
-        specializes the split count differently (divisible by 16 at neither end; short caches, large batches).
-        """
-        if self.device.type != "cuda":
-            return
-        from loopkv.ops.triton_register import register_triton_kernels, warmup
-
-        if not register_triton_kernels():
-            return
-        storages = [layer.storage for layer in self.layers]
-        warmup(batch_size=self.max_batch_size, kv_heads=self.kv_heads, q_heads=q_heads or self.q_heads,
-               head_dim=self.head_dim, max_pages=storages[0].page_table.shape[1], dtype=self.dtype,
-               read_bits=tuple(sorted({s.read_bits for s in storages})),
-               own_bits=tuple(sorted({s.own_bits for s in storages})), tau=self.tau, device=self.device)
-        # The reader's launch config also depends on the rows read (the register cap: B x KV heads) and on the
-        # pools' sizes (32-bit offsets), which dummy tensors do not have: read every cell once as `read_cell`
-        # does, at batch 1 and at the full batch (the two ends of the cap's threshold), with zero lengths (no
-        # history is read, nothing is written to the cache)
-        for batch in sorted({1, self.max_batch_size}):
-            query = torch.zeros(batch, q_heads or self.q_heads, self.head_dim, dtype=self.dtype, device=self.device)
-            token = torch.zeros(batch, self.kv_heads, 1, self.head_dim, dtype=self.dtype, device=self.device)
-            if self.fused_append or self.step_append:  # these ops write: scratch exact parts and lengths
-                st = self._rows(0, batch)
-                scratch = [torch.zeros_like(t) for t in (st.sink_k, st.sink_v, st.win_k, st.win_v, st.lengths)]
-            for idx in range(len(self.layers)):
-                st = self._rows(idx, batch)
-                tau = self.tau if st.read_bits == 4 else math.inf
-                torch.ops.loopkv.cell_attention(
-                    query, st.sink_k, st.sink_v, st.win_k, st.win_v, torch.zeros_like(st.lengths), st.page_table,
-                    *st.pool(), st.read_bits, tau, self.head_dim**-0.5,
-                )
-                if self.fused_append:  # from length 0 (re-zeroed): no page is encoded
-                    scratch[4].zero_()
-                    torch.ops.loopkv.append_attention_(
-                        query, token, token, *scratch, st.page_table, *st.pool(), st.read_bits, st.own_bits, tau,
-                        self.head_dim**-0.5,
-                    )
-                if self.step_append:  # writes the token into scratch exact parts only
-                    torch.ops.loopkv.token_attention_(
-                        query, token, token, *scratch[:4], torch.zeros_like(st.lengths), st.page_table, *st.pool(),
-                        st.read_bits, tau, self.head_dim**-0.5,
-                    )
-            if self.step_append:  # on scratch lengths from 0: counts a token, encodes no page
-                self._advance(batch, torch.zeros_like(self._stacks.own["lengths"]), self._groups)
-        torch.cuda.synchronize(self.device)
-
-    def storage(self, cell: Cell | int) -> CellStorage:
-        """The cell's tensors (the tokens of a step in progress counted first: :meth:`flush`)."""
-        if not _no_host_sync(self.device):
-            self.flush()
-        idx = cell if isinstance(cell, int) else self.layout.flat_index(cell)
-        return self.layers[idx].storage
-
+    # ---- reads and writes (called by the "loopkv" attention function) -----------------------------
     def _rows(self, layer_idx: int, batch: int) -> CellStorage:
         """The cell's storage restricted to the first ``batch`` rows (the whole tensors when full).
 
-        With ``stacked``, while Dynamo traces, built from the stacks with constant indices (not from the cell's
-        view fields), so that a compiled step lifts the stacks, a few tensors, instead of every cell's views
-        (``CellStacks``); the same memory. Otherwise, and eagerly, the cell's own tensors or views (no per-call
-        slicing on the host)."""
+        While Dynamo traces, built from the stacks with constant indices (not from the cell's view fields), so
+        that a compiled step lifts the stacks, a few tensors, instead of every cell's views; the same memory.
+        Eagerly, the cell's own views (no per-call slicing on the host)."""
         st = self.layers[layer_idx].storage
-        if self._stacks is not None and torch.compiler.is_compiling():
+        if torch.compiler.is_compiling():
             stacks = self._stacks
             bits, j = stacks.pool_of[layer_idx]
             st = CellStorage(option=st.option, own_bits=st.own_bits, read_bits=st.read_bits,
@@ -411,43 +328,59 @@ class LoopKVCache(Cache):
                            win_v=st.win_v[:batch], lengths=st.lengths[:batch],
                            page_table=st.page_table[:batch], **pool)
 
+    def _tau(self, st: CellStorage) -> float:
+        return self.tau if st.read_bits == 4 else math.inf
+
     def read_cell(self, layer_idx: int, query: Tensor, *, scale: float) -> Tensor:
-        """Decode attention of cell ``layer_idx``: query [B, Hq, D] -> [B, Hq, D]."""
+        """Attention of cell ``layer_idx`` over what it holds, writing nothing: query [B, Hq, D] -> [B, Hq, D]."""
         st = self._rows(layer_idx, query.shape[0])
         return torch.ops.loopkv.cell_attention(
             query, st.sink_k, st.sink_v, st.win_k, st.win_v, st.lengths, st.page_table, *st.pool(),
-            st.read_bits, self.tau if st.read_bits == 4 else math.inf, scale,
+            st.read_bits, self._tau(st), scale,
         )
 
-    def append_read_cell(self, layer_idx: int, query: Tensor, k: Tensor, v: Tensor, *, scale: float) -> Tensor:
-        """Append one decode token (k, v [B, H, 1, D]) to cell ``layer_idx`` and read it with query [B, Hq, D],
-        in one op (``append_attention_``): what ``update`` + ``read_cell`` do with ``fused_append``."""
-        st = self._rows(layer_idx, query.shape[0])
-        tau = self.tau if st.read_bits == 4 else math.inf
-        if not self.step_append:
-            return torch.ops.loopkv.append_attention_(
-                query, k, v, st.sink_k, st.sink_v, st.win_k, st.win_v, st.lengths, st.page_table, *st.pool(),
-                st.read_bits, st.own_bits, tau, scale,
-            )
+    def decode_cell(self, layer_idx: int, query: Tensor, k: Tensor, v: Tensor, *, scale: float) -> Tensor:
+        """One decode token of cell ``layer_idx``: write k, v [B, H, 1, D] and read with query [B, Hq, D] in one op
+        (``token_attention_``); the step's last cell counts the step (``advance_``)."""
+        B = query.shape[0]
+        st = self._rows(layer_idx, B)
         out = torch.ops.loopkv.token_attention_(
             query, k, v, st.sink_k, st.sink_v, st.win_k, st.win_v, st.lengths, st.page_table, *st.pool(),
-            st.read_bits, tau, scale,
+            st.read_bits, self._tau(st), scale,
         )
         if torch.compiler.is_compiling():  # a compiled step reads every cell: the last read advances them all
             if layer_idx == len(self.layers) - 1:
-                self._advance(query.shape[0], self._stacks.own["lengths"], self._groups)
+                self._advance(B, self._stacks.own["lengths"], self._groups)
             return out
-        if self._read and query.shape[0] != self._read_batch:
-            raise ValueError(f"cells of one decode step were read with {self._read_batch} and {query.shape[0]} rows")
+        if self._read and B != self._read_batch:
+            raise ValueError(f"cells of one decode step were read with {self._read_batch} and {B} rows")
         self._unread.discard(layer_idx)
         self._read.add(layer_idx)
-        self._read_batch = query.shape[0]
+        self._read_batch = B
         if layer_idx == len(self.layers) - 1:  # the step's last cell has been read
             self.flush()
         return out
 
+    def continue_cell(self, layer_idx: int, query: Tensor, k: Tensor, v: Tensor, *, scale: float) -> Tensor:
+        """Several tokens on a non-empty cell, one at a time through the decode ops (the served semantics).
+        query [B, Hq, S, D], k, v [B, H, S, D] -> [B, S, Hq, D]. Refused whole, before anything is written, if a
+        row would pass ``max_cache_len``."""
+        self.flush()
+        S = k.shape[2]
+        held = int(self._rows(layer_idx, k.shape[0]).lengths.max())
+        if held + S > self.max_cache_len:
+            raise ValueError(f"{S} more tokens on a row holding {held} exceed max_cache_len={self.max_cache_len}; "
+                             "build the LoopKVCache with a larger max_cache_len")
+        self._unread.discard(layer_idx)
+        outs = []
+        for i in range(S):
+            outs.append(self.decode_cell(layer_idx, query[:, :, i], k[:, :, i : i + 1], v[:, :, i : i + 1],
+                                         scale=scale))
+            self.flush()
+        return torch.stack(outs, dim=1)
+
     def flush(self) -> None:
-        """``step_append``, eagerly: count the tokens that reads have written since the last count (``advance_``).
+        """Eagerly: count the tokens that reads have written since the last count (``advance_``).
 
         The last cell's read of a decode step does this; so does everything that looks at the cache from the host
         (``get_seq_length``, ``storage``, ``is_empty``, ``memory_report``, ``reorder_cache``) and an update of a cell
@@ -465,12 +398,7 @@ class LoopKVCache(Cache):
                 if pairs:
                     groups.append((bits, *(torch.tensor(x, dtype=torch.int32, device=self.device)
                                            for x in zip(*pairs, strict=True))))
-        self.advance_step(self._read_batch, groups)
-
-    def advance_step(self, batch: int, groups: list | None = None) -> None:
-        """One ``advance_`` per kind of pool (and one for the ``share`` cells) over ``groups`` (default: every
-        cell), after their reads have written the step's tokens (``loopkv/ops/step_ops.py``)."""
-        self._advance(batch, self._stacks.own["lengths"], self._groups if groups is None else groups)
+        self._advance(self._read_batch, self._stacks.own["lengths"], groups)
 
     def _advance(self, batch: int, lengths: Tensor, groups: list) -> None:
         own = self._stacks.own
@@ -482,7 +410,7 @@ class LoopKVCache(Cache):
                                       self.max_batch_size, self.kv_heads, self.head_dim, max_pages, bits)
 
     def _advance_groups(self, storages: list[CellStorage]) -> list[tuple[int, Tensor, Tensor]]:
-        """(bits, cells, pools) per kind of pool, and (0, share cells, zeros): what ``advance_step`` launches."""
+        """(bits, cells, pools) per kind of pool, and (0, share cells, zeros): what a step's ``advance_`` launches."""
         groups = []
         for bits in sorted({s.own_bits for s in storages}, reverse=True):
             cells = [i for i, s in enumerate(storages) if s.own_bits == bits]
@@ -508,7 +436,7 @@ class LoopKVCache(Cache):
             ns = min(n, SINK)
             st.sink_k[b, :, :ns] = kb[:, :ns]
             st.sink_v[b, :, :ns] = vb[:, :ns]
-            npg, nst = n_pages(n), stored_pages(n)  # read as history / already in the pool (layout.py)
+            npg, nst = n_pages(n), stored_pages(n)  # read as history / already in the pool (loopkv.format)
             assert nst <= maxp
             assert n <= capacity(maxp)
             if nst and st.own_bits:
@@ -526,13 +454,49 @@ class LoopKVCache(Cache):
             torch.ops.loopkv.write_pages_(torch.cat(page_k).contiguous(), torch.cat(page_v).contiguous(),
                                           torch.cat(page_ids), *st.pool(), st.own_bits)
 
-    def append_cell(self, layer_idx: int, k: Tensor, v: Tensor) -> None:
-        """Append one token per row to cell ``layer_idx`` (k, v: [B, H, 1, D])."""
+    # ---- loopkv-specific -------------------------------------------------------------------------
+    def warmup(self, *, q_heads: int | None = None) -> None:
+        """JIT-compile (CUDA: Triton) every kernel this cache launches, before any CUDA-graph capture, so nothing
+        compiles or allocates inside capture. A no-op on the CPU.
+
+        Besides the kernels on dummy tensors (``triton_register.warmup``), every cell is read once at batch 1 and at
+        ``max_batch_size`` with its own tensors and zero lengths, into scratch exact parts (nothing is written to
+        the cache): the reader's launch config depends on the rows read and on the pools' sizes. Between the two
+        ends, a batch can still need one more binary where Triton specializes the split count differently.
+        """
+        if self.device.type != "cuda":
+            return
+        from loopkv.ops.triton_register import register_triton_kernels, warmup
+
+        if not register_triton_kernels():
+            return
+        storages = [layer.storage for layer in self.layers]
+        q_heads = q_heads or self.q_heads
+        warmup(batch_size=self.max_batch_size, kv_heads=self.kv_heads, q_heads=q_heads,
+               head_dim=self.head_dim, max_pages=storages[0].page_table.shape[1], dtype=self.dtype,
+               read_bits=tuple(sorted({s.read_bits for s in storages})),
+               own_bits=tuple(sorted({s.own_bits for s in storages})), tau=self.tau, device=self.device)
+        for batch in sorted({1, self.max_batch_size}):
+            query = torch.zeros(batch, q_heads, self.head_dim, dtype=self.dtype, device=self.device)
+            token = torch.zeros(batch, self.kv_heads, 1, self.head_dim, dtype=self.dtype, device=self.device)
+            st = self._rows(0, batch)
+            scratch = [torch.zeros_like(t) for t in (st.sink_k, st.sink_v, st.win_k, st.win_v)]
+            for idx in range(len(self.layers)):
+                st = self._rows(idx, batch)
+                torch.ops.loopkv.token_attention_(
+                    query, token, token, *scratch, torch.zeros_like(st.lengths), st.page_table, *st.pool(),
+                    st.read_bits, self._tau(st), self.head_dim**-0.5,
+                )
+            # on scratch lengths from 0: counts a token, encodes no page
+            self._advance(batch, torch.zeros_like(self._stacks.own["lengths"]), self._groups)
+        torch.cuda.synchronize(self.device)
+
+    def storage(self, cell: Cell | int) -> CellStorage:
+        """The cell's tensors (the tokens of a step in progress counted first: :meth:`flush`)."""
         if not _no_host_sync(self.device):
             self.flush()
-        st = self._rows(layer_idx, k.shape[0])
-        torch.ops.loopkv.append_(k, v, st.sink_k, st.sink_v, st.win_k, st.win_v, st.lengths,
-                                 st.page_table, *st.pool(), st.own_bits)
+        idx = cell if isinstance(cell, int) else self.layout.flat_index(cell)
+        return self.layers[idx].storage
 
     def is_empty(self, layer_idx: int) -> bool:
         self.flush()

@@ -1,7 +1,7 @@
 """What a LoopKVCache really allocates, measured from its tensors' ``nbytes`` (not estimated).
 
 KIVI users found caches that store far more than claimed (KIVI #17); here the history bytes per token
-are computed from the pools that exist and compared with the byte model (DESIGN.md §4).
+are computed from the pools that exist and compared with the byte model (``loopkv.planning.bytes``).
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from loopkv.cache.storage import POOL_FIELDS, nbytes
-from loopkv.ops.codec import PAGE
+from loopkv.format import PAGE
 from loopkv.planning.bytes import ModelShape
 
 KIB = 1024

@@ -1,7 +1,8 @@
-"""Per-cell storage: preallocated, fixed-address tensors named as in docs/storage-layout.md.
+"""Per-cell storage: preallocated, fixed-address tensors named as in ``loopkv.format`` (docs/design.md).
 
-Plan once, run many (STYLE.md habit 8): every tensor a cell reads or writes is allocated here, at
-construction, for ``max_batch_size`` rows and ``max_cache_len`` tokens. Nothing is allocated per step.
+Plan once, run many: every tensor a cell reads or writes is allocated here, at construction, for
+``max_batch_size`` rows and ``max_cache_len`` tokens, as slices of a few stacked buffers. Nothing is allocated per
+step.
 """
 
 from __future__ import annotations
@@ -12,11 +13,7 @@ from dataclasses import dataclass, fields
 import torch
 from torch import Tensor
 
-from loopkv.ops.codec import SINK
-from loopkv.ops.layout import RING, max_pages, pool_field_shapes
-
-BITS = {"bf16": 16, "int4": 4, "int2": 2}  # stored bits per K/V code; "share" stores no pages
-POOL_FIELDS = ("k_pages", "k_scale", "k_zero", "v_hi", "v_lo", "v_scale", "v_zero")
+from loopkv.format import BITS, POOL_FIELDS, RING, SINK, max_pages, pool_field_kind, pool_field_shapes
 
 
 @dataclass(eq=False)
@@ -66,16 +63,9 @@ class CellStorage:
 
 
 def _pool(bits: int, n: int, heads: int, head_dim: int, dtype: torch.dtype, device) -> dict[str, Tensor]:
-    out = {}
-    for name, shape in pool_field_shapes(bits, n, heads, head_dim).items():
-        if name in ("k_pages", "v_hi") and bits == 16:
-            kind = dtype  # exact pages
-        elif "scale" in name or "zero" in name:
-            kind = torch.float16
-        else:
-            kind = torch.uint8  # codes
-        out[name] = torch.zeros(shape, dtype=kind, device=device)  # (0,): an unused field, an empty placeholder
-    return out
+    kinds = {"exact": dtype, "float16": torch.float16, "uint8": torch.uint8}
+    return {name: torch.zeros(shape, dtype=kinds[pool_field_kind(bits, name)], device=device)  # (0,): placeholder
+            for name, shape in pool_field_shapes(bits, n, heads, head_dim).items()}
 
 
 def allocate_cell(
@@ -112,9 +102,8 @@ class CellStacks:
 
     Every cell's ``CellStorage`` fields are views into these, so eager code sees one tensor per field as before.
     A compiled decode step instead slices the buffers with constants (``LoopKVCache._rows``), so Dynamo lifts a few
-    tensors instead of 5 per cell and 8 more per own pool: its guards and argument handling cost 0.6 ms per call
-    with 1,310 inputs against 0.26 ms with 559 (M's cache vs BF16's, 96 cells; session 7,
-    ``benchmarks/probe_dynamo_overhead.py``).
+    tensors instead of 5 per cell and 8 more per own pool: Dynamo's guards and argument handling grow with the
+    inputs it lifts (0.6 ms per call for 1,310 inputs against 0.26 ms for 559, measured on CPU).
 
     own:     field -> buffer [cells, padded numel] for sink_k, sink_v, win_k, win_v, lengths (cell = layout index)
     pools:   own_bits -> field -> buffer [pools of that kind, padded numel] for page_table and the pool fields; an

@@ -1,13 +1,13 @@
-"""Cache-writing ops: the decode append with its window exit, and bulk page writes (docs/storage-layout.md).
+"""Cache writes: bulk page writes (prefill) and the two halves of a decode token's write (docs/design.md).
 
-* ``append_``: one token per row at position ``lengths[b]`` (sink slot or window-ring slot), then, if
-  that append makes a page leave the window, quantize the page into the pool. Decided per row on the
-  device, with no host sync, so the whole decode step stays one graph (DESIGN.md §6, §8).
-* ``write_pages_``: encode whole pages and write them at given physical pages (prefill, in bulk).
-
-Both are ``torch.library.custom_op``s that list every tensor they write in ``mutates_args`` and return
-``None``. The references below are the CPU kernels; Triton kernels register as the CUDA kernels
-(``loopkv/ops/triton_quant.py``).
+* ``write_pages_`` (op): encode whole pages and write them at given physical pages (prefill, in bulk). It lists
+  every tensor it writes in ``mutates_args`` and returns ``None``; the reference below is its CPU kernel, a Triton
+  kernel registers as its CUDA kernel (``loopkv/ops/triton_quant.py``).
+* ``write_token_reference``: one token per row at position ``lengths[b]`` (sink slot or window-ring slot); and
+  ``advance_reference``: count it and, if that makes a page leave the window, quantize the page into the pool.
+  They are the references of the decode ops in ``loopkv/ops/step_ops.py`` (``token_attention_`` writes the token
+  inside the cell's read, ``advance_`` counts a whole step). Decided per row on the device, with no host sync,
+  so the whole decode step stays one graph.
 """
 
 from __future__ import annotations
@@ -15,11 +15,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from loopkv.format import PAGE, POOL_FIELDS, QUANTIZE_LENGTH, RING, SINK, capacity
 from loopkv.ops import codec
-from loopkv.ops.codec import PAGE, SINK
-from loopkv.ops.layout import QUANTIZE_LENGTH, RING, capacity
-
-_POOL = ("k_pages", "k_scale", "k_zero", "v_hi", "v_lo", "v_scale", "v_zero")
 
 
 def _store_pages(k: Tensor, v: Tensor, bits: int) -> tuple[Tensor, ...]:
@@ -88,7 +85,7 @@ def advance_reference(
 
     if bits == 0 or maxp == 0:
         return
-    # the page this append quantizes (if any): p = (n - 319) // 32 at n = 319 + 32 p (layout.py says why)
+    # the page this token quantizes (if any): p = (n - 319) // 32 at n = 319 + 32 p (loopkv.format says why)
     exits = ok & (new_len >= QUANTIZE_LENGTH) & (torch.remainder(new_len - QUANTIZE_LENGTH, PAGE) == 0)
     p = ((new_len - QUANTIZE_LENGTH) // PAGE).clamp(0, maxp - 1)
     phys = page_table.long()[rows, p]  # [B]
@@ -105,39 +102,7 @@ def advance_reference(
         dst[phys] = torch.where(keep, val.to(dst.dtype), dst[phys])
 
 
-def append_reference(
-    k_new: Tensor, v_new: Tensor, sink_k: Tensor, sink_v: Tensor, win_k: Tensor, win_v: Tensor,
-    lengths: Tensor, page_table: Tensor, k_pages: Tensor, k_scale: Tensor, k_zero: Tensor,
-    v_hi: Tensor, v_lo: Tensor, v_scale: Tensor, v_zero: Tensor, bits: int,
-) -> None:
-    """Append one token per row (k_new, v_new [B, H, 1, D]); quantize the page leaving the window."""
-    write_token_reference(k_new, v_new, sink_k, sink_v, win_k, win_v, lengths, page_table.shape[1])
-    advance_reference(win_k, win_v, lengths, page_table, k_pages, k_scale, k_zero, v_hi, v_lo, v_scale, v_zero,
-                      bits)
-
-
-_APPEND_MUTATES = ("sink_k", "sink_v", "win_k", "win_v", "lengths") + _POOL
-
-
-@torch.library.custom_op("loopkv::append_", mutates_args=_APPEND_MUTATES)
-def append_(
-    k_new: Tensor, v_new: Tensor, sink_k: Tensor, sink_v: Tensor, win_k: Tensor, win_v: Tensor,
-    lengths: Tensor, page_table: Tensor, k_pages: Tensor, k_scale: Tensor, k_zero: Tensor,
-    v_hi: Tensor, v_lo: Tensor, v_scale: Tensor, v_zero: Tensor, bits: int,
-) -> None:
-    """Decode append with window exit (module docstring); the reference serves every device."""
-    append_reference(
-        k_new, v_new, sink_k, sink_v, win_k, win_v, lengths, page_table, k_pages, k_scale, k_zero,
-        v_hi, v_lo, v_scale, v_zero, bits,
-    )
-
-
-@append_.register_fake
-def _(*args, **kwargs) -> None:
-    return None
-
-
-@torch.library.custom_op("loopkv::write_pages_", mutates_args=_POOL)
+@torch.library.custom_op("loopkv::write_pages_", mutates_args=POOL_FIELDS)
 def write_pages_(
     k: Tensor, v: Tensor, pages: Tensor, k_pages: Tensor, k_scale: Tensor, k_zero: Tensor,
     v_hi: Tensor, v_lo: Tensor, v_scale: Tensor, v_zero: Tensor, bits: int,
@@ -147,5 +112,11 @@ def write_pages_(
 
 
 @write_pages_.register_fake
-def _(*args, **kwargs) -> None:
+def _(k, v, pages, *pool_and_bits) -> None:
+    bits = pool_and_bits[7]
+    torch._check(k.dim() == 4 and k.shape == v.shape and k.shape[2] == PAGE,
+                 lambda: f"k, v must be [n, H, {PAGE}, D] and alike, got {tuple(k.shape)}, {tuple(v.shape)}")
+    torch._check(pages.dim() == 1 and pages.shape[0] == k.shape[0],
+                 lambda: f"pages must be [n] = [{k.shape[0]}], got {tuple(pages.shape)}")
+    torch._check(bits in (16, 4, 2), lambda: f"bits must be 16, 4 or 2, got {bits}")
     return None

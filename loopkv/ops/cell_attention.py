@@ -1,15 +1,16 @@
-"""Decode attention of one cell over its sink, history pages and window (DESIGN.md §7, paper §3.3-3.4).
+"""Decode attention of one cell over its sink, history pages and window (paper §3.3-3.4, docs/design.md).
 
 For query row ``q`` and head ``h``, with ``s_j = scale * q . k_j`` in fp32 over the sink (exact K), the
 history pages (dequantized K: own pages, or the final loop's pages for a ``share`` cell) and the window
 (exact K): ``out = sum_j softmax(s)_j * v_j``. History V is dequantized; with INT4 pages and finite
-``tau``, token ``j`` of page ``p`` is *cold* for KV head ``h`` when ``s_j < m_ref - tau * ln 2`` for every
-query head that reads ``h``, with ``m_ref = max(sink max, page p max)`` (a lower bound on the row maximum,
-so Proposition 1 holds); a cold value decodes from its high plane only, as ``4 * hi + 1.5``.
+``tau``, token ``j`` of page ``p`` is *cold* for KV head ``h`` when ``s_j < loopkv.format.cold_threshold(m_ref,
+tau)`` for every query head that reads ``h``, with ``m_ref = max(sink max, page p max)`` (a lower bound on the row
+maximum, so Proposition 1 holds); a cold value decodes from its high plane only, as ``4 * hi + 1.5``.
 
-Order (STYLE.md habit 1): ``cell_attention_reference`` (plain PyTorch, the CPU kernel) -> the registered
-op ``torch.ops.loopkv.cell_attention``. The Triton kernel (``loopkv/ops/triton_attention.py``) registers
-itself as the op's CUDA kernel.
+Order: ``cell_attention_reference`` (plain PyTorch, the CPU kernel) -> the registered op
+``torch.ops.loopkv.cell_attention``, whose fake (meta) implementation checks every shape and dtype
+(:func:`check_cell_args`). The Triton kernel (``loopkv/ops/triton_attention.py``) registers itself as the op's
+CUDA kernel.
 """
 
 from __future__ import annotations
@@ -19,11 +20,8 @@ import math
 import torch
 from torch import Tensor
 
+from loopkv.format import PAGE, RING, SINK, cold_threshold, n_pages, pool_field_shapes
 from loopkv.ops import codec
-from loopkv.ops.codec import PAGE, SINK
-from loopkv.ops.layout import RING, n_pages
-
-LN2 = math.log(2.0)
 
 
 def _decode_pages(k_pages, k_scale, k_zero, v_hi, v_lo, v_scale, v_zero, phys, bits, cold_fn):
@@ -49,7 +47,7 @@ def cell_attention_reference(
     page_table: Tensor, k_pages: Tensor, k_scale: Tensor, k_zero: Tensor, v_hi: Tensor, v_lo: Tensor,
     v_scale: Tensor, v_zero: Tensor, bits: int, tau: float, scale: float,
 ) -> Tensor:
-    """Reference decode attention; shapes in docs/storage-layout.md. q [B, Hq, D] -> [B, Hq, D].
+    """Reference decode attention; shapes in ``loopkv.format``. q [B, Hq, D] -> [B, Hq, D].
 
     Computes in fp32, or in fp64 when ``q`` is fp64 (for float64 re-computations in tests).
     """
@@ -88,7 +86,7 @@ def cell_attention_reference(
                 return None
             s = torch.einsum("bhgd,bphtd->bphgt", qf, k_hist.to(acc)) * scale
             m_ref = torch.maximum(sink_max[:, None, :, :], s.amax(dim=-1))  # [B, P, H, g]
-            cold_q = s < (m_ref - tau * LN2)[..., None]
+            cold_q = s < cold_threshold(m_ref, tau)[..., None]
             return cold_q.all(dim=3)  # cold only if cold for every query head of the group
 
         k_hist, v_hist = _decode_pages(
@@ -123,6 +121,37 @@ def cell_attention(
     )
 
 
+def check_cell_args(q: Tensor, sink_k: Tensor, sink_v: Tensor, win_k: Tensor, win_v: Tensor, lengths: Tensor,
+                    page_table: Tensor, pool: tuple[Tensor, ...], bits: int) -> None:
+    """Shapes and dtypes of a cell read (``torch._check``: traced by the fake implementations, so a wrong call fails
+    when compiled as it would eagerly). q [B, Hq, D]; the exact parts [B, H, SINK | RING, D]; lengths, page_table
+    int32 [B], [B, P]; ``pool`` the seven fields of ``loopkv.format.pool_field_shapes`` (bits 0: no pool read)."""
+    torch._check(q.dim() == 3, lambda: f"q must be [B, Hq, D], got {tuple(q.shape)}")
+    B, Hq, D = q.shape
+    H = sink_k.shape[1]
+    for name, t, slots in (("sink_k", sink_k, SINK), ("sink_v", sink_v, SINK), ("win_k", win_k, RING),
+                           ("win_v", win_v, RING)):
+        torch._check(tuple(t.shape) == (B, H, slots, D),
+                     lambda name=name, t=t, slots=slots: f"{name} must be [{B}, {H}, {slots}, {D}], "
+                                                         f"got {tuple(t.shape)}")
+        torch._check(t.dtype == sink_k.dtype, lambda name=name, t=t: f"{name} is {t.dtype}, sink_k {sink_k.dtype}")
+    torch._check(Hq % H == 0, lambda: f"q has {Hq} heads, not a multiple of the cache's {H} KV heads")
+    torch._check(lengths.dtype == torch.int32 and tuple(lengths.shape) == (B,),
+                 lambda: f"lengths must be int32 [{B}], got {lengths.dtype} {tuple(lengths.shape)}")
+    torch._check(page_table.dtype == torch.int32 and page_table.dim() == 2 and page_table.shape[0] == B,
+                 lambda: f"page_table must be int32 [{B}, pages], got {page_table.dtype} {tuple(page_table.shape)}")
+    torch._check(bits in (16, 4, 2, 0), lambda: f"bits must be 16, 4, 2 or 0 (no history), got {bits}")
+    if bits == 0:
+        return
+    want = pool_field_shapes(bits, pool[0].shape[0], H, D)
+    for (name, shape), t in zip(want.items(), pool, strict=True):
+        torch._check(tuple(t.shape) == shape or shape == (0,),
+                     lambda name=name, t=t, shape=shape: f"{name} must be {shape} for bits {bits}, "
+                                                         f"got {tuple(t.shape)}")
+
+
 @cell_attention.register_fake
-def _(q, *args, **kwargs):
+def _(q, sink_k, sink_v, win_k, win_v, lengths, page_table, *rest):
+    pool, bits = rest[:7], rest[7]
+    check_cell_args(q, sink_k, sink_v, win_k, win_v, lengths, page_table, pool, bits)
     return torch.empty_like(q)

@@ -1,4 +1,4 @@
-"""KIVI-style codec, pure-PyTorch reference (DESIGN.md §3, paper §3.1 and Appendix C).
+"""KIVI-style codec, pure-PyTorch reference (paper §3.1 and Appendix C; docs/design.md).
 
 Per cell, per 32-token page, per KV head:
 
@@ -21,24 +21,10 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-SINK = 32  # exact tokens at the start of every sequence (paper §2.3)
-WINDOW = 256  # most recent tokens kept exact (paper §2.3)
-PAGE = 32  # tokens per page; one K quantization group along tokens
-GROUP = 32  # channels per V quantization group; K/V scale+zero every 32 elements = 1 bit/element
+from loopkv.format import COLD_MIDPOINT, GROUP, PAGE, SINK, WINDOW, check_head_dim  # noqa: F401  TODO(transition)
+
 EPS = 2.0**-10  # smallest quantization range: a constant group decodes finitely (fp16-normal scale)
 FP16_MAX = 65504.0
-COLD_MIDPOINT = 1.5  # a cold INT4 value decodes as 4 * hi + 1.5
-BITS_OF = {"int4": 4, "int2": 2}
-
-
-def check_head_dim(head_dim: int) -> None:
-    """Refuse a head_dim the codec cannot group (DESIGN.md §3)."""
-    if head_dim <= 0 or head_dim % GROUP != 0:
-        raise ValueError(
-            f"head_dim={head_dim} is not a multiple of the codec's group size {GROUP}; loopkv quantizes "
-            f"V in groups of {GROUP} channels. Keep this model's cells in 'bf16' or use a model whose "
-            f"head_dim is a multiple of {GROUP} (64, 96, 128, 256 are)."
-        )
 
 
 def _check_bits(bits: int) -> None:

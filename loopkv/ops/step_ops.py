@@ -1,23 +1,19 @@
 """The decode step's cache writes in two parts: the token inside each cell's read, the rest once per step.
 
-``append_`` per cell costs a launch per cell and step (96 for Ouro-1.4B), 3.5-3.7% of a compiled batch-1 step on
-the H200 (session 10), over issue 6's 2%. ``LoopKVCache(step_append=True)`` splits it
-(docs/design-decisions.md §12):
-
 * ``token_attention_``: ``cell_attention`` of the cell *with* its new decode token (k_new, v_new [B, H, 1, D]),
   which it also writes into the sink or the ring at position ``lengths[b]``. ``lengths`` is read, not written:
   the op attends over ``lengths[b] + 1`` tokens (unchanged at capacity). The page that the token makes leave the
-  window is not quantized here; it is not read as history before the next step (``layout.QUANTIZE_LENGTH``).
+  window is not quantized here; it is not read as history before the next step (``loopkv.format.QUANTIZE_LENGTH``).
 * ``advance_``: after every cell of the step has been read, one op per kind of pool: for each listed cell, count
   its token (``lengths[b] += 1``, unchanged at capacity) and quantize the page that leaves the window into the
-  cell's pool. It works on the cache's stacked tensors (``CellStacks``, docs/design-decisions.md §11): row ``c``
-  of ``lengths`` / ``win_k`` / ``win_v`` is cell ``c``, row ``j`` of the page table and the pool fields is pool
-  ``j``; ``cells[i]`` and ``pools[i]`` name the i-th pair. A ``share`` cell (bits 0) only counts its token.
+  cell's pool. It works on the cache's stacked tensors (``loopkv.cache.storage.CellStacks``): row ``c`` of
+  ``lengths`` / ``win_k`` / ``win_v`` is cell ``c``, row ``j`` of the page table and the pool fields is pool ``j``;
+  ``cells[i]`` and ``pools[i]`` name the i-th pair. A ``share`` cell (bits 0) only counts its token.
 
-``token_attention_`` then ``advance_`` leave the storage that ``append_`` then ``cell_attention`` leave, and
-return what ``cell_attention`` returns: the references below are built from ``append_``'s two halves
-(``cache_ops``). The Triton kernels (``triton_attention.token_attention``, ``triton_quant.advance``) register as the
-CUDA kernels.
+One launch per cell and step for the read, and 2-4 per step for the rest (one per kind of pool), instead of a
+separate append launch per cell. The references below are built from ``cache_ops``' ``write_token_reference`` and
+``advance_reference``; the Triton kernels (``triton_attention.token_attention``, ``triton_quant.advance``) register
+as the CUDA kernels.
 """
 
 from __future__ import annotations
@@ -27,10 +23,9 @@ import math
 import torch
 from torch import Tensor
 
-from loopkv.ops.cache_ops import _POOL as POOL
+from loopkv.format import POOL_FIELDS, RING, pool_field_shapes
 from loopkv.ops.cache_ops import advance_reference, write_token_reference
-from loopkv.ops.cell_attention import cell_attention_reference
-from loopkv.ops.layout import RING, pool_field_shapes
+from loopkv.ops.cell_attention import cell_attention_reference, check_cell_args
 
 
 def token_attention_reference(
@@ -57,7 +52,13 @@ def token_attention_(
 
 
 @token_attention_.register_fake
-def _(q, *args, **kwargs):
+def _(q, k_new, v_new, sink_k, sink_v, win_k, win_v, lengths, page_table, *rest):
+    pool, bits = rest[:7], rest[7]
+    check_cell_args(q, sink_k, sink_v, win_k, win_v, lengths, page_table, pool, bits)
+    want = (q.shape[0], sink_k.shape[1], 1, sink_k.shape[3])
+    torch._check(tuple(k_new.shape) == want and tuple(v_new.shape) == want,
+                 lambda: f"k_new, v_new must be {list(want)} (one token per row), got {tuple(k_new.shape)}, "
+                         f"{tuple(v_new.shape)}")
     return torch.empty_like(q)
 
 
@@ -86,14 +87,14 @@ def advance_stacks_reference(
         if bits:
             table = page_table[j, : max_batch * max_pages].view(max_batch, max_pages)[:batch]
             pool = [t[j, : math.prod(shapes[n])].view(shapes[n]) if t.numel() else t
-                    for n, t in zip(POOL, stacks, strict=True)]
+                    for n, t in zip(POOL_FIELDS, stacks, strict=True)]
         else:  # a share cell: the capacity of its source's pool, nothing written there
             table = torch.zeros(batch, max_pages, dtype=torch.int32, device=lengths.device)
             pool = list(stacks)
         advance_reference(wk, wv, lengths[c, :batch], table, *pool, bits)
 
 
-@torch.library.custom_op("loopkv::advance_", mutates_args=("lengths",) + POOL)
+@torch.library.custom_op("loopkv::advance_", mutates_args=("lengths",) + POOL_FIELDS)
 def advance_(
     cells: Tensor, pools: Tensor, lengths: Tensor, win_k: Tensor, win_v: Tensor, page_table: Tensor,
     k_pages: Tensor, k_scale: Tensor, k_zero: Tensor, v_hi: Tensor, v_lo: Tensor, v_scale: Tensor, v_zero: Tensor,
@@ -106,7 +107,13 @@ def advance_(
 
 
 @advance_.register_fake
-def _(*args, **kwargs) -> None:
+def _(cells, pools, lengths, win_k, win_v, *rest) -> None:
+    batch, max_batch, bits = rest[8], rest[9], rest[-1]
+    torch._check(cells.dim() == 1 and cells.shape == pools.shape,
+                 lambda: f"cells and pools must be 1-D and alike, got {tuple(cells.shape)}, {tuple(pools.shape)}")
+    torch._check(lengths.dtype == torch.int32, lambda: f"lengths must be int32, got {lengths.dtype}")
+    torch._check(0 <= batch <= max_batch, lambda: f"batch={batch} must be in [0, max_batch={max_batch}]")
+    torch._check(bits in (16, 4, 2, 0), lambda: f"bits must be 16, 4, 2 or 0 (share cells), got {bits}")
     return None
 
 

@@ -2,8 +2,8 @@
 
 The float64 recomputation is independent of ``cell_attention_reference``: it rebuilds each row's
 effective K and V token by token from the stored sink, ring and pool (bit unpacking from the codec is
-the only shared piece, and the codec has its own exact tests), applies DESIGN.md §7's cold rule in
-float64, and takes one softmax.
+the only shared piece, and the codec has its own exact tests), restates the cold-token rule (paper §3.3)
+independently in float64, and takes one softmax.
 """
 
 from __future__ import annotations
@@ -14,9 +14,8 @@ from types import SimpleNamespace
 import torch
 
 from loopkv.cache.attention import loopkv_attention
+from loopkv.format import PAGE, RING, SINK, n_pages
 from loopkv.ops import codec
-from loopkv.ops.codec import PAGE, SINK
-from loopkv.ops.layout import RING, n_pages
 
 
 def tiny_config(*, loops=2, layers=2, heads=4, kv_heads=2, head_dim=32, dtype=torch.float32):
@@ -50,6 +49,13 @@ def decode(cache, cell_index, q, k, v, scale):
     hk, hv = cache.update(k, v, cell_index)
     out, _ = loopkv_attention(None, q, hk, hv, None, scaling=scale)
     return out[:, 0]
+
+
+def write_token(cache, cell_index, k, v):
+    """Write one token per row (k, v [B, H, 1, D]) into a cell the way decode does (its read writes it; the
+    answer to a zero query is dropped)."""
+    q = torch.zeros(k.shape[0], cache.q_heads, 1, k.shape[3], dtype=k.dtype)
+    decode(cache, cell_index, q, k, v, 1.0)
 
 
 def effective_kv(cache, cell_index, row):
@@ -102,7 +108,7 @@ def effective_kv(cache, cell_index, row):
 
 
 def cold_tokens(s, hist, tau):
-    """DESIGN.md §7 cold rule in float64. s [H, g, n] scores; -> bool [H, n] (cold for every query head)."""
+    """The cold rule (paper §3.3) in float64. s [H, g, n] scores; -> bool [H, n] (cold for every query head)."""
     H, _, n = s.shape
     cold = torch.zeros(H, n, dtype=torch.bool)
     if not math.isfinite(tau) or not hist.any():

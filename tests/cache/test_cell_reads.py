@@ -1,4 +1,4 @@
-"""LoopKVCache driven cell by cell: stored state and attention vs float64 recomputation (DESIGN.md §7)."""
+"""LoopKVCache driven cell by cell: stored state and attention vs float64 recomputation (docs/design.md)."""
 
 import math
 
@@ -8,10 +8,18 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import loopkv
+from loopkv.format import PAGE, SINK, n_pages
 from loopkv.ops import codec
-from loopkv.ops.codec import PAGE, SINK
-from loopkv.ops.layout import n_pages
-from tests.cache.driver import attention64, cold_tokens, decode, effective_kv, left_pad, prefill, tiny_config
+from tests.cache.driver import (
+    attention64,
+    cold_tokens,
+    decode,
+    effective_kv,
+    left_pad,
+    prefill,
+    tiny_config,
+    write_token,
+)
 from tests.tolerances import ATTN_FP32_ATOL, ATTN_FP32_RTOL
 
 D = 32
@@ -64,12 +72,10 @@ def test_history_is_really_quantized_within_bound():
     plan = loopkv.Plan.uniform(loops=2, layers=2, option="int4")
     g = torch.Generator().manual_seed(1)
     cfg = tiny_config(head_dim=D)
-    # update() alone appends only with step_append=False (by default the attention function's read writes the token)
-    cache = loopkv.LoopKVCache(plan, config=cfg, max_batch_size=1, max_cache_len=420, device="cpu",
-                               step_append=False)
+    cache = loopkv.LoopKVCache(plan, config=cfg, max_batch_size=1, max_cache_len=420, device="cpu")
     ks, vs = torch.randn(1, 2, 420, D, generator=g), torch.randn(1, 2, 420, D, generator=g)
     for t in range(420):  # decode only: every page is quantized on the device at its window exit
-        cache.update(ks[:, :, t : t + 1], vs[:, :, t : t + 1], 0)
+        write_token(cache, 0, ks[:, :, t : t + 1], vs[:, :, t : t + 1])
     K, V, _, _, hist = effective_kv(cache, 0, 0)
     npg = n_pages(420)
     assert int(hist.sum()) == PAGE * npg == 128
@@ -134,14 +140,13 @@ def test_proposition_1_bound(tau, seed, spread):
     caches = {}
     for t in (tau, math.inf):
         plan = loopkv.Plan.uniform(loops=1, layers=1, option="int4", tau=t)
-        caches[t] = loopkv.LoopKVCache(plan, config=cfg, max_batch_size=1, max_cache_len=360, device="cpu",
-                                       step_append=False)  # update() alone appends
+        caches[t] = loopkv.LoopKVCache(plan, config=cfg, max_batch_size=1, max_cache_len=360, device="cpu")
     ks = torch.randn(1, 2, 360, D, generator=g) * spread
     vs = torch.randn(1, 2, 360, D, generator=g)
     q = torch.randn(1, 4, D, generator=g) * spread
     for t in range(360):
         for c in caches.values():
-            c.update(ks[:, :, t : t + 1], vs[:, :, t : t + 1], 0)
+            write_token(c, 0, ks[:, :, t : t + 1], vs[:, :, t : t + 1])
     o_tau = caches[tau].read_cell(0, q, scale=SCALE).double()
     o_inf = caches[math.inf].read_cell(0, q, scale=SCALE).double()
     ref_tau, weights = attention64(caches[tau], 0, q, SCALE, tau)
@@ -169,9 +174,9 @@ def test_tau_inf_is_bit_identical_to_plain_int4_and_tau_changes_output():
     outs = {}
     for tau in (math.inf, 0.0):
         cache = loopkv.LoopKVCache(loopkv.Plan.uniform(loops=1, layers=1, option="int4", tau=tau), config=cfg,
-                                   max_batch_size=1, max_cache_len=450, device="cpu", step_append=False)
+                                   max_batch_size=1, max_cache_len=450, device="cpu")
         for t in range(450):
-            cache.update(ks[:, :, t : t + 1], vs[:, :, t : t + 1], 0)
+            write_token(cache, 0, ks[:, :, t : t + 1], vs[:, :, t : t + 1])
         outs[tau] = cache.read_cell(0, q, scale=SCALE)
         st_ = cache.storage(0)
         plain = torch.ops.loopkv.cell_attention(q, st_.sink_k, st_.sink_v, st_.win_k, st_.win_v, st_.lengths,

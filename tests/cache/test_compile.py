@@ -10,9 +10,8 @@ from loopkv.models.ouro import OuroConfig, OuroForCausalLM
 from tests.tolerances import LOGITS_FP32_ATOL, LOGITS_FP32_RTOL
 
 
-@pytest.mark.parametrize("stacked", [False, True], ids=["per_cell", "stacked"])
 @pytest.mark.parametrize("backend", ["inductor"])
-def test_decode_step_is_one_graph_across_exits_and_reset(backend, stacked, error_on_recompile):
+def test_decode_step_is_one_graph_across_exits_and_reset(backend, error_on_recompile):
     torch.manual_seed(0)
     cfg = OuroConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                      num_key_value_heads=2, head_dim=32, total_ut_steps=2, max_position_embeddings=4096,
@@ -20,8 +19,7 @@ def test_decode_step_is_one_graph_across_exits_and_reset(backend, stacked, error
     model = OuroForCausalLM(cfg).eval()
     plan = loopkv.Plan.from_loops(loops=2, layers=2, per_loop=["share", "int4"], tau=14.0)
     compiled_cache, eager_cache = (
-        loopkv.LoopKVCache(plan, config=cfg, max_batch_size=2, max_cache_len=700, dtype=torch.float32, device="cpu",
-                           stacked=stacked)
+        loopkv.LoopKVCache(plan, config=cfg, max_batch_size=2, max_cache_len=700, dtype=torch.float32, device="cpu")
         for _ in range(2)
     )
 

@@ -6,7 +6,7 @@ import torch
 import loopkv
 from loopkv.models.ouro import OuroConfig, OuroForCausalLM
 from tests.cache.driver import tiny_config
-from tests.tolerances import LOGITS_FP32_ATOL, LOGITS_FP32_RTOL
+from tests.tolerances import ATTN_FP32_ATOL, ATTN_FP32_RTOL, LOGITS_FP32_ATOL, LOGITS_FP32_RTOL
 
 LOOPS, LAYERS = 2, 2
 QUANTIZED_PLANS = [
@@ -195,86 +195,47 @@ def test_no_host_sync_while_a_cuda_graph_is_captured(model, monkeypatch):
         cache.update(k, k, 0)
 
 
-@pytest.mark.parametrize("plan", QUANTIZED_PLANS, ids=["int4-tau14", "share+int2"])
-def test_fused_append_generates_what_the_two_ops_do(model, plan):
-    """``fused_append=True`` (decode appends inside the attention op, ``append_attention_``): two rows, 70 decode
-    steps across window exits, tokens and logits bit for bit those of the default cache, lengths and storage
-    equal at the end."""
-    g = torch.Generator().manual_seed(5)
-    ids = torch.randint(3, 97, (2, 300), generator=g)
-    caches = [loopkv.LoopKVCache(plan, config=model.config, max_batch_size=2, max_cache_len=400, dtype=torch.float32,
-                                 device="cpu", fused_append=fused) for fused in (False, True)]
-    fused_reads = []
-    read = caches[1].append_read_cell
-    caches[1].append_read_cell = lambda *a, **kw: (fused_reads.append(a[0]), read(*a, **kw))[1]
-    (t0, l0), (t1, l1) = (_generate(model, ids, 70, c) for c in caches)
-    assert len(fused_reads) == 69 * LOOPS * LAYERS  # every decode step of every cell took the fused op
-    assert torch.equal(t0, t1)
-    assert torch.equal(l0, l1)
-    for a, b in zip(caches[0].layers, caches[1].layers, strict=True):
-        for name, t in a.storage.own_tensors().items():
-            assert torch.equal(t, b.storage.own_tensors()[name]), name
-
-
 MIXED_PLAN = loopkv.Plan.from_loops(loops=LOOPS, layers=LAYERS, per_loop=["share", "int4"], tau=14.0)
 
 
 @pytest.mark.parametrize("plan", [*QUANTIZED_PLANS, MIXED_PLAN], ids=["int4-tau14", "share+int2", "share+int4"])
-def test_step_append_generates_what_the_per_cell_append_does(model, plan):
-    """``step_append=True`` (each read writes its cell's token, one ``advance_`` per kind of pool after the step's
-    last cell): two rows of different lengths, 70 decode steps across window exits, tokens and logits bit for bit
-    those of the default cache, every storage tensor equal at the end, and one advance per decode step."""
+def test_a_decode_step_counts_every_cell_once(model, plan):
+    """Two rows of different lengths, 70 decode steps across window exits: after each decode step's last cell, one
+    ``advance_`` per kind of pool over every cell (the prompt is written by prefill), and the rows hold their
+    tokens."""
     g = torch.Generator().manual_seed(6)
     ids = torch.randint(3, 97, (2, 300), generator=g)
     mask = torch.ones(2, 300, dtype=torch.long)
     mask[1, :17] = 0  # row 1 is 17 tokens shorter: its window exits fall on other steps
-    caches = [loopkv.LoopKVCache(plan, config=model.config, max_batch_size=3, max_cache_len=400, dtype=torch.float32,
-                                 device="cpu", step_append=step) for step in (False, True)]
+    cache = _cache(model, plan, 3, 400)
     steps = []
-    advance = caches[1].advance_step
-    caches[1].advance_step = lambda batch, groups=None: (steps.append((batch, groups)), advance(batch, groups))[1]
-    (t0, l0), (t1, l1) = (_generate(model, ids, 70, c, mask) for c in caches)
-    assert steps == [(2, caches[1]._groups)] * 69  # the prompt is written by prefill; 69 decode steps, every cell
-    assert torch.equal(t0, t1)
-    assert torch.equal(l0, l1)
-    for a, b in zip(caches[0].layers, caches[1].layers, strict=True):
-        for name, t in a.storage.own_tensors().items():
-            assert torch.equal(t, b.storage.own_tensors()[name]), name
-    assert caches[1].get_seq_length() == 300 + 69
+    advance = cache._advance
+    cache._advance = lambda batch, lengths, groups: (steps.append((batch, groups)), advance(batch, lengths, groups))[1]
+    _generate(model, ids, 70, cache, mask)
+    assert steps == [(2, cache._groups)] * 69
+    assert cache.storage(0).lengths.tolist()[:2] == [300 + 69, 283 + 69]
 
 
-def test_step_append_refuses_what_it_cannot_do_and_counts_cells_driven_one_at_a_time(model):
-    """step_append needs the stacked layout and replaces fused_append; a second update of a cell before its read is
-    an error that names the fix. A caller that drives cells one at a time (a cell twice before the others, then a
-    whole step) ends with the storage of the per-cell append, because each new update of a cell already read, and
-    every host-side look, counts the tokens read so far first."""
-    plan = MIXED_PLAN
-    kw = dict(config=model.config, max_batch_size=2, max_cache_len=400, dtype=torch.float32, device="cpu")
-    with pytest.raises(ValueError, match="stacked=True"):
-        loopkv.LoopKVCache(plan, stacked=False, step_append=True, **kw)
-    with pytest.raises(ValueError, match="fused_append=False"):
-        loopkv.LoopKVCache(plan, fused_append=True, step_append=True, **kw)
-    assert loopkv.LoopKVCache(plan, **kw).step_append  # the default
-    assert not loopkv.LoopKVCache(plan, stacked=False, **kw).step_append
-    caches = [loopkv.LoopKVCache(plan, step_append=step, **kw) for step in (False, True)]
+def test_cells_driven_one_at_a_time_are_counted_and_read_exactly(model):
+    """A second update of a cell before its read is an error that names the fix. A caller that drives cells one at
+    a time (a cell three times before the others, then whole steps) reads what the float64 recomputation of the
+    stored state gives, because each new update of a cell already read, and every host-side look, counts the
+    tokens read so far first."""
+    from tests.cache.driver import attention64, decode
+
+    cache = _cache(model, MIXED_PLAN, 2, 400)
     k = torch.zeros(2, 2, 1, 32)
-    caches[1].update(k, k, 0)
+    cache.update(k, k, 0)
     with pytest.raises(RuntimeError, match="updated again before"):
-        caches[1].update(k, k, 0)
-    caches[1].reset()
+        cache.update(k, k, 0)
+    cache.reset()
     g = torch.Generator().manual_seed(4)
     ids = torch.randint(3, 97, (2, 318), generator=g)
-    from tests.cache.driver import decode
-
-    for cache in caches:
-        model(input_ids=ids, past_key_values=cache)  # prefill: 318 tokens, the next append quantizes page 0
-    order = [0, 0, 0, 1, 2, 3, 0, 1, 2, 3]
-    for c in order:
+    model(input_ids=ids, past_key_values=cache)  # prefill: 318 tokens, the next token quantizes page 0
+    for c in [0, 0, 0, 1, 2, 3, 0, 1, 2, 3]:
         q = torch.randn(2, 4, 1, 32, generator=g)
         kv = torch.randn(2, 2, 1, 32, generator=g), torch.randn(2, 2, 1, 32, generator=g)
-        outs = [decode(cache, c, q, *kv, 32**-0.5) for cache in caches]
-        assert torch.equal(outs[0], outs[1])
-    assert caches[1].storage(0).lengths.tolist() == [322, 322]  # counted when looked at
-    for a, b in zip(caches[0].layers, caches[1].layers, strict=True):
-        for name, t in a.storage.own_tensors().items():
-            assert torch.equal(t, b.storage.own_tensors()[name]), name
+        out = decode(cache, c, q, *kv, 32**-0.5)
+        want, _ = attention64(cache, c, q[:, :, 0], 32**-0.5, MIXED_PLAN.tau)
+        torch.testing.assert_close(out.double(), want, atol=ATTN_FP32_ATOL, rtol=ATTN_FP32_RTOL)
+    assert [cache.storage(c).lengths.tolist() for c in range(4)] == [[322, 322], [320, 320], [320, 320], [320, 320]]

@@ -1,8 +1,6 @@
-"""``LoopKVCache(stacked=True)``: the cells' tensors are slices of a few stacks, and a compiled step lifts the
-stacks, not every cell's views. Both layouts: every tensor a compiled step lifts is a static address, and none
-aliases another."""
+"""The cells' tensors are slices of a few stacks, and a compiled step lifts the stacks, not every cell's views; every
+tensor a compiled step lifts is a static address, and none aliases another."""
 
-import pytest
 import torch
 import torch._dynamo
 
@@ -25,7 +23,7 @@ def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
 def test_cells_are_views_of_the_stacks_and_allocate_nothing_else():
     plan = _mixed_plan(3)
     cfg = tiny_config(loops=3, layers=3, head_dim=32)
-    cache = loopkv.LoopKVCache(plan, config=cfg, max_batch_size=3, max_cache_len=700, device="cpu", stacked=True)
+    cache = loopkv.LoopKVCache(plan, config=cfg, max_batch_size=3, max_cache_len=700, device="cpu")
     stacks = cache._stacks
     slices = 0
     for idx, layer in enumerate(cache.layers):
@@ -61,7 +59,7 @@ def test_cells_are_views_of_the_stacks_and_allocate_nothing_else():
     assert own <= total < own + 16 * slices  # nothing but the slices and their padding to 16 bytes
 
 
-def _graph_inputs(layers: int, stacked: bool = True) -> tuple[int, int, list[str], list[list[str]]]:
+def _graph_inputs(layers: int) -> tuple[int, int, list[str], list[list[str]]]:
     """(graph inputs, parameters, the cache's inputs not marked static, groups of inputs sharing memory) of a
     compiled decode step of a tiny Ouro with ``layers`` layers x 3 loops."""
     torch.manual_seed(0)
@@ -70,7 +68,7 @@ def _graph_inputs(layers: int, stacked: bool = True) -> tuple[int, int, list[str
                      max_position_embeddings=4096, rope_theta=10000.0)
     model = OuroForCausalLM(cfg).eval()
     cache = loopkv.LoopKVCache(_mixed_plan(layers), config=cfg, max_batch_size=2, max_cache_len=400,
-                               dtype=torch.float32, device="cpu", stacked=stacked)
+                               dtype=torch.float32, device="cpu")
     with torch.no_grad():
         model(input_ids=torch.randint(3, 97, (2, 40)), past_key_values=cache)
     seen = {}
@@ -107,54 +105,22 @@ def _source(node) -> str:
 
 
 def test_a_compiled_step_lifts_the_stacks_not_every_cells_tensors():
-    """Without the stacks a cell added 5 graph inputs, 13 with its own pool (session 7: 1,310 inputs for M's 96
-    cells, 0.6 ms of Dynamo per call); now the cache's inputs do not grow with the number of cells."""
+    """With a set of tensors per cell, a cell would add 5 graph inputs, 13 with its own pool (1,310 inputs for
+    Ouro-1.4B's 96 cells under LoopKV-M); with the stacks the cache's inputs do not grow with the number of cells."""
     small, large = _graph_inputs(2), _graph_inputs(4)  # 6 and 12 cells
     cache_inputs = [n - params for n, params, _, _ in (small, large)]
     assert cache_inputs[0] == cache_inputs[1]
-    # 5 exact-part stacks, 3 pool kinds x 8 fields, step_append's cell and pool indices per kind of pool (4 kinds
+    # 5 exact-part stacks, 3 pool kinds x 8 fields, the advance's cell and pool indices per kind of pool (4 kinds
     # here) and its empty placeholder, a few more (ids, positions, ...)
     assert cache_inputs[0] <= 48
 
 
-@pytest.mark.parametrize("stacked", [False, True])
-def test_every_cache_tensor_a_compiled_step_lifts_is_a_static_address(stacked):
+def test_every_cache_tensor_a_compiled_step_lifts_is_a_static_address():
     """CUDA-graph trees capture a step that mutates an input only if that input is a static address; one unmarked
-    tensor (session 8 on the H200: the empty placeholders of INT2's lo plane and BF16's scales, which ``append_``
-    declares mutated) makes ``reduce-overhead`` skip CUDA graphs for the whole step."""
-    _, _, dynamic, aliased = _graph_inputs(3, stacked)
+    tensor (e.g. the empty placeholders of INT2's lo plane and BF16's scales, which ``advance_`` declares mutated)
+    makes ``reduce-overhead`` skip CUDA graphs for the whole step."""
+    _, _, dynamic, aliased = _graph_inputs(3)
     assert dynamic == []
     # and no two inputs share memory: AOTAutograd would merge them into a synthetic base and, in torch 2.11-2.13,
-    # drop the static marks of every input (session 8, H200: cell 0's lengths view beside the lengths stack)
+    # drop the static marks of every input (as it did with cell 0's lengths view beside the lengths stack)
     assert aliased == []
-
-
-def test_stacked_and_per_cell_caches_compile_to_identical_logits():
-    """The layout changes which tensors a compiled step lifts, not its arithmetic: inductor's logits are bit for bit
-    the same over 60 steps across a window exit (the CPU half of the session-8 question; the GPU half is in
-    tests/cache/test_compile_gpu.py)."""
-    torch.manual_seed(0)
-    cfg = OuroConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                     num_attention_heads=4, num_key_value_heads=2, head_dim=32, total_ut_steps=3,
-                     max_position_embeddings=4096, rope_theta=10000.0)
-    model = OuroForCausalLM(cfg).eval()
-    ids = torch.randint(3, 97, (2, 300), generator=torch.Generator().manual_seed(1))
-    logits = []
-    for stacked in (False, True):
-        cache = loopkv.LoopKVCache(_mixed_plan(2), config=cfg, max_batch_size=2, max_cache_len=400,
-                                   dtype=torch.float32, device="cpu", stacked=stacked)
-
-        def step(tok, pos, cache=cache):
-            return model(input_ids=tok, position_ids=pos, past_key_values=cache).logits
-
-        torch._dynamo.reset()
-        compiled = torch.compile(step, fullgraph=True)
-        out = []
-        with torch.no_grad():
-            tok = model(input_ids=ids, past_key_values=cache).logits[:, -1:].argmax(-1)
-            for i in range(60):  # 300 + 60 tokens: the window exit at 319 quantizes a page in every cell
-                got = compiled(tok, torch.full((2, 1), 300 + i))
-                out.append(got)
-                tok = got[:, -1].argmax(-1, keepdim=True)
-        logits.append(torch.stack(out))
-    assert torch.equal(logits[0], logits[1])
