@@ -1,13 +1,15 @@
-"""``torch.library.opcheck`` on the three loopkv ops (schema and declared mutation, fake tensors,
-autograd registration, AOT dispatch), on small CPU samples for every bits value and a shared-cell call;
-the GPU variant runs the same checks through the registered Triton kernels."""
+"""``torch.library.opcheck`` on the four loopkv ops (schema and declared mutation, fake tensors, autograd
+registration, AOT dispatch), on small CPU samples for every bits value and a shared-cell call; the GPU variant runs
+the same checks through the registered Triton kernels. And the fake implementations refuse a malformed call the
+way a compiled step would meet it."""
 
 import math
 
 import pytest
 import torch
 
-from loopkv.ops import append_attention, cache_ops, cell_attention, codec, layout  # noqa: F401  (registers torch.ops.loopkv.*)
+from loopkv import format as fmt
+from loopkv.ops import cache_ops, cell_attention, codec, step_ops  # noqa: F401  (registers torch.ops.loopkv.*)
 
 HEADS, HEAD_DIM, BATCH, MAXP = 2, 64, 3, 2
 
@@ -26,7 +28,7 @@ def pool(bits, n, device="cpu", dtype=torch.float32):
 
 def storage(lengths, device="cpu", dtype=torch.float32):
     b = len(lengths)
-    exact = [torch.randn(b, HEADS, n, HEAD_DIM, dtype=dtype, device=device) for n in (32, 32, layout.RING, layout.RING)]
+    exact = [torch.randn(b, HEADS, n, HEAD_DIM, dtype=dtype, device=device) for n in (32, 32, fmt.RING, fmt.RING)]
     page_table = torch.arange(b * MAXP, dtype=torch.int32, device=device).view(b, MAXP)
     return exact + [torch.tensor(lengths, dtype=torch.int32, device=device), page_table]
 
@@ -48,14 +50,35 @@ def attention_samples(device="cpu", dtype=torch.float32):
     return samples
 
 
-def append_samples(device="cpu", dtype=torch.float32):
+def token_samples(device="cpu", dtype=torch.float32):
+    """``token_attention_``: a window exit on two rows for every read bits; a shared cell reads an INT4 pool."""
     samples = []
-    for bits in (16, 4, 2, 0):  # 0: a shared cell appends to its sink and window only
-        q = layout.QUANTIZE_LENGTH
+    for bits, tau in ((16, math.inf), (4, 14.0), (2, math.inf)):
+        q = fmt.QUANTIZE_LENGTH
         lengths = [0, q - 1, q + 31]  # the last two complete pages 0 and 1
         kv = [torch.randn(3, HEADS, 1, HEAD_DIM, dtype=dtype, device=device) for _ in range(2)]
-        p = pool(bits, BATCH * MAXP, device, dtype) if bits else pool(4, BATCH * MAXP, device, dtype)
-        samples.append((*kv, *storage(lengths, device, dtype), *p, bits))
+        query = torch.randn(3, 2 * HEADS, HEAD_DIM, dtype=dtype, device=device)
+        samples.append((query, *kv, *storage(lengths, device, dtype), *pool(bits, BATCH * MAXP, device, dtype), bits,
+                        tau, HEAD_DIM**-0.5))
+    return samples
+
+
+def advance_samples(device="cpu", dtype=torch.float32):
+    """``advance_`` on stacks of two cells (rows of 2-D tensors), one listed, every kind of pool and a share group."""
+    samples = []
+    lengths = [0, fmt.QUANTIZE_LENGTH - 1, fmt.QUANTIZE_LENGTH + 31]
+    for bits in (16, 4, 2, 0):
+        own = [torch.stack([t.flatten() for t in (a, b)]) for a, b in zip(storage(lengths, device, dtype)[:5],
+                                                                          storage(lengths, device, dtype)[:5],
+                                                                          strict=True)]
+        table = torch.arange(BATCH * MAXP, dtype=torch.int32, device=device)[None].expand(2, -1).contiguous()
+        fields = [torch.stack([t.flatten()] * 2) if t.numel() else t for t in pool(bits or 4, BATCH * MAXP, device,
+                                                                                  dtype)]
+        if bits == 0:
+            table, fields = torch.zeros(0, dtype=torch.int32, device=device), [torch.zeros(0, device=device)] * 7
+        idx = torch.ones(1, dtype=torch.int32, device=device)
+        samples.append((idx, idx * 0, own[4], own[2], own[3], table, *fields, BATCH, BATCH, HEADS, HEAD_DIM, MAXP,
+                        bits))
     return samples
 
 
@@ -69,21 +92,11 @@ def write_samples(device="cpu", dtype=torch.float32):
     return samples
 
 
-def append_attention_samples(device="cpu", dtype=torch.float32):
-    """``append_`` samples (every own bits, a window exit on two rows) with a query; bits 0 (a shared cell)
-    reads the INT4 pool it does not own."""
-    samples = []
-    for kn, vn, *st, own in append_samples(device, dtype):
-        q = torch.randn(3, 2 * HEADS, HEAD_DIM, dtype=dtype, device=device)
-        samples.append((q, kn, vn, *st, own or 4, own, 14.0 if own in (0, 4) else math.inf, HEAD_DIM**-0.5))
-    return samples
-
-
 OPS = {
     "cell_attention": (lambda: torch.ops.loopkv.cell_attention.default, attention_samples),
-    "append_": (lambda: torch.ops.loopkv.append_.default, append_samples),
+    "token_attention_": (lambda: torch.ops.loopkv.token_attention_.default, token_samples),
+    "advance_": (lambda: torch.ops.loopkv.advance_.default, advance_samples),
     "write_pages_": (lambda: torch.ops.loopkv.write_pages_.default, write_samples),
-    "append_attention_": (lambda: torch.ops.loopkv.append_attention_.default, append_attention_samples),
 }
 
 
@@ -104,3 +117,24 @@ def test_opcheck_gpu_triton_kernels(name):
     op, samples = OPS[name]
     for args in samples("cuda", torch.bfloat16):
         torch.library.opcheck(op(), args)
+
+
+def test_fake_implementations_refuse_malformed_calls():
+    """Traced with fake tensors (what ``torch.compile`` does), a call with a wrong shape or dtype fails with a
+    message that names the tensor, not deep inside a kernel."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    q, *rest = attention_samples()[1]
+    bad_window = list(rest)
+    bad_window[2] = torch.zeros(3, HEADS, fmt.RING - 1, HEAD_DIM)  # win_k one slot short
+    bad_lengths = list(rest)
+    bad_lengths[4] = bad_lengths[4].long()
+    bad_pool = list(rest)
+    bad_pool[6] = torch.zeros(BATCH * MAXP, HEADS, 32, HEAD_DIM // 4, dtype=torch.uint8)  # INT2-wide INT4 codes
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        for args, match in ((bad_window, "win_k"), (bad_lengths, "lengths"), (bad_pool, "k_pages")):
+            with pytest.raises(RuntimeError, match=match):
+                torch.ops.loopkv.cell_attention(q, *args)
+        k = torch.zeros(3, HEADS, 2, HEAD_DIM)  # two tokens where a decode step takes one
+        with pytest.raises(RuntimeError, match="one token per row"):
+            torch.ops.loopkv.token_attention_(q, k, k, *rest)
