@@ -286,15 +286,8 @@ def cmd_eval(args) -> int:
 
 
 def cmd_demo(args) -> int:
-    import importlib
+    from loopkv import demo
 
-    try:
-        demo = importlib.import_module("loopkv.demo")
-    except ModuleNotFoundError as err:
-        if err.name != "loopkv.demo":
-            raise
-        print("loopkv demo: this loopkv has no demo module (loopkv/demo.py) yet", file=sys.stderr)
-        return EXIT_ERROR
     code = demo.main(list(args.args))
     return 0 if code is None else int(code)
 

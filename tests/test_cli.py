@@ -119,21 +119,6 @@ def test_model_and_document_errors(checkpoint, tmp_path, capsys):
     assert "does not match the model" in capsys.readouterr().err
 
 
-def test_demo_without_module(capsys, monkeypatch):
-    import importlib
-
-    real = importlib.import_module
-
-    def no_demo(name, *args):
-        if name == "loopkv.demo":
-            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
-        return real(name, *args)
-
-    monkeypatch.setattr(importlib, "import_module", no_demo)
-    assert main(["demo"]) == 2
-    assert "no demo module" in capsys.readouterr().err
-
-
 def test_import_is_light():
     code = "import sys, loopkv.cli; print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout

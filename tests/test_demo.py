@@ -4,10 +4,7 @@ README's main command; the full demo runs the same code with more prompts)."""
 import pytest
 import torch
 
-from loopkv.models.small import SMALL_DIR
 
-
-@pytest.mark.skipif(not (SMALL_DIR / "profile.json").is_file(), reason="the small model's profile is not shipped")
 def test_demo_quick_prints_the_table(tmp_path, capsys):
     from loopkv.cli import main
 
@@ -20,7 +17,7 @@ def test_demo_quick_prints_the_table(tmp_path, capsys):
 
 
 def test_kl_and_agreement_against_a_hand_computed_case():
-    """``loopkv.demo.kl_and_agreement`` (the demo, bench_quality and probe_served_quality all use it): mean over
+    """``loopkv.demo.kl_and_agreement`` (the demo's KL and agreement columns): mean over
     positions of sum_v p log(p / q), and the share of positions whose argmax agrees."""
     import math
 

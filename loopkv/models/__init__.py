@@ -1,1 +1,1 @@
-"""Looped models: loopkv's clean-room Ouro and the small model loopkv trains and ships."""
+"""Looped models: loopkv's clean-room Ouro and the small model loopkv ships."""

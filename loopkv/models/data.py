@@ -1,4 +1,4 @@
-"""Data for the small model loopkv trains: byte tokens, stdlib text and synthetic long-context tasks.
+"""Data of the small model loopkv ships: byte tokens, stdlib text and synthetic long-context tasks.
 
 Nothing is downloaded. The text is the Python standard library of the running interpreter
 (``sysconfig.get_paths()["stdlib"]``, every ``*.py`` outside ``site-packages``/``dist-packages``, sorted
@@ -17,11 +17,10 @@ Synthetic documents force attention far back:
   sits right before the value in record and query alike, so a copy (induction) circuit that matches the
   last few bytes solves it, and shorter matches already narrow the candidates (a smooth path to learn);
 * variable tracking (RULER-style chains): ``\\nVAR QZK = 48213\\n`` ... ``\\nVAR ABC = QZK\\n`` ...,
-  then ``\\n? ABC -> 48213``; :func:`variable_tracking_task` is its prompt/answer pair;
-* repeats: random strings ``\\n<16-48 letters/digits>\\n`` in filler, each repeated once later (training
-  only: the cheapest signal for the copy circuit the tasks need).
+  then ``\\n? ABC -> 48213``; :func:`variable_tracking_task` is its prompt/answer pair.
 
-:class:`BatchSampler` mixes stdlib text windows with both kinds at a given sequence length.
+The demo, the profiler's calibration documents and the quality benchmark use these; the training mix
+(``BatchSampler``) lives with the training script, ``tools/train_small.py``.
 """
 
 from __future__ import annotations
@@ -171,7 +170,7 @@ def load_corpus(root: str | None = None) -> Corpus:
 # ----------------------------------------------------------------------------- synthetic documents
 
 
-def _interleave(rng: np.random.Generator, split: Split, pieces: list[bytes], filler_budget: int) -> bytes:
+def interleave(rng: np.random.Generator, split: Split, pieces: list[bytes], filler_budget: int) -> bytes:
     """``pieces`` in order with ``filler_budget`` filler bytes cut at random into len(pieces)+1 gaps."""
     cuts = np.sort(rng.integers(0, filler_budget + 1, size=len(pieces)))
     gaps = np.diff(np.concatenate([[0], cuts, [filler_budget]]))
@@ -182,15 +181,12 @@ def _interleave(rng: np.random.Generator, split: Split, pieces: list[bytes], fil
     return b"".join(out)
 
 
-def _check_fits(name: str, n_bytes: int, fixed: int) -> None:
+def check_fits(name: str, n_bytes: int, fixed: int) -> None:
     if fixed > n_bytes:
         raise ValueError(
             f"n_tokens too small for the {name} task: its records and queries take {fixed} bytes but "
             f"only {n_bytes} fit; use a larger n_tokens or fewer records/queries"
         )
-
-
-QUERY_PLACEMENTS = ("end", "anywhere")
 
 
 def retrieval_document(
@@ -213,8 +209,8 @@ def retrieval_document(
     """
     if not 1 <= n_queries <= n_records:
         raise ValueError(f"n_queries must be in [1, n_records={n_records}], got {n_queries}")
-    if placement not in QUERY_PLACEMENTS:
-        raise ValueError(f"placement must be one of {QUERY_PLACEMENTS}, got {placement!r}")
+    if placement not in ("end", "anywhere"):
+        raise ValueError(f"placement must be 'end' or 'anywhere', got {placement!r}")
     keys = rng.choice(KEY_HIGH - KEY_LOW, size=n_records, replace=False) + KEY_LOW
     values = rng.choice(VALUE_HIGH - VALUE_LOW, size=n_records, replace=False) + VALUE_LOW
     records = [b"\nkey %d: %d\n" % (k, v) for k, v in zip(keys, values, strict=True)]
@@ -225,11 +221,11 @@ def retrieval_document(
         for i, (q, a) in zip(asked, queries, strict=True):
             after = pieces.index(records[i]) + 1
             pieces.insert(int(rng.integers(after, len(pieces) + 1)), q + a + b"\n")
-        _check_fits("retrieval", n_bytes, sum(map(len, pieces)))
-        return _interleave(rng, split, pieces, n_bytes - sum(map(len, pieces))), []
+        check_fits("retrieval", n_bytes, sum(map(len, pieces)))
+        return interleave(rng, split, pieces, n_bytes - sum(map(len, pieces))), []
     fixed = sum(map(len, records)) + sum(len(q) + len(a) for q, a in queries)
-    _check_fits("retrieval", n_bytes, fixed)
-    return _interleave(rng, split, records, n_bytes - fixed), queries
+    check_fits("retrieval", n_bytes, fixed)
+    return interleave(rng, split, records, n_bytes - fixed), queries
 
 
 def _var_name(code: int) -> bytes:
@@ -263,26 +259,8 @@ def variable_tracking_document(
     asked = rng.choice(n_chains, size=n_queries, replace=False)
     queries = [(b"\n? " + _var_name(names[c, hops]) + b" -> ", b"%d" % roots[c]) for c in asked]
     fixed = sum(map(len, statements)) + sum(len(q) + len(a) for q, a in queries)
-    _check_fits("variable-tracking", n_bytes, fixed)
-    return _interleave(rng, split, statements, n_bytes - fixed), queries
-
-
-REPEAT_ALPHABET = np.frombuffer(b"abcdefghijklmnopqrstuvwxyz0123456789", dtype=np.uint8)
-
-
-def repeat_document(rng: np.random.Generator, split: Split, *, n_bytes: int, n_strings: int) -> bytes:
-    """A copy-training document of exactly ``n_bytes`` bytes: ``n_strings`` random strings
-    ``\\n<16..48 letters/digits>\\n`` in filler, each repeated once later (second copies in random order)."""
-    if n_strings < 1:
-        raise ValueError(f"n_strings must be >= 1, got {n_strings}")
-    strings = [
-        b"\n" + REPEAT_ALPHABET[rng.integers(0, REPEAT_ALPHABET.size, size=int(n))].tobytes() + b"\n"
-        for n in rng.integers(16, 49, size=n_strings)
-    ]
-    pieces = strings + [strings[i] for i in rng.permutation(n_strings)]
-    fixed = sum(map(len, pieces))
-    _check_fits("repeat", n_bytes, fixed)
-    return _interleave(rng, split, pieces, n_bytes - fixed)
+    check_fits("variable-tracking", n_bytes, fixed)
+    return interleave(rng, split, statements, n_bytes - fixed), queries
 
 
 def _check_n_tokens(n_tokens: int) -> None:
@@ -331,95 +309,7 @@ def variable_tracking_task(
             return prompt, answer
 
 
-# ----------------------------------------------------------------------------- batches
-
-
-class BatchSampler:
-    """Seeded batches mixing stdlib text windows with synthetic retrieval, variable-tracking and repeat rows.
-
-    Each row is ``seq_len`` tokens with no padding, ``BOS`` first: a text row continues with a window of
-    the ``BOS doc EOS`` stream; a synthetic row with one document of ``seq_len - 1`` bytes (retrieval and
-    tracking rows end with their query answers). Retrieval rows draw their record density (one per
-    48..160 bytes) and 1..16 queries at random, placed at the row's end or anywhere after their records
-    (``query_placement``); variable-tracking rows draw 1..3 hops; repeat rows hold one random string per
-    200 bytes (at most 16). Same seed and same calls, same batches.
-    """
-
-    def __init__(
-        self,
-        split: Split,
-        *,
-        seed: int,
-        retrieval_fraction: float = 0.375,
-        tracking_fraction: float = 0.125,
-        repeat_fraction: float = 0.0,
-        query_placement: str = "end",
-    ):
-        fractions = (retrieval_fraction, tracking_fraction, repeat_fraction)
-        if min(fractions) < 0 or sum(fractions) > 1:
-            raise ValueError(
-                "retrieval_fraction, tracking_fraction and repeat_fraction must be >= 0 and sum to <= 1, "
-                f"got {fractions}"
-            )
-        if query_placement not in QUERY_PLACEMENTS:
-            raise ValueError(f"query_placement must be one of {QUERY_PLACEMENTS}, got {query_placement!r}")
-        self.split = split
-        self.query_placement = query_placement
-        self.rng = np.random.default_rng([0x5A4D, seed])
-        self.p = np.array([1 - sum(fractions), *fractions])
-
-    def row(self, seq_len: int) -> np.ndarray:
-        """One row: int64 ``[seq_len]``."""
-        kind = int(self.rng.choice(4, p=self.p)) if seq_len >= MIN_SYNTHETIC_LEN else 0
-        if kind == 0:
-            return self.split.text_window(self.rng, seq_len)
-        n_bytes = seq_len - 1
-        if kind == 1 or n_bytes < 2 * MIN_SYNTHETIC_LEN - 1:
-            n_records = max(2, n_bytes // int(self.rng.integers(48, 161)))
-            n_queries = int(self.rng.integers(1, min(16, n_records, max(1, n_bytes // 64)) + 1))
-            body, queries = retrieval_document(
-                self.rng,
-                self.split,
-                n_bytes=n_bytes,
-                n_queries=n_queries,
-                n_records=n_records,
-                placement=self.query_placement,
-            )
-        elif kind == 2:
-            hops = int(self.rng.integers(1, max(1, min(3, n_bytes // 128)) + 1))
-            n_chains = max(2, n_bytes // (CHAIN_SPACING * hops // 2 + 64))
-            n_queries = int(self.rng.integers(1, min(4, n_chains) + 1))
-            body, queries = variable_tracking_document(
-                self.rng, self.split, n_bytes=n_bytes, n_queries=n_queries, n_chains=n_chains, hops=hops
-            )
-        else:
-            n_strings = max(1, min(16, n_bytes // 200))
-            body, queries = repeat_document(self.rng, self.split, n_bytes=n_bytes, n_strings=n_strings), []
-        doc = body + b"".join(q + a for q, a in queries)
-        return encode_bytes(doc, bos=True)
-
-    def __call__(self, *, batch_size: int, seq_len: int) -> torch.Tensor:
-        """A batch of token ids: int64 ``[batch_size, seq_len]``."""
-        if batch_size < 1 or seq_len < 2:
-            raise ValueError(f"batch_size must be >= 1 and seq_len >= 2, got {batch_size} and {seq_len}")
-        return torch.from_numpy(np.stack([self.row(seq_len) for _ in range(batch_size)]))
-
-
-def copy_accuracy_documents(corpus: Corpus, *, n: int, seq_len: int, seed: int = 0) -> list[tuple[bytes, bytes]]:
-    """``n`` (prompt, answer) pairs testing plain copying: held-out filler with random strings, the prompt
-    ending with the first 8 bytes of a repeat of one of them, the answer its remaining bytes."""
-    rng = np.random.default_rng([0x4350, seed, seq_len])
-    out = []
-    for _ in range(n):
-        s = b"\n" + REPEAT_ALPHABET[rng.integers(0, REPEAT_ALPHABET.size, size=24)].tobytes()
-        head, tail = s[:9], s[9:]
-        filler = seq_len - 1 - len(s) - len(s)
-        if filler < 0:
-            raise ValueError(f"seq_len={seq_len} is too short for a copy test; use at least 64")
-        cut = int(rng.integers(0, filler + 1))
-        prompt = corpus.heldout.filler_bytes(rng, cut) + s + corpus.heldout.filler_bytes(rng, filler - cut) + head
-        out.append((prompt, tail))
-    return out
+# ----------------------------------------------------------------------------- held-out text
 
 
 def heldout_windows(corpus: Corpus, *, n: int, seq_len: int, seed: int = 0) -> torch.Tensor:

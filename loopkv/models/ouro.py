@@ -3,13 +3,14 @@
 Ouro runs one block of ``L = num_hidden_layers`` sandwich-norm decoder layers ``T = total_ut_steps`` times
 per token. Every (loop ``t``, layer ``l``) pair is a *cell* with its own KV cache, reached through
 ``Cache.update(k, v, t * L + l, cache_kwargs)``. This module loads the released checkpoints with their
-own parameter names and ``config.json`` (notes/kivi-ouro-vllm.md §3) and registers ``model_type="ouro"``
-with the Auto classes when :func:`register_ouro` is called (never at import).
+own parameter names and ``config.json`` and registers ``model_type="ouro"`` with the Auto classes when
+:func:`register_ouro` is called (never at import).
 
-Forward semantics (notes §3.3): Qwen2-style RMSNorm, ``h = x + norm2(attn(norm1(x)))`` then
-``h + norm4(mlp(norm3(h)))``, ``model.norm`` applied at the end of *every* loop (the normed state is
-the next loop's input), neox RoPE computed once per forward and shared by all loops. All T loops always
-run and write their cells; the logits come from the final loop unless ``exit_at_step`` is given.
+Forward semantics (those the released checkpoints were trained with): Qwen2-style RMSNorm,
+``h = x + norm2(attn(norm1(x)))`` then ``h + norm4(mlp(norm3(h)))``, ``model.norm`` applied at the end of
+*every* loop (the normed state is the next loop's input), neox RoPE computed once per forward and shared by
+all loops. All T loops always run and write their cells; the logits come from the final loop unless
+``exit_at_step`` is given.
 
 Works with transformers 5.17 (cache argument ``past_key_values``) and 5.24 (renamed to ``cache``): the
 forward accepts both names and returns the cache under the name the installed version's
@@ -117,8 +118,8 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
-def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """``x [B, H, S, D]``, ``cos/sin [B|1, S, D]``."""
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Neox RoPE: ``x [B, H, S, D]``, ``cos/sin [B|1, S, D]``."""
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     return x * cos + _rotate_half(x) * sin
 
@@ -194,7 +195,7 @@ class OuroAttention(nn.Module):
         key = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)  # [B, Hkv, S, D]
         value = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)  # [B, Hkv, S, D]
         cos, sin = position_embeddings
-        query, key = _apply_rope(query, cos, sin), _apply_rope(key, cos, sin)
+        query, key = apply_rope(query, cos, sin), apply_rope(key, cos, sin)
 
         if cache is not None:
             cache_kwargs = {"sin": sin, "cos": cos, "position_ids": kwargs.get("position_ids")}

@@ -1,6 +1,6 @@
 """Ouro's configuration and the dense reference caches with one layer per (loop, layer) cell.
 
-Split from ``loopkv/models/ouro.py`` (which re-exports every name here); see that module for the model.
+:mod:`loopkv.models.ouro` re-exports every name here; see that module for the model.
 """
 
 from __future__ import annotations

@@ -42,7 +42,7 @@ def load_small(
     """The shipped small model (``OuroForCausalLM``, eval mode) from ``SMALL_DIR``, without network access.
 
     ``dtype``: parameter dtype (the checkpoint is stored in 16 bits; fp32 is the exact reference).
-    The model answers retrieval queries best near the end of a 4096-token window (docs/small-model.md).
+    The model was trained on sequences of up to 4096 tokens (docs/small-model.md).
     """
     from loopkv.models.ouro import OuroForCausalLM
 
@@ -51,7 +51,7 @@ def load_small(
     if not (SMALL_DIR / "config.json").is_file() or not (SMALL_DIR / "model.safetensors").is_file():
         raise FileNotFoundError(
             f"the small model's checkpoint is missing from {SMALL_DIR} (config.json + model.safetensors); "
-            "reinstall loopkv, or train one (python -m loopkv.models.train_small) and copy its small/ folder"
+            "reinstall loopkv, or train one (python tools/train_small.py in a checkout) and copy its small/ folder"
         )
     model = OuroForCausalLM.from_pretrained(
         str(SMALL_DIR), dtype=dtype, local_files_only=True, attn_implementation=attn_implementation

@@ -1,6 +1,6 @@
 """Planning: the Plan, the byte model, and (lazily) the profiler, the knapsack and KL evaluation.
 
-``import loopkv.planning`` loads only :mod:`loopkv.planning.plan` and :mod:`loopkv.planning.bytes`;
+``import loopkv.planning`` loads only :mod:`loopkv.planning.plan` and :mod:`loopkv.planning.bytes` (no torch);
 ``profile``, ``Profile``, ``solve``, ``solve_layerwise`` and ``measure_kl`` load on first access.
 """
 
@@ -13,7 +13,6 @@ from loopkv.planning.bytes import (
     BytesPerToken,
     ModelShape,
     as_shape,
-    bytes_per_token,
     exact_bytes_per_request,
     lo_plane_kib,
     option_kib,
@@ -38,7 +37,6 @@ __all__ = [
     "Plan",
     "PlanEnvironmentWarning",
     "as_shape",
-    "bytes_per_token",
     "exact_bytes_per_request",
     "lo_plane_kib",
     "option_kib",

@@ -1,6 +1,7 @@
-"""The byte model: stored and read bytes per history token (DESIGN.md §4, paper §2.2 and Appendix C).
+"""The byte model: stored and read bytes per history token and cell (paper §2.2 and Appendix C).
 
-Per history token and cell, with ``E = 2 * kv_heads * head_dim`` K and V elements:
+Every cost comes from the storage format (:mod:`loopkv.format`). Per history token and cell, with
+``E = 2 * kv_heads * head_dim`` K and V elements:
 
 * ``bf16``: ``8 * dtype_bytes`` bits per element (the cache's own dtype; 16 bits for BF16),
 * ``int4``: 5 bits per element (4 code bits + 1 bit of metadata: one fp16 scale and one fp16 zero per
@@ -15,25 +16,25 @@ token and cell, a lo plane of 0.5 KiB, 768 KiB BF16 and 240 KiB uniform INT4 per
 
 The sink and the window (``SINK + WINDOW = 288`` tokens) are exact in every cell, shared cells included:
 a constant per request (216 MiB for Ouro-1.4B), reported by :func:`exact_bytes_per_request`.
+
+This module knows nothing of :class:`~loopkv.planning.plan.Plan`: it prices a sequence of options
+(:func:`per_token`), and ``Plan.bytes_per_token`` calls it.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from loopkv.planning.plan import Plan
+from loopkv.format import BITS, PAGE, QUANTIZED, SINK, WINDOW, pool_field_shapes, stored_bits_per_element
 
-# Sink and window sizes, the same constants as loopkv.ops.codec (kept here so that the byte model
-# imports no torch); tests/planning/test_bytes.py checks that they agree.
-_SINK = 32
-_WINDOW = 256
-# Bits per K/V element of a cell's own codes, metadata included (1 bit: fp16 scale + fp16 zero per 32).
-CODE_BITS_PER_ELEMENT = {"int4": 5, "int2": 3}
-# Bits per V element of the INT4 lo plane, the part V precision skips for a cold token.
-LO_PLANE_BITS_PER_V_ELEMENT = 2
+# Bits per K/V element of a cell's own codes, metadata included (int4 5, int2 3).
+CODE_BITS_PER_ELEMENT = {o: int(stored_bits_per_element(o)) for o in QUANTIZED}
+# Bits per V element of the INT4 lo plane (2), the part V precision skips for a cold token.
+_D = 128  # any multiple of the codec's group gives the same bits per element
+LO_PLANE_BITS_PER_V_ELEMENT = 8 * math.prod(pool_field_shapes(BITS["int4"], 1, 1, _D)["v_lo"]) // (PAGE * _D)
 KIB = 1024
 
 
@@ -139,7 +140,7 @@ def _lo_plane_bits(shape: ModelShape) -> int:
 def option_kib(option: str, config: Any, *, dtype_bytes: int = 2) -> float:
     """KiB per token one cell stores (and, reading its own codes, reads) under ``option``.
 
-    ``share`` stores 0; what a shared cell reads depends on its source (see :func:`bytes_per_token`).
+    ``share`` stores 0; what a shared cell reads depends on its source (see :func:`per_token`).
     Ouro-1.4B: bf16 8.0, int4 2.5, int2 1.5, share 0.0.
     """
     _check_dtype_bytes(dtype_bytes)
@@ -168,43 +169,27 @@ def exact_bytes_per_request(config: Any, *, dtype_bytes: int = 2) -> int:
     ``(SINK + WINDOW) * T * L * E * dtype_bytes``. Ouro-1.4B in BF16: 216 MiB."""
     _check_dtype_bytes(dtype_bytes)
     shape = as_shape(config)
-    return (_SINK + _WINDOW) * shape.num_cells * shape.elements * dtype_bytes
+    return (SINK + WINDOW) * shape.num_cells * shape.elements * dtype_bytes
 
 
-def bytes_per_token(
-    plan: Plan, config: Any = None, *, hot_fraction: float = 1.0, dtype_bytes: int = 2
+def per_token(
+    options: Sequence[str], layers: int, shape: ModelShape, *, v_precision: bool = False,
+    hot_fraction: float = 1.0, dtype_bytes: int = 2,
 ) -> BytesPerToken:
-    """Stored and read KiB per history token of ``plan`` on a model of shape ``config``.
+    """Stored and read KiB per history token of cells holding ``options`` (flat index ``t * L + l``, the
+    last ``layers`` entries the final loop, which ``share`` cells read) on a model of ``shape``.
 
-    config: a ``transformers`` config or a :class:`ModelShape`; ``None`` uses the plan's own
-        ``kv_heads``/``head_dim`` (an error if the plan does not record them).
-    hot_fraction: the fraction of history tokens an INT4 read with V precision reads in full, in
-        ``[0, 1]``; only meaningful with a finite ``plan.tau`` (1.0 otherwise).
+    v_precision: the reads of INT4 codes skip the V lo plane for the ``1 - hot_fraction`` cold tokens.
     dtype_bytes: bytes per element of the cache's exact dtype (2 for BF16), the cost of ``bf16`` cells.
     """
     _check_dtype_bytes(dtype_bytes)
-    if config is None:
-        if plan.kv_heads is None or plan.head_dim is None:
-            raise ValueError(
-                "config=None needs a plan that records kv_heads and head_dim; pass the model config "
-                "(or a ModelShape) as config"
-            )
-        shape = ModelShape(plan.loops, plan.layers, plan.kv_heads, plan.head_dim)
-    else:
-        shape = as_shape(config)
-        plan.validate_for(shape)
     if not (isinstance(hot_fraction, (int, float)) and 0.0 <= hot_fraction <= 1.0):
         raise ValueError(f"hot_fraction must be a number in [0, 1], got {hot_fraction!r}")
-    if math.isinf(plan.tau) and hot_fraction != 1.0:
-        raise ValueError(
-            f"hot_fraction={hot_fraction} needs V precision, but the plan has tau=inf (off); "
-            "use a plan with a finite tau or hot_fraction=1.0"
-        )
-    cold_saving = (1.0 - hot_fraction) * _lo_plane_bits(shape) if math.isfinite(plan.tau) else 0.0
-    final = plan.loops - 1
+    cold_saving = (1.0 - hot_fraction) * _lo_plane_bits(shape) if v_precision else 0.0
+    final = len(options) - layers
     per_cell = []
-    for index, option in enumerate(plan.options):
-        read_option = plan.options[final * plan.layers + index % plan.layers] if option == "share" else option
+    for index, option in enumerate(options):
+        read_option = options[final + index % layers] if option == "share" else option
         stored = _option_bits(option, shape, dtype_bytes)
         read = _option_bits(read_option, shape, dtype_bytes)
         if read_option == "int4":

@@ -25,8 +25,10 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from loopkv.planning.knapsack import predicted_damage
+from loopkv.planning.plan import Plan
 from loopkv.planning.profiler import as_documents, kl_per_position
-from loopkv.planning.simulate import FIRST_HISTORY
+from loopkv.planning.simulate import FIRST_HISTORY, check_model
 
 
 @dataclass(frozen=True)
@@ -56,8 +58,6 @@ class KLResult:
 
 
 def _check(model, plan, prefill_len: int | None, max_positions: int | None) -> tuple[int, int]:
-    from loopkv.planning.simulate import check_model
-
     check_model(model)
     plan.validate_for(model.config)
     prefill = FIRST_HISTORY if prefill_len is None else prefill_len
@@ -137,8 +137,6 @@ def random_plans(profile, n: int, *, seed: int = 0, options: Sequence[str] = ("i
     """``n`` random plans on ``profile``'s shape: each non-final cell draws an option from ``options``
     (``share`` only in ``share_loops``, default the last two non-final loops), the final loop is
     ``final_option``. Seeded and independent of the measurements (the paper fixes them first)."""
-    from loopkv.planning.plan import Plan
-
     if not isinstance(n, int) or n < 0:
         raise ValueError(f"n must be an int >= 0, got {n!r}")
     T, L = profile.loops, profile.layers
@@ -240,8 +238,6 @@ def additivity_report(model, profile, plans: Sequence[Any], documents: Any, *, n
                       prefill_len: int | None = None, max_positions: int | None = None,
                       progress: bool = True) -> AdditivityReport:
     """Measure every plan with :func:`measure_kl` and compare with the profile's prediction."""
-    from loopkv.planning.knapsack import predicted_damage
-
     profile.validate_for(model.config)
     if names is None:
         names = [str(p.provenance.get("preset") or p.provenance.get("made_by") or f"plan {i}")

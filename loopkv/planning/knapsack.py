@@ -1,4 +1,4 @@
-"""The exact planner: a multiple-choice knapsack with two resource constraints (DESIGN.md §5).
+"""The exact planner: a multiple-choice knapsack with two resource constraints (paper §3.1).
 
 Paper §3.1, eq. (2): every non-final cell ``c`` takes one option ``o`` with stored bytes ``s_o``, read
 bytes ``r_o`` and damage ``d[c, o]`` (the profile's single-cell KL), and the plan solves
@@ -10,7 +10,7 @@ bytes and its damage (0 for INT4 and BF16 by definition, the profile's ``final_i
 constant of every plan, and ``eps`` and ``M`` bound the whole cache.
 
 Byte unit. Per token and cell a cell with ``E = 2 * kv_heads * head_dim`` K/V elements stores
-16 (bf16), 5 (int4) or 3 (int2) bits per element (metadata included, DESIGN.md §3), and a ``share``
+16 (bf16), 5 (int4) or 3 (int2) bits per element (metadata included, :mod:`loopkv.format`), and a ``share``
 cell stores 0 and reads its source's bits. Bits per element is therefore an integer byte unit of
 ``E / 8`` bytes (0.5 KiB for Ouro-1.4B: int4 = 5 units, int2 = 3 units), the unit of
 :func:`loopkv.planning.bytes.unit_kib`. Budgets in KiB are rounded *down* to whole units.
@@ -44,13 +44,15 @@ from typing import Any
 import numpy as np
 
 from loopkv.cells import Cell
+from loopkv.format import OPTIONS, stored_bits_per_element
 from loopkv.planning import bytes as _bytes
+from loopkv.planning.plan import Plan
 from loopkv.planning.profile_data import Profile
 
-# Bits per K/V element, metadata included (DESIGN.md §3). 1 unit = 1 bit per element = E/8 bytes.
-OPTION_UNITS = {"bf16": 16, "int4": 5, "int2": 3}
-SOLVER_OPTIONS = ("bf16", "int4", "int2", "share")
-FINAL_OPTIONS = ("bf16", "int4", "int2")
+# Bits per K/V element, metadata included (from the storage format). 1 unit = 1 bit per element = E/8 bytes.
+OPTION_UNITS = {o: int(stored_bits_per_element(o)) for o in ("bf16", "int4", "int2")}
+SOLVER_OPTIONS = OPTIONS
+FINAL_OPTIONS = tuple(o for o in OPTIONS if o != "share")  # the final loop is the source shared cells read
 DEFAULT_OPTIONS = ("int4", "int2", "share")
 DAMAGE_UNITS = ("abs", "kl_share")
 DAMAGE_RTOL = 1e-9
@@ -371,9 +373,7 @@ def _run(profile: Profile, damage, stored, extra, budget: dict, final_option: st
     return choice
 
 
-def _make_plan(profile, options_out, budget, final_option, opts, tau, hot, granularity) -> Any:
-    from loopkv.planning.plan import Plan
-
+def _make_plan(profile, options_out, budget, final_option, opts, tau, hot, granularity) -> Plan:
     plan = Plan(
         loops=profile.loops,
         layers=profile.layers,

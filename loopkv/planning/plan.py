@@ -1,4 +1,4 @@
-"""Plan: one storage option per cell plus the codec parameters (DESIGN.md §5, paper §3.1).
+"""Plan: one storage option per cell plus the codec parameters (paper §3.1; docs/design.md).
 
 A plan is data: a frozen dataclass with an explicit option per (loop, layer) cell, written as versioned
 JSON that a person can read and edit::
@@ -27,14 +27,13 @@ from types import MappingProxyType
 from typing import Any
 
 from loopkv.cells import Cell, CellLayout
+from loopkv.format import GROUP, OPTIONS, PAGE, QUANTIZED, SINK, WINDOW, check_head_dim
 from loopkv.planning import bytes as _bytes
 
-OPTIONS = ("bf16", "int4", "int2", "share")
-QUANTIZED = ("int4", "int2")
 PLAN_TYPE = "loopkv.Plan"
 PLAN_VERSION = 1
-# The codec parameters the kernels implement (loopkv.ops.codec: SINK, WINDOW, PAGE, GROUP).
-SUPPORTED_CODEC = {"sink": 32, "window": 256, "page": 32, "group": 32}
+# The codec parameters the kernels implement (the storage format, loopkv.format).
+SUPPORTED_CODEC = {"sink": SINK, "window": WINDOW, "page": PAGE, "group": GROUP}
 _DATA_KEYS = (
     "loops", "layers", "tau", "sink", "window", "page", "group", "kv_heads", "head_dim",
     "provenance", "predicted", "cells",
@@ -115,7 +114,8 @@ class Plan:
         in :data:`OPTIONS`. A ``share`` cell reads the final loop's history at its layer.
     tau: V precision threshold: an INT4 value whose attention weight is below ``2**-tau`` of the row's
         largest reads only its high plane; ``inf`` turns V precision off.
-    sink, window, page, group: codec parameters (only 32 / 256 / 32 / 32 are implemented).
+    sink, window, page, group: codec parameters; only the storage format's (:mod:`loopkv.format`: 32 / 256 /
+        32 / 32) are implemented.
     kv_heads, head_dim: the shape the plan was made for, if known (checked by :meth:`validate_for`).
     provenance: how the plan was made (solver, budgets, profile hash, ...), a read-only JSON mapping.
     predicted: what the planner predicts (damage, stored/read KiB, ...), a read-only JSON mapping.
@@ -127,10 +127,10 @@ class Plan:
     layers: int
     options: tuple[str, ...]
     tau: float = math.inf
-    sink: int = 32
-    window: int = 256
-    page: int = 32
-    group: int = 32
+    sink: int = SINK
+    window: int = WINDOW
+    page: int = PAGE
+    group: int = GROUP
     kv_heads: int | None = None
     head_dim: int | None = None
     provenance: Mapping[str, Any] = field(default_factory=dict, hash=False)
@@ -175,8 +175,6 @@ class Plan:
             if value is not None and (not _is_int(value) or value < 1):
                 raise ValueError(f"Plan.{name} must be a positive int or None, got {value!r}")
         if self.head_dim is not None and self.quantized:
-            from loopkv.ops.codec import check_head_dim
-
             check_head_dim(self.head_dim)
         object.__setattr__(self, "provenance", _freeze(dict(self.provenance), "Plan.provenance"))
         object.__setattr__(self, "predicted", _freeze(dict(self.predicted), "Plan.predicted"))
@@ -193,8 +191,9 @@ class Plan:
             )
         other = {k: getattr(self, k) for k, v in SUPPORTED_CODEC.items() if getattr(self, k) != v}
         if other:
+            supported = ", ".join(f"{k}={v}" for k, v in SUPPORTED_CODEC.items())
             raise ValueError(
-                f"the kernels implement only sink=32, window=256, page=32, group=32; this plan asks for "
+                f"the kernels implement only {supported}; this plan asks for "
                 f"{', '.join(f'{k}={v}' for k, v in other.items())}. Leave the codec parameters at their "
                 "defaults"
             )
@@ -341,8 +340,6 @@ class Plan:
         if self.head_dim is not None and self.head_dim != shape.head_dim:
             diffs.append(f"head_dim={self.head_dim} but the model has head_dim={shape.head_dim}")
         if self.quantized:
-            from loopkv.ops.codec import check_head_dim
-
             try:
                 check_head_dim(shape.head_dim)
             except ValueError as err:
@@ -356,8 +353,31 @@ class Plan:
     def bytes_per_token(
         self, config: Any = None, *, hot_fraction: float = 1.0, dtype_bytes: int = 2
     ) -> _bytes.BytesPerToken:
-        """Stored and read KiB per history token, summed over cells (see :mod:`loopkv.planning.bytes`)."""
-        return _bytes.bytes_per_token(self, config, hot_fraction=hot_fraction, dtype_bytes=dtype_bytes)
+        """Stored and read KiB per history token, summed over cells and per cell (:mod:`loopkv.planning.bytes`).
+
+        config: a ``transformers`` config or a :class:`~loopkv.planning.bytes.ModelShape`; ``None`` uses the
+            plan's own ``kv_heads``/``head_dim`` (an error if the plan does not record them).
+        hot_fraction: the fraction of history tokens an INT4 read with V precision reads in full, in
+            ``[0, 1]``; only meaningful with a finite ``tau`` (1.0 otherwise).
+        dtype_bytes: bytes per element of the cache's exact dtype (2 for BF16), the cost of ``bf16`` cells.
+        """
+        if config is None:
+            if self.kv_heads is None or self.head_dim is None:
+                raise ValueError(
+                    "config=None needs a plan that records kv_heads and head_dim; pass the model config "
+                    "(or a ModelShape) as config"
+                )
+            shape = _bytes.ModelShape(self.loops, self.layers, self.kv_heads, self.head_dim)
+        else:
+            shape = _bytes.as_shape(config)
+            self.validate_for(shape)
+        if math.isinf(self.tau) and hot_fraction != 1.0:
+            raise ValueError(
+                f"hot_fraction={hot_fraction} needs V precision, but the plan has tau=inf (off); "
+                "use a plan with a finite tau or hot_fraction=1.0"
+            )
+        return _bytes.per_token(self.options, self.layers, shape, v_precision=math.isfinite(self.tau),
+                                hot_fraction=hot_fraction, dtype_bytes=dtype_bytes)
 
     # ------------------------------------------------------------------ JSON
     def to_dict(self) -> dict[str, Any]:

@@ -1,6 +1,6 @@
 """The Profile: per cell and option, the damage of applying that option to that cell alone.
 
-DESIGN.md §5, paper §3.1. For every non-final cell ``c = (t, l)``, ``t < T-1``, and every profiled
+Paper §3.1. For every non-final cell ``c = (t, l)``, ``t < T-1``, and every profiled
 option ``o``, ``damage[(t*L + l, o)] = KL(p_exact || p_{c<-o})`` in nats per token (>= 0), every other
 cell exact. ``bf16`` costs nothing by definition and is never stored. The final loop (the sources of
 shared cells) is profiled at ``int2`` only (``final_int2``, one value per layer); its ``int4`` damage
@@ -44,7 +44,7 @@ PROFILE_VERSION = 1
 PROFILE_OPTIONS = ("int4", "int2", "share")
 # Options the final loop can be profiled at (int4 is the anchor, damage 0 by definition).
 FINAL_PROFILE_OPTIONS = ("int2",)
-# Provenance keys the profiler records (DESIGN.md §5); free-form values, JSON-serializable.
+# Provenance keys the profiler records; free-form values, JSON-serializable.
 PROVENANCE_KEYS = ("model_fingerprint", "documents_hash", "loopkv_version", "torch_version", "device", "date")
 # Provenance keys that must agree for a partial file to be resumed (the rest are environment).
 SETUP_KEYS = ("model_fingerprint", "documents_hash")

@@ -1,4 +1,4 @@
-"""The per-cell profiler: single-cell damages through the simulated served cache (DESIGN.md §5, paper §3.1).
+"""The per-cell profiler: single-cell damages through the simulated served cache (paper §3.1).
 
 For every non-final cell ``c`` and option ``o`` the damage is ``KL(p_exact || p_{c<-o})`` with every
 other cell exact, in nats per token, in the model's activations (fp32 is required), averaged over the
@@ -32,6 +32,7 @@ import torch
 from torch import Tensor
 
 from loopkv.cells import Cell
+from loopkv.format import QUANTIZED, check_head_dim
 from loopkv.planning.profile_data import FINAL_PROFILE_OPTIONS, PROFILE_OPTIONS, Profile
 from loopkv.planning.simulate import (
     FIRST_HISTORY,
@@ -203,10 +204,9 @@ def profile(
     final_options: () or ("int2",), the final loop's options.
     tau: V precision threshold for INT4 reads (``inf``: off). share_source: what a ``share`` cell reads,
         the final loop at "int4" (the planner's default), "int2" or "bf16".
-    share_passes: 1 takes a shared cell's source pages from the exact model (an approximation that
-        reads KL_share ~6% low on the test model, docs/planning.md); each further pass takes them from
-        the previous pass's own perturbed final loop, converging to the served cache (2, the default, is
-        within ~3e-4 relative of it on 1024 tokens).
+    share_passes: 1 takes a shared cell's source pages from the exact model (exact for documents shorter
+        than 608 tokens, an approximation beyond); each further pass takes them from the previous pass's
+        own perturbed final loop, converging to the served cache (:mod:`loopkv.planning.simulate`).
     prefill_len: the positions before it attend exactly (as a served prefill), the KL is averaged over
         positions ``>= max(prefill_len, 320)``.
     out: a JSON path; the partial profile is saved there after every batch, and with ``resume`` a
@@ -215,29 +215,14 @@ def profile(
     batch_cells: measurements per forward (batch rows); more is faster and takes more memory.
     """
     loops, layers = check_model(model)
-    if model.dtype != torch.float32:
-        raise ValueError(
-            f"profile in fp32 activations (the model is {model.dtype}): bf16 round-off alone is about half of "
-            "KL_share (paper §2.3, Appendix E); load the model with dtype=torch.float32 or call model.float()"
-        )
-    if share_source not in ("int4", "int2", "bf16"):
-        raise ValueError(f"share_source must be 'int4', 'int2' or 'bf16', got {share_source!r}")
-    if not isinstance(tau, (int, float)) or math.isnan(tau) or tau < 0:
-        raise ValueError(f"tau must be a number >= 0 (math.inf: V precision off), got {tau!r}")
-    if not isinstance(share_passes, int) or share_passes < 1:
-        raise ValueError(f"share_passes must be a positive int, got {share_passes!r}")
-    if not isinstance(batch_cells, int) or batch_cells < 1:
-        raise ValueError(f"batch_cells must be a positive int, got {batch_cells!r}")
-    if not isinstance(prefill_len, int) or prefill_len < 1:
-        raise ValueError(f"prefill_len must be a positive int, got {prefill_len!r}")
+    _check_arguments(model, tau=tau, share_source=share_source, share_passes=share_passes, batch_cells=batch_cells,
+                     prefill_len=prefill_len)
     first = max(prefill_len, FIRST_HISTORY)
     docs = as_documents(documents, min_len=first + 1)
     config = model.config
     kv_heads = config.num_key_value_heads or config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    if any(o in ("int4", "int2", "share") for o in (*options, *final_options)):
-        from loopkv.ops.codec import check_head_dim
-
+    if any(o in (*QUANTIZED, "share") for o in (*options, *final_options)):
         check_head_dim(head_dim)
     settings = {
         "tau": "inf" if math.isinf(tau) else float(tau),
@@ -263,32 +248,42 @@ def profile(
     jobs = _jobs(base)
     batches = [jobs[i : i + batch_cells] for i in range(0, len(jobs), batch_cells)]
     pending = [[j for j in b if not _done(result, j)] for b in batches]
-    pending = [b for b in pending if b]
     runner = _Runner(model, docs, loops=loops, layers=layers, tau=tau, share_source=share_source,
                      share_passes=share_passes, prefill_len=prefill_len, first=first)
+    return _measure(runner, result, [b for b in pending if b], out=out, progress=progress)
+
+
+def _check_arguments(model, *, tau, share_source, share_passes, batch_cells, prefill_len) -> None:
+    if model.dtype != torch.float32:
+        raise ValueError(
+            f"profile in fp32 activations (the model is {model.dtype}): bf16 round-off alone is about half of "
+            "KL_share (paper §2.3, Appendix E); load the model with dtype=torch.float32 or call model.float()"
+        )
+    if share_source not in ("int4", "int2", "bf16"):
+        raise ValueError(f"share_source must be 'int4', 'int2' or 'bf16', got {share_source!r}")
+    if not isinstance(tau, (int, float)) or math.isnan(tau) or tau < 0:
+        raise ValueError(f"tau must be a number >= 0 (math.inf: V precision off), got {tau!r}")
+    if not isinstance(share_passes, int) or share_passes < 1:
+        raise ValueError(f"share_passes must be a positive int, got {share_passes!r}")
+    if not isinstance(batch_cells, int) or batch_cells < 1:
+        raise ValueError(f"batch_cells must be a positive int, got {batch_cells!r}")
+    if not isinstance(prefill_len, int) or prefill_len < 1:
+        raise ValueError(f"prefill_len must be a positive int, got {prefill_len!r}")
+
+
+def _measure(runner: _Runner, result: Profile, pending: list, *, out, progress: bool) -> Profile:
+    """Run the pending batches, adding each measurement to ``result`` and saving it to ``out`` after every batch."""
     bar = _progress(sum(map(len, pending)), enabled=progress)
     clamped = list(result.provenance.get("clamped", []))
     elapsed = float(result.provenance.get("profile_seconds", 0.0))
     try:
-        with served_attention_enabled(model):
+        with served_attention_enabled(runner.model):
             for batch in pending:
                 start = time.perf_counter()
                 values = runner.measure(batch, bar)
                 elapsed += time.perf_counter() - start
                 for job, (pooled, per_doc) in zip(batch, values, strict=True):
-                    name = KL_SHARE if job == KL_SHARE else f"{job[1]} at {tuple(job[0])}"
-                    if min(pooled, *per_doc) < 0:
-                        clamped.append(name)
-                        warnings.warn(f"profile: the damage of {name} came out {min(pooled, *per_doc):.3g} < 0 "
-                                      "(round-off of a damage that is ~0); clamped to 0", stacklevel=3)
-                    pooled, per_doc = max(pooled, 0.0), [max(v, 0.0) for v in per_doc]
-                    if job == KL_SHARE:
-                        if pooled == 0.0:
-                            raise ValueError("kl_share measured 0: loop T-2 reading loop T-1's history changes "
-                                             "nothing; use longer documents (history must exist)")
-                        result = result.with_kl_share(pooled, per_document=per_doc)
-                    else:
-                        result = result.with_damage(job[0], job[1], pooled, per_document=per_doc)
+                    result = _record(result, job, pooled, per_doc, clamped)
                 prov = {**result.provenance, "clamped": clamped, "profile_seconds": round(elapsed, 3)}
                 result = _replace_provenance(result, prov)
                 if out is not None:
@@ -296,6 +291,22 @@ def profile(
     finally:
         bar.close()
     return result
+
+
+def _record(result: Profile, job, pooled: float, per_doc: list[float], clamped: list[str]) -> Profile:
+    """``result`` with one measurement added; a slightly negative value (round-off) is clamped to 0 and named."""
+    name = KL_SHARE if job == KL_SHARE else f"{job[1]} at {tuple(job[0])}"
+    if min(pooled, *per_doc) < 0:
+        clamped.append(name)
+        warnings.warn(f"profile: the damage of {name} came out {min(pooled, *per_doc):.3g} < 0 "
+                      "(round-off of a damage that is ~0); clamped to 0", stacklevel=4)
+    pooled, per_doc = max(pooled, 0.0), [max(v, 0.0) for v in per_doc]
+    if job != KL_SHARE:
+        return result.with_damage(job[0], job[1], pooled, per_document=per_doc)
+    if pooled == 0.0:
+        raise ValueError("kl_share measured 0: loop T-2 reading loop T-1's history changes nothing; use longer "
+                         "documents (history must exist)")
+    return result.with_kl_share(pooled, per_document=per_doc)
 
 
 def _replace_provenance(profile: Profile, provenance: dict) -> Profile:

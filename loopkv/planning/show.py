@@ -16,6 +16,7 @@ from typing import Any
 
 from loopkv.planning.bytes import ModelShape, unit_kib
 from loopkv.planning.knapsack import OPTION_UNITS, plan_units, predicted_damage
+from loopkv.planning.plan import PLAN_TYPE, Plan
 from loopkv.planning.profile_data import PROFILE_TYPE, Profile, config_shape
 
 CODES = {"bf16": "B", "int4": "4", "int2": "2", "share": "S"}
@@ -27,7 +28,6 @@ LEGEND = {
 }
 # Heatmap colours per option (colour-blind-safe Okabe-Ito picks), in CODES order.
 COLORS = {"bf16": "#999999", "int4": "#0072B2", "int2": "#E69F00", "share": "#009E73"}
-PLAN_TYPE = "loopkv.Plan"
 
 
 def format_plan(plan: Any, *, config_or_shape: Any = None, profile: Profile | None = None) -> str:
@@ -60,9 +60,10 @@ def format_plan(plan: Any, *, config_or_shape: Any = None, profile: Profile | No
     if shape is not None:
         ukib = unit_kib(ModelShape(T, L, *shape))
         stored, read = plan_units(plan)
-        uniform = T * L * OPTION_UNITS["int4"] * ukib
+        uniform = T * L * OPTION_UNITS["int4"]
         text = f"stored / read: {stored * ukib:g} / {read * ukib:g} KiB per history token"
-        lines.append(text + f" (uniform INT4: {uniform:g} / {uniform:g}; {stored / (T * L * 5):.3f} of its storage)")
+        lines.append(text + f" (uniform INT4: {uniform * ukib:g} / {uniform * ukib:g}; {stored / uniform:.3f} of its "
+                     "storage)")
         vp = plan.predicted.get("read_kib_v_precision")
         if vp is not None:
             lines.append(
@@ -203,8 +204,6 @@ def show_file(
             plot_profile(prof, png)
         return format_profile(prof)
     if kind == PLAN_TYPE:
-        from loopkv.planning.plan import Plan
-
         plan = Plan.from_dict(obj)
         if profile is not None and not isinstance(profile, Profile):
             profile = Profile.from_json(profile)

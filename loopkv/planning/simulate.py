@@ -1,16 +1,17 @@
-"""The served cache, simulated densely over a whole sequence: what the profiler measures (DESIGN.md §5).
+"""The served cache, simulated densely over a whole sequence: what the profiler measures.
 
 One teacher-forced forward over a document computes every position at once. Cells of a simulated row
 that are *served* attend as the real :class:`~loopkv.LoopKVCache` decode path would, and every other
 cell attends exactly. For query position ``i`` of a served cell and key position ``j <= i``:
 
 * ``j`` is *history* iff ``i >= prefill_len`` and ``SINK <= j < SINK + PAGE * n_pages(i + 1)``: its
-  page had left the window when token ``i`` was appended (page ``p`` is quantized from length
-  ``320 + 32 p`` on, docs/storage-layout.md). Queries of the prefill (``i < prefill_len``) attend
-  exactly, as :meth:`LoopKVCache.prefill_cell` does.
+  page had left the window when token ``i`` was appended (page ``p`` is read from length ``320 + 32 p``
+  on; geometry in :mod:`loopkv.format`). Queries of the prefill (``i < prefill_len``) attend exactly,
+  as the cache's prefill does.
 * history scores use the dequantized K of the page, history values the dequantized V (INT4 with V
-  precision ``tau``: cold tokens decode as ``4*hi + 1.5``, DESIGN.md §7 with
-  ``m_ref = max(sink max, page max)``); the sink and the window use the exact K/V.
+  precision ``tau``: cold tokens decode from the high plane, ``4*hi + 1.5``; the cold rule is
+  :func:`loopkv.format.cold_threshold` with ``m_ref = max(sink max, page max)``, the same statement the
+  reference op uses); the sink and the window use the exact K/V.
 * a ``share`` cell takes its history pages from the final loop's cell at the same layer (quantized at
   the source's bits) and its own exact sink and window.
 
@@ -40,19 +41,16 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from loopkv.format import BITS, PAGE, SINK, WINDOW, cold_threshold, n_pages
 from loopkv.ops import codec
-from loopkv.ops.codec import PAGE, SINK, WINDOW
-from loopkv.ops.layout import n_pages
 
 ATTN_NAME = "loopkv_served"
-# The first length at which a history page exists (page 0 is read from length 320 on): positions
-# ``i >= FIRST_HISTORY`` are the first whose query can see quantized history in decode.
+# The first length at which a history page is read (page 0 from length 320 on): KL and agreement are
+# counted from this position on, where decode reads quantized history.
 FIRST_HISTORY = SINK + WINDOW + PAGE
-LN2 = math.log(2.0)
 # Query positions per block of the dense served attention: bounds the score tensors to
 # [rows, heads, QUERY_BLOCK, N] whatever the document length.
 QUERY_BLOCK = 256
-BITS = {"bf16": 16, "int4": 4, "int2": 2}
 
 
 @dataclass(frozen=True)
@@ -79,9 +77,11 @@ RowSpec = Mapping[int, Served]  # flat cell index t*L + l -> Served; absent cell
 def served_for(option: str, *, source_option: str = "int4", tau: float = math.inf) -> Served:
     """The :class:`Served` of a plan option (``share`` reads a ``source_option`` final loop)."""
     if option == "share":
+        if source_option not in BITS or source_option == "share":
+            raise ValueError(f"source_option must be 'bf16', 'int4' or 'int2', got {source_option!r}")
         return Served(BITS[source_option], share=True, tau=tau if source_option == "int4" else math.inf)
     if option not in BITS:
-        raise ValueError(f"option must be one of {tuple(BITS) + ('share',)}, got {option!r}")
+        raise ValueError(f"option must be one of {tuple(BITS)}, got {option!r}")
     return Served(BITS[option], tau=tau if option == "int4" else math.inf)
 
 
@@ -182,12 +182,13 @@ def _history(k, v, source_k, source_v, served: Served, npg: int, acc):
 
 
 def _cold(s: Tensor, s_h: Tensor, pmax: int, tau: float) -> Tensor:
-    """DESIGN.md §7 cold rule. s [R, H, g, b, N] (sink scores exact), s_h [R, H, g, b, PAGE*pmax]
-    history scores -> bool [R, H, 1, b, PAGE*pmax]: cold for every query head of the KV head."""
+    """The cold rule (:func:`loopkv.format.cold_threshold`). s [R, H, g, b, N] (sink scores exact), s_h
+    [R, H, g, b, PAGE*pmax] history scores -> bool [R, H, 1, b, PAGE*pmax]: cold for every query head of
+    the KV head."""
     sink_max = s[..., :SINK].amax(dim=-1)  # [R, H, g, b]
     pages = s_h.unflatten(-1, (pmax, PAGE))  # [R, H, g, b, pmax, PAGE]
     m_ref = torch.maximum(sink_max[..., None], pages.amax(dim=-1))  # [R, H, g, b, pmax]
-    cold_q = pages < (m_ref - tau * LN2)[..., None]
+    cold_q = pages < cold_threshold(m_ref, tau)[..., None]
     return cold_q.all(dim=2, keepdim=True).flatten(-2)
 
 

@@ -22,7 +22,6 @@ def test_tokens_round_trip():
     assert data.decode_bytes(ids) == raw
     assert data.decode_bytes(torch.tensor([data.BOS, 104, 105, data.EOS, data.PAD])) == b"hi"
     assert data.encode_bytes("é", bos=False).tolist() == [0xC3, 0xA9]
-    assert data.VOCAB_SIZE % 64 == 0
     assert max(data.BOS, data.EOS, data.PAD) < data.VOCAB_SIZE
 
 
@@ -95,56 +94,6 @@ def test_too_short_is_refused(corpus):
         data.retrieval_document(rng, corpus.train, n_bytes=100, n_queries=1, n_records=10)
 
 
-def test_batch_sampler_deterministic_and_seeded(corpus):
-    def batches(seed):
-        s = data.BatchSampler(corpus.train, seed=seed)
-        return [s(batch_size=8, seq_len=n) for n in (64, 129, 512, 2048)]
-
-    a, b, c = batches(0), batches(0), batches(1)
-    for x, y, z in zip(a, b, c, strict=True):
-        assert x.dtype == torch.int64
-        assert torch.equal(x, y)
-        assert not torch.equal(x, z)
-        assert int(x.min()) >= 0
-        assert int(x.max()) < data.VOCAB_SIZE
-        assert (x[:, 0] == data.BOS).all()
-    assert [x.shape for x in a] == [(8, 64), (8, 129), (8, 512), (8, 2048)]
-
-
-def test_batch_sampler_mixes_kinds(corpus):
-    s = data.BatchSampler(corpus.train, seed=0, retrieval_fraction=0.4, tracking_fraction=0.2, repeat_fraction=0.1)
-    rows = [data.decode_bytes(r) for r in s(batch_size=200, seq_len=1024)]
-    kv = [r for r in rows if re.search(rb"\nkey \d{5}: \d{4}\n", r)]
-    vt = [r for r in rows if b"\nVAR " in r]
-    rep = [r for r in rows if re.search(rb"\n[a-z0-9]{16,48}\n", r) and r not in kv and r not in vt]
-    assert 50 < len(kv) < 110  # ~80 expected
-    assert 20 < len(vt) < 60  # ~40 expected
-    assert 8 < len(rep) < 35  # ~20 expected (a text row could hold such a line, rarely)
-    assert 40 < len(rows) - len(kv) - len(vt) - len(rep) < 100  # text, ~60 expected
-    for r in kv:  # ends with a query that repeats a record's prefix, then its value
-        m = re.search(rb"\nkey (\d{5}): (\d{4})$", r)
-        assert m is not None
-        assert r.count(b"\nkey " + m.group(1) + b": " + m.group(2)) == 2
-    for r in vt:
-        assert re.search(rb"\n\? [A-Z]{3} -> \d{5}$", r)
-    for r in rep:  # every random string occurs exactly twice
-        strings = re.findall(rb"\n([a-z0-9]{16,48})\n", r)
-        assert all(r.count(b"\n" + x + b"\n") == 2 for x in strings)
-    with pytest.raises(ValueError, match="retrieval_fraction"):
-        data.BatchSampler(corpus.train, seed=0, retrieval_fraction=0.9, tracking_fraction=0.2)
-
-
-def test_training_rows_never_use_heldout_text(corpus):
-    # windows come from the train stream: a long held-out line never shows up in a train batch
-    held_lines = {ln for ln in bytes(corpus.heldout.filler).split(b"\n") if len(ln) > 60}
-    train_lines = set(bytes(corpus.train.filler).split(b"\n"))
-    unique = [ln for ln in held_lines if ln not in train_lines][:200]
-    assert len(unique) > 50
-    s = data.BatchSampler(corpus.train, seed=0)
-    text = b"\n".join(data.decode_bytes(r) for r in s(batch_size=64, seq_len=1024))
-    assert not any(ln in text for ln in unique)
-
-
 def test_heldout_windows_fixed(corpus):
     a = data.heldout_windows(corpus, n=4, seq_len=256)
     assert torch.equal(a, data.heldout_windows(corpus, n=4, seq_len=256))
@@ -154,16 +103,6 @@ def test_heldout_windows_fixed(corpus):
         assert row[0] == data.BOS
         starts = np.flatnonzero(held == row[1])
         assert any(np.array_equal(held[s : s + 255], row[1:]) for s in starts)
-
-
-def test_copy_documents(corpus):
-    docs = data.copy_accuracy_documents(corpus, n=5, seq_len=512)
-    assert docs == data.copy_accuracy_documents(corpus, n=5, seq_len=512)
-    for prompt, answer in docs:
-        assert 1 + len(prompt) + len(answer) == 512
-        head = prompt[-9:]
-        assert prompt.count(head + answer) == 1  # the string occurs once, complete; then its head again
-        assert len(answer) == 16
 
 
 def test_queries_anywhere_follow_their_records(corpus):
@@ -184,10 +123,3 @@ def test_queries_anywhere_follow_their_records(corpus):
         assert all(len(set(v)) == 1 and len(v) <= 2 for v in seen.values())  # a query repeats its record
     with pytest.raises(ValueError, match="placement"):
         data.retrieval_document(rng, corpus.train, n_bytes=2047, n_queries=1, n_records=5, placement="start")
-    with pytest.raises(ValueError, match="query_placement"):
-        data.BatchSampler(corpus.train, seed=0, query_placement="middle")
-    s = data.BatchSampler(
-        corpus.train, seed=0, retrieval_fraction=1.0, tracking_fraction=0.0, query_placement="anywhere"
-    )
-    rows = [data.decode_bytes(r) for r in s(batch_size=20, seq_len=1024)]
-    assert sum(not re.search(rb"\nkey \d{5}: \d{4}$", r) for r in rows) > 10  # rows rarely end in a query

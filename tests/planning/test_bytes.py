@@ -8,17 +8,16 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from loopkv.format import BITS, PAGE, page_bytes
 from loopkv.ops import codec
 from loopkv.planning import (
     ModelShape,
     Plan,
-    bytes_per_token,
     exact_bytes_per_request,
     lo_plane_kib,
     option_kib,
     unit_kib,
 )
-from loopkv.planning import bytes as bytes_model
 
 OURO_1_4B = ModelShape(loops=4, layers=24, kv_heads=16, head_dim=128)
 T, L = 4, 24
@@ -50,7 +49,7 @@ def test_paper_plans_reproduce_table_12(per_loop, stored, read):
     b = plan.bytes_per_token(OURO_1_4B)
     assert (b.stored_kib, b.read_kib) == (stored, read)
     # the same from a transformers-style config
-    b2 = bytes_per_token(plan, ouro_config())
+    b2 = plan.bytes_per_token(ouro_config())
     assert (b2.stored_kib, b2.read_kib) == (stored, read)
 
 
@@ -103,8 +102,6 @@ def test_sink_window_constant_is_216_mib():
     assert exact_bytes_per_request(OURO_1_4B) == 216 * 2**20
     assert exact_bytes_per_request(ouro_config()) == 216 * 2**20
     assert exact_bytes_per_request(OURO_1_4B, dtype_bytes=4) == 432 * 2**20
-    # the byte model's sink and window are the codec's
-    assert (bytes_model._SINK, bytes_model._WINDOW) == (codec.SINK, codec.WINDOW)
 
 
 def test_unit_is_half_a_kib():
@@ -139,14 +136,24 @@ def test_bytes_refuse_a_plan_for_another_model():
 def test_codec_storage_agrees_with_the_model(bits):
     """What the codec actually stores per token (codes + scales + zeros) equals the byte model."""
     heads, dim = 2, 64
-    k = torch.randn(heads, codec.PAGE, dim)
-    v = torch.randn(heads, codec.PAGE, dim)
+    k = torch.randn(heads, PAGE, dim)
+    v = torch.randn(heads, PAGE, dim)
     pages = codec.encode_pages(k, v, bits)
     nbytes = sum(t.numel() * t.element_size() for t in pages)
     shape = ModelShape(loops=1, layers=1, kv_heads=heads, head_dim=dim)
-    assert nbytes / codec.PAGE == option_kib(f"int{bits}", shape) * 1024
+    assert nbytes / PAGE == option_kib(f"int{bits}", shape) * 1024
     if bits == 4:  # the lo plane V precision skips
-        assert pages.v_lo.numel() / codec.PAGE == lo_plane_kib(shape) * 1024
+        assert pages.v_lo.numel() / PAGE == lo_plane_kib(shape) * 1024
+
+
+@pytest.mark.parametrize("option", ["bf16", "int4", "int2"])
+@pytest.mark.parametrize(("kv_heads", "head_dim"), [(1, 32), (2, 64), (16, 128), (4, 256)])
+def test_option_cost_is_a_pool_page_per_token(option, kv_heads, head_dim):
+    """What a cell stores per token is what one page of its pool holds (loopkv.format), divided by PAGE."""
+    shape = ModelShape(loops=1, layers=1, kv_heads=kv_heads, head_dim=head_dim)
+    assert option_kib(option, shape) * 1024 * PAGE == page_bytes(BITS[option], kv_heads, head_dim)
+    assert option_kib(option, shape, dtype_bytes=4) * 1024 * PAGE == page_bytes(
+        BITS[option], kv_heads, head_dim, exact_bytes=4)
 
 
 @st.composite

@@ -1,4 +1,4 @@
-"""KL through the real LoopKVCache, and the additivity report (DESIGN.md §5, paper Appendix D)."""
+"""KL through the real LoopKVCache, and the additivity report (paper Appendix D)."""
 
 from __future__ import annotations
 

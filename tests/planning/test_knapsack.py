@@ -287,7 +287,7 @@ def _ouro_profile(seed=0, loops=4, layers=24):
 
 
 def test_units_reproduce_paper_byte_figures():
-    """DESIGN.md §4 / paper Tables 8 and 12 (stored / read KiB, loops 1-based in the paper)."""
+    """Paper Tables 8 and 12 (stored / read KiB, loops 1-based in the paper)."""
     assert unit_kib_of(Plan.uniform(loops=4, layers=24, kv_heads=16, head_dim=128)) == 0.5
     cases = {
         ("int4", "int4", "int4", "int4"): (240, 240),

@@ -1,5 +1,5 @@
 """The profiler: the dense served simulation is the real cache, damages are sane, runs are deterministic
-and resumable, and bad inputs are refused (DESIGN.md §5)."""
+and resumable, and bad inputs are refused."""
 
 from __future__ import annotations
 

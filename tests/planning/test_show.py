@@ -33,7 +33,7 @@ def _profile(loops=4, layers=24, seed=0):
 
 
 def test_format_plan_paper_plan():
-    # The paper's hand-made INT4/INT2 + sharing plan: 156 / 216 KiB (DESIGN.md §4).
+    # The paper's hand-made INT4/INT2 + sharing plan: 156 / 216 KiB (paper Table 12).
     plan = Plan.from_loops(loops=4, layers=24, per_loop=["int4", "int2", "share", "int4"], kv_heads=16, head_dim=128)
     text = format_plan(plan)
     lines = text.splitlines()

@@ -1,12 +1,15 @@
-"""Train loopkv's small Ouro-architecture model: ``python -m loopkv.models.train_small``.
+"""Train loopkv's small Ouro-architecture model: ``python tools/train_small.py --out DIR ...``.
+
+Run from a checkout with loopkv installed (``pip install -e .``). The model card, docs/small-model.md,
+gives the commands that made the shipped checkpoint (``loopkv/models/small/``).
 
 The model is Ouro (loopkv.models.ouro) at a small shape: byte vocabulary, T=4 loops over 6 layers,
-MHA with head_dim 128 like Ouro. Data (loopkv.models.data): stdlib text windows mixed with synthetic
-key-value retrieval and variable-tracking documents. AdamW with linear warm-up and a cosine decay, bf16
-autocast on CUDA, a curriculum over sequence lengths. The schedule follows *progress*, the larger of
-``step / --steps`` and the elapsed share of ``--minutes`` (counted from the end of the first step, which
-carries compilation; the wall-clock budget itself includes it), so a time budget ends with a decayed
-learning rate whatever the device's speed.
+MHA with head_dim 128 like Ouro. Data: stdlib text windows (loopkv.models.data) mixed with synthetic
+key-value retrieval, variable-tracking and repeat documents (:class:`BatchSampler`). AdamW with linear
+warm-up and a cosine decay, bf16 autocast on CUDA, a curriculum over sequence lengths. The schedule follows
+*progress*, the larger of ``step / --steps`` and the elapsed share of ``--minutes`` (counted from the end of
+the first step, which carries compilation; the wall-clock budget itself includes it), so a time budget ends
+with a decayed learning rate whatever the device's speed.
 
 Loss: cross-entropy of the final loop's logits plus ``--aux-loop-weight`` times the mean cross-entropy of
 the earlier loops' (normed) states through the same LM head, so every loop is a predictor as in Ouro.
@@ -31,10 +34,12 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 from loopkv.models import data
+from loopkv.models.attention_stats import attention_mass
 from loopkv.models.ouro import OuroConfig, OuroForCausalLM
 
 SMALL_SHAPE = {
@@ -54,8 +59,110 @@ SMOKE_SHAPE = {
     "total_ut_steps": 2,
 }
 ROPE_THETA = 10_000.0  # a 4K-context model; Ouro-1.4B's 1e6 serves 64K
-SINK_TOKENS = (1, 4, 32)  # attention mass reported on the first 1, 4 and 32 positions
-LOCAL_WINDOW = 256  # attention mass reported on the most recent 256 positions
+QUERY_PLACEMENTS = ("end", "anywhere")
+REPEAT_ALPHABET = np.frombuffer(b"abcdefghijklmnopqrstuvwxyz0123456789", dtype=np.uint8)
+
+
+# ----------------------------------------------------------------------------- training data
+
+
+def repeat_document(rng: np.random.Generator, split: data.Split, *, n_bytes: int, n_strings: int) -> bytes:
+    """A copy-training document of exactly ``n_bytes`` bytes: ``n_strings`` random strings
+    ``\\n<16..48 letters/digits>\\n`` in filler, each repeated once later (second copies in random order)."""
+    if n_strings < 1:
+        raise ValueError(f"n_strings must be >= 1, got {n_strings}")
+    strings = [
+        b"\n" + REPEAT_ALPHABET[rng.integers(0, REPEAT_ALPHABET.size, size=int(n))].tobytes() + b"\n"
+        for n in rng.integers(16, 49, size=n_strings)
+    ]
+    pieces = strings + [strings[i] for i in rng.permutation(n_strings)]
+    fixed = sum(map(len, pieces))
+    data.check_fits("repeat", n_bytes, fixed)
+    return data.interleave(rng, split, pieces, n_bytes - fixed)
+
+
+class BatchSampler:
+    """Seeded batches mixing stdlib text windows with synthetic retrieval, variable-tracking and repeat rows.
+
+    Each row is ``seq_len`` tokens with no padding, ``BOS`` first: a text row continues with a window of
+    the ``BOS doc EOS`` stream; a synthetic row with one document of ``seq_len - 1`` bytes (retrieval and
+    tracking rows end with their query answers). Retrieval rows draw their record density (one per
+    48..160 bytes) and 1..16 queries at random, placed at the row's end or anywhere after their records
+    (``query_placement``); variable-tracking rows draw 1..3 hops; repeat rows hold one random string per
+    200 bytes (at most 16). Same seed and same calls, same batches.
+    """
+
+    def __init__(
+        self,
+        split: data.Split,
+        *,
+        seed: int,
+        retrieval_fraction: float = 0.375,
+        tracking_fraction: float = 0.125,
+        repeat_fraction: float = 0.0,
+        query_placement: str = "end",
+    ):
+        fractions = (retrieval_fraction, tracking_fraction, repeat_fraction)
+        if min(fractions) < 0 or sum(fractions) > 1:
+            raise ValueError(
+                "retrieval_fraction, tracking_fraction and repeat_fraction must be >= 0 and sum to <= 1, "
+                f"got {fractions}"
+            )
+        if query_placement not in QUERY_PLACEMENTS:
+            raise ValueError(f"query_placement must be one of {QUERY_PLACEMENTS}, got {query_placement!r}")
+        self.split = split
+        self.query_placement = query_placement
+        self.rng = np.random.default_rng([0x5A4D, seed])
+        self.p = np.array([1 - sum(fractions), *fractions])
+
+    def row(self, seq_len: int) -> np.ndarray:
+        """One row: int64 ``[seq_len]``."""
+        kind = int(self.rng.choice(4, p=self.p)) if seq_len >= data.MIN_SYNTHETIC_LEN else 0
+        if kind == 0:
+            return self.split.text_window(self.rng, seq_len)
+        n_bytes = seq_len - 1
+        if kind == 1 or n_bytes < 2 * data.MIN_SYNTHETIC_LEN - 1:
+            n_records = max(2, n_bytes // int(self.rng.integers(48, 161)))
+            n_queries = int(self.rng.integers(1, min(16, n_records, max(1, n_bytes // 64)) + 1))
+            body, queries = data.retrieval_document(
+                self.rng, self.split, n_bytes=n_bytes, n_queries=n_queries, n_records=n_records,
+                placement=self.query_placement,
+            )
+        elif kind == 2:
+            hops = int(self.rng.integers(1, max(1, min(3, n_bytes // 128)) + 1))
+            n_chains = max(2, n_bytes // (data.CHAIN_SPACING * hops // 2 + 64))
+            n_queries = int(self.rng.integers(1, min(4, n_chains) + 1))
+            body, queries = data.variable_tracking_document(
+                self.rng, self.split, n_bytes=n_bytes, n_queries=n_queries, n_chains=n_chains, hops=hops
+            )
+        else:
+            n_strings = max(1, min(16, n_bytes // 200))
+            body, queries = repeat_document(self.rng, self.split, n_bytes=n_bytes, n_strings=n_strings), []
+        doc = body + b"".join(q + a for q, a in queries)
+        return data.encode_bytes(doc, bos=True)
+
+    def __call__(self, *, batch_size: int, seq_len: int) -> torch.Tensor:
+        """A batch of token ids: int64 ``[batch_size, seq_len]``."""
+        if batch_size < 1 or seq_len < 2:
+            raise ValueError(f"batch_size must be >= 1 and seq_len >= 2, got {batch_size} and {seq_len}")
+        return torch.from_numpy(np.stack([self.row(seq_len) for _ in range(batch_size)]))
+
+
+def copy_accuracy_documents(corpus: data.Corpus, *, n: int, seq_len: int, seed: int = 0) -> list[tuple[bytes, bytes]]:
+    """``n`` (prompt, answer) pairs testing plain copying: held-out filler with random strings, the prompt
+    ending with the first 8 bytes of a repeat of one of them, the answer its remaining bytes."""
+    rng = np.random.default_rng([0x4350, seed, seq_len])
+    out = []
+    for _ in range(n):
+        s = b"\n" + REPEAT_ALPHABET[rng.integers(0, REPEAT_ALPHABET.size, size=24)].tobytes()
+        head, tail = s[:9], s[9:]
+        filler = seq_len - 1 - len(s) - len(s)
+        if filler < 0:
+            raise ValueError(f"seq_len={seq_len} is too short for a copy test; use at least 64")
+        cut = int(rng.integers(0, filler + 1))
+        prompt = corpus.heldout.filler_bytes(rng, cut) + s + corpus.heldout.filler_bytes(rng, filler - cut) + head
+        out.append((prompt, tail))
+    return out
 
 
 # ----------------------------------------------------------------------------- model and schedule
@@ -219,80 +326,6 @@ def task_accuracy(
     return hits / len(tasks)
 
 
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Neox RoPE on ``x [B, H, S, D]`` with ``cos/sin [B|1, S, D]``."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos.unsqueeze(1) + rotated * sin.unsqueeze(1)
-
-
-def cell_attention_weights(
-    module: torch.nn.Module, hidden: torch.Tensor, position_embeddings: tuple, *, queries: int
-) -> torch.Tensor:
-    """softmax(q k^T * scaling) of one Ouro attention call for its last ``queries`` positions, fp32.
-
-    ``hidden [B, S, H]`` is the attention module's input, ``position_embeddings`` its ``(cos, sin)``;
-    returns ``[B, Hq, queries, S]`` (causal: zero beyond each query's position).
-    """
-    b, s, _ = hidden.shape
-    cos, sin = (x.float() for x in position_embeddings)
-    q = module.q_proj(hidden).view(b, s, -1, module.head_dim).transpose(1, 2).float()
-    k = module.k_proj(hidden).view(b, s, -1, module.head_dim).transpose(1, 2).float()
-    q, k = _rope(q[:, :, s - queries :], cos[:, s - queries :], sin[:, s - queries :]), _rope(k, cos, sin)
-    k = k.repeat_interleave(module.num_key_value_groups, dim=1)
-    scores = q @ k.transpose(2, 3) * module.scaling  # [B, Hq, Q, S]
-    qpos = torch.arange(s - queries, s, device=hidden.device)
-    causal = torch.arange(s, device=hidden.device)[None, :] <= qpos[:, None]  # [Q, S]
-    return scores.masked_fill(~causal, float("-inf")).softmax(-1)
-
-
-@torch.no_grad()
-def attention_mass(
-    model: OuroForCausalLM, ids: torch.Tensor, *, device: torch.device, queries: int = 128
-) -> dict[str, Any]:
-    """Where the last ``queries`` positions of ``ids [B, S]`` attend, per cell, averaged over heads and rows.
-
-    Recomputes each cell's attention weights in fp32 from the layer's inputs (a pre-hook on every
-    attention module, :func:`cell_attention_weights`). Returns per loop (mean over layers) the mass on the
-    first 1/4/32 positions and on the last 256, the per-cell numbers, and what uniform attention gives.
-    """
-    cfg = model.config
-    L, T = cfg.num_hidden_layers, cfg.total_ut_steps
-    seq = ids.shape[1]
-    if not 0 < queries <= seq:
-        raise ValueError(f"queries must be in [1, {seq}] (the sequence length), got {queries}")
-    cells: dict[int, dict[str, float]] = {}
-    qpos = torch.arange(seq - queries, seq, device=device)
-    local = torch.arange(seq, device=device)[None, :] > qpos[:, None] - LOCAL_WINDOW  # [Q, S]
-
-    def hook(module, args, kwargs):
-        hidden = args[0] if args else kwargs["hidden_states"]
-        w = cell_attention_weights(module, hidden, kwargs["position_embeddings"], queries=queries)
-        stats = {f"first_{n}": float(w[..., :n].sum(-1).mean()) for n in SINK_TOKENS}
-        stats[f"last_{LOCAL_WINDOW}"] = float((w * local).sum(-1).mean())
-        cells[int(kwargs["cell_index"])] = stats
-
-    handles = [layer.self_attn.register_forward_pre_hook(hook, with_kwargs=True) for layer in model.model.layers]
-    try:
-        with autocast_for(device):
-            model(input_ids=ids.to(device), use_cache=False)
-    finally:
-        for h in handles:
-            h.remove()
-    keys = sorted(next(iter(cells.values())))
-    per_loop = {k: [sum(cells[t * L + j][k] for j in range(L)) / L for t in range(T)] for k in keys}
-    pos = torch.arange(seq - queries, seq, dtype=torch.float64) + 1
-    uniform = {f"first_{n}": float((torch.clamp(n / pos, max=1.0)).mean()) for n in SINK_TOKENS}
-    uniform[f"last_{LOCAL_WINDOW}"] = float((torch.clamp(pos, max=LOCAL_WINDOW) / pos).mean())
-    return {
-        "per_loop": per_loop,
-        "uniform_attention": uniform,
-        "per_cell": {str(c): cells[c] for c in sorted(cells)},
-        "sequence_length": seq,
-        "query_positions": [seq - queries, seq],
-    }
-
-
 def evaluate(
     model: OuroForCausalLM,
     corpus: data.Corpus,
@@ -313,7 +346,7 @@ def evaluate(
     out["heldout_loss_nats"] = loss
     out["heldout_bits_per_byte"] = loss / math.log(2)
     copy_len = min(retrieval_lengths)
-    copies = data.copy_accuracy_documents(corpus, n=n_tasks, seq_len=copy_len, seed=seed0)
+    copies = copy_accuracy_documents(corpus, n=n_tasks, seq_len=copy_len, seed=seed0)
     out[f"copy_em_{copy_len}"] = task_accuracy(model, copies, device=device, batch=max(1, batch_tokens // copy_len))
     for n in retrieval_lengths:
         tasks = [data.retrieval_task(n, seed0 + i, corpus=corpus) for i in range(n_tasks)]
@@ -350,7 +383,7 @@ def save_checkpoint(model: OuroForCausalLM, directory: pathlib.Path) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m loopkv.models.train_small", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python tools/train_small.py", description=__doc__.split("\n")[0])
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     p.add_argument("--minutes", type=float, default=None, help="wall-clock budget of the training loop")
     p.add_argument("--steps", type=int, default=None, help="number of optimizer steps")
@@ -371,10 +404,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeat-fraction", type=float, default=0.2)
     p.add_argument(
         "--query-placement",
-        choices=data.QUERY_PLACEMENTS,
+        choices=QUERY_PLACEMENTS,
         default="anywhere",
-        help="retrieval queries at the end of each row, or anywhere after their records (the shipped "
-        "checkpoint used 'end' and answers best near the end of a 4K window: docs/small-model.md)",
+        help="retrieval queries at the end of each row, or anywhere after their records ('end' ties answering "
+        "to the end of the training length)",
     )
     p.add_argument(
         "--compile",
@@ -395,8 +428,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--embed-init-std",
         type=float,
         default=0.02,
-        help="std of the initial byte embeddings (fresh models only; the shipped model's stage 1 used 0.02, "
-        "a fresh run at 1.0 learned no copying in 83M tokens: docs/small-model.md)",
+        help="std of the initial byte embeddings (fresh models only)",
     )
     return p
 
@@ -486,7 +518,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     model.to(device).train()
     n_params = sum(p.numel() for p in model.parameters())
     opt = make_optimizer(model, lr=args.lr, weight_decay=args.weight_decay)
-    sampler = data.BatchSampler(
+    sampler = BatchSampler(
         corpus.train,
         seed=args.seed,
         retrieval_fraction=args.retrieval_fraction,
@@ -677,12 +709,10 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         tracking_length=final_lengths[-1],
     )
     sink_len = min(args.seq_len, 2048)
-    final["attention"] = attention_mass(
-        model,
-        data.heldout_windows(corpus, n=4, seq_len=sink_len, seed=2),
-        device=device,
-        queries=min(128, sink_len // 2),
-    )
+    with autocast_for(device):
+        final["attention"] = attention_mass(
+            model, data.heldout_windows(corpus, n=4, seq_len=sink_len, seed=2), queries=min(128, sink_len // 2)
+        )
     final["eval_s"] = round(time.perf_counter() - t0, 1)
     metrics = snapshot(final=final, train_s=train_s, saved_dtype=saved_dtype)
     (out / "metrics.json").write_text(json.dumps(metrics, indent=1) + "\n")
