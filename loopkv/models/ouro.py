@@ -201,14 +201,9 @@ class OuroAttention(nn.Module):
             cache_kwargs = {"sin": sin, "cos": cos, "position_ids": kwargs.get("position_ids")}
             key, value = cache.update(key, value, cell_index, cache_kwargs)
 
-        if getattr(key, "is_loopkv_handle", False):
-            from loopkv.cache.attention import loopkv_attention
-
-            attention_interface: Callable = loopkv_attention
-        else:
-            attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(
-                self.config._attn_implementation, eager_attention_forward
-            )
+        # a cache that needs its own attention function names it (LoopKVCache: "loopkv", registered by the cache)
+        implementation = getattr(cache, "attention_implementation", None) or self.config._attn_implementation
+        attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager_attention_forward)
         if self.sliding_window is not None:
             kwargs["sliding_window"] = self.sliding_window
         out, _ = attention_interface(
