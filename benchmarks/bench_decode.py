@@ -152,14 +152,13 @@ def fill(cache, length: int, *, k_scale: float) -> None:
             layer.values.normal_()
             layer.cumulative_length.fill_(length)
         return
-    for idx, layer in enumerate(cache.layers):
-        st = layer.storage
+    for idx, option in enumerate(cache.plan.options):
+        st = cache.storage(idx)
         st.sink_k.normal_(0.0, 4.6 * k_scale)
         st.win_k.normal_(0.0, 4.6 * k_scale)
         st.sink_v.normal_()
         st.win_v.normal_()
         st.lengths.fill_(length)
-        option = cache.plan.options[idx]
         if option in fmt.QUANTIZED:  # a share cell's pool is its source's, filled there
             levels = (1 << fmt.BITS[option]) - 1
             step = k_scale * 15 / levels  # the same K spread at either width
@@ -357,7 +356,7 @@ def hot_fraction(model, cache, step) -> float | None:
             h.remove()
     hot = total = 0
     for cell, (q, scale) in queries.items():
-        st = cache.layers[cell].storage
+        st = cache.storage(cell)
         npg = fmt.n_pages(int(st.lengths[0]))
         if npg == 0:
             continue
