@@ -74,10 +74,11 @@ def cell_attention_reference(
     win_ok = torch.remainder(r[None, :] - (ws - SINK)[:, None], RING) < count[:, None]  # [B, RING]
     s_win = scores(win_k).masked_fill(~win_ok[:, None, None, :], -math.inf)
 
-    maxp = page_table.shape[1]
+    # only the page slots some row holds: the cost follows the tokens held, not the table's width (max_cache_len)
+    maxp = min(page_table.shape[1], int(npg.max())) if B else 0
     parts_s, parts_v = [s_sink, s_win], [sink_v.to(acc), win_v.to(acc)]
     if maxp > 0 and bits != 0:
-        phys = page_table.long()  # [B, P]
+        phys = page_table[:, :maxp].long()  # [B, P]
         page_ok = torch.arange(maxp, device=dev)[None, :] < npg[:, None]  # [B, P]
         sink_max = s_sink.amax(dim=-1)  # [B, H, g]; -inf only for empty rows
 
