@@ -1,6 +1,6 @@
 """Cells: one (loop, layer) pair of a looped transformer, and the map to a flat cache index.
 
-Ouro passes ``layer_idx = t * L + l`` to ``Cache.update`` (DESIGN.md §1). Bare ints never cross a
+Ouro passes ``layer_idx = t * L + l`` to ``Cache.update`` (docs/design.md). Bare ints never cross a
 module boundary as cell identities: use :class:`Cell` and :class:`CellLayout`.
 """
 

@@ -2,7 +2,7 @@
 # Run the GPU tests (`-m gpu`) as N parallel pytest processes and summarize them; exit 1 unless every shard
 # finished with no failure. Why: the GPU machine has no pytest-xdist, and one process needs more than 300 s to
 # compile the ~60 kernel variants. Each process gets OMP_NUM_THREADS = cores / N: with every process on all
-# cores, the float64 CPU references oversubscribe the CPU (session 4: a 22 s test did not finish in 230 s).
+# cores, the float64 CPU references oversubscribe the CPU (a 22 s test did not finish in 230 s).
 # Usage (repository root, PYTHONPATH=. if not installed): bash tests/gpu_shards.sh [N=8] [TIMEOUT_S=300] [LOGDIR=.]
 set -u
 n=${1:-8}

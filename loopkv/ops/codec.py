@@ -113,7 +113,7 @@ def split_planes(codes4: Tensor) -> tuple[Tensor, Tensor]:
 
 
 class PageCodes(NamedTuple):
-    """The stored form of pages of one option (DESIGN.md §3); leading dims ``[...]`` are free.
+    """The stored form of pages of one option (``loopkv.format``); leading dims ``[...]`` are free.
 
     k_codes: uint8 [..., PAGE, D * bits // 8]  (INT4 nibbles or INT2 crumbs, channel-packed, token-major)
     k_scale, k_zero: fp16 [..., D]            (per channel over the page's 32 tokens)

@@ -124,7 +124,7 @@ def cold_tokens(s, hist, tau):
 
 
 def attention64(cache, cell_index, q, scale, tau):
-    """float64 DESIGN.md §7 for every row; q [B, Hq, D] -> [B, Hq, D] float64, plus the weights."""
+    """The float64 read (paper §3.3-3.4) for every row; q [B, Hq, D] -> [B, Hq, D] float64, plus the weights."""
     B, Hq, D = q.shape
     H = cache.kv_heads
     g = Hq // H

@@ -176,7 +176,7 @@ def test_reorder_cache_gathers_rows_exactly(model):
 def test_no_host_sync_while_a_cuda_graph_is_captured(model, monkeypatch):
     """Under capture (simulated: the capture query answers True) the cache neither syncs for its length
     (a 0-d tensor comes back, as while compiling) nor runs the eager overflow check; outside capture the
-    length is an int and the check refuses a full row (the H200 capture failed on that int in session 2)."""
+    length is an int and the check refuses a full row (a CUDA-graph capture fails on that int)."""
     from loopkv.cache import loop_cache
 
     cache = _cache(model, loopkv.Plan.uniform(loops=LOOPS, layers=LAYERS), 1, 12)
