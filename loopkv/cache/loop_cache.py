@@ -121,13 +121,49 @@ def _model_shape(config) -> tuple[int, int, int, int]:
 
 
 def _resolve_dtype(config, dtype) -> torch.dtype:
+    """``dtype`` (a torch.dtype or its name, e.g. ``"bfloat16"``), else the config's, else fp32."""
     if dtype is None:
         dtype = getattr(config, "dtype", None) or torch.float32
-        if isinstance(dtype, str):
-            dtype = getattr(torch, dtype)
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype.removeprefix("torch."), dtype)
     if dtype not in SUPPORTED_DTYPES:
-        raise ValueError(f"dtype {dtype} is not supported; use one of {SUPPORTED_DTYPES}")
+        names = ", ".join(str(d).removeprefix("torch.") for d in SUPPORTED_DTYPES)
+        raise ValueError(f"dtype {dtype!r} is not supported: pass the model's activation dtype, one of {names}")
     return dtype
+
+
+def _positive_int(name: str, value) -> int:
+    """``value`` as a positive Python int (numpy and torch integers too), or a ValueError naming ``name``."""
+    if isinstance(value, bool) or not hasattr(value, "__index__"):
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    value = value.__index__()
+    if value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return value
+
+
+def _free_bytes(device: torch.device) -> int | None:
+    """Memory free for new tensors on ``device`` (CUDA: the driver's count; CPU: the OS's available memory)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    if device.type == "cpu":
+        try:
+            with open("/proc/meminfo") as f:
+                info = dict(line.split(":", 1) for line in f)
+            return int(info["MemAvailable"].split()[0]) * 1024
+        except (OSError, KeyError, ValueError):
+            return None
+    return None
+
+
+def _check_fits(templates: list[CellStorage], device: torch.device) -> None:
+    """Refuse, before allocating, a cache larger than the memory free on ``device`` (its bytes counted from the
+    cells' shapes, each stacked buffer once)."""
+    needed = sum(math.prod(t.shape) * t.element_size() for st in templates for t in st.own_tensors().values())
+    free = _free_bytes(device)
+    if free is not None and needed > free:
+        raise ValueError(f"this LoopKVCache needs {needed / 2**30:.2f} GiB on {device}, which has {free / 2**30:.2f} "
+                         "GiB free: lower max_batch_size or max_cache_len, or plan fewer stored bytes per token")
 
 
 class LoopKVCache(Cache):
@@ -153,12 +189,14 @@ class LoopKVCache(Cache):
     def __init__(self, plan, *, config, max_batch_size: int, max_cache_len: int,
                  dtype: torch.dtype | None = None, device: torch.device | str | None = None):
         from loopkv.cache.attention import register
+        from loopkv.planning.plan import Plan
 
+        if not isinstance(plan, Plan):
+            raise ValueError(f"plan must be a loopkv.Plan (e.g. loopkv.Plan.uniform(loops=..., layers=...) or "
+                             f"Plan.from_json(path)), got {type(plan).__name__}")
+        max_batch_size = _positive_int("max_batch_size", max_batch_size)
+        max_cache_len = _positive_int("max_cache_len", max_cache_len)
         register()
-        if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int) or max_batch_size < 1:
-            raise ValueError(f"max_batch_size must be a positive int, got {max_batch_size!r}")
-        if isinstance(max_cache_len, bool) or not isinstance(max_cache_len, int) or max_cache_len < 1:
-            raise ValueError(f"max_cache_len must be a positive int, got {max_cache_len!r}")
         plan.validate_for(config)
         loops, layers, kv_heads, head_dim = _model_shape(config)
         if any(o != "bf16" for o in plan.options):
@@ -186,6 +224,7 @@ class LoopKVCache(Cache):
             source = storages.get(self.layout.source(cell)) if option == "share" else None
             storages[cell] = allocate_cell(option, source=source, **dims)
         ordered = [storages[c] for c in self.layout]
+        _check_fits(ordered, device)
         self._stacks = stack_cells(ordered, device)  # the cells' fields become views of the stacks
         cells = [LoopKVCell(st, max_cache_len=max_cache_len) for st in ordered]
         super().__init__(layers=cells)

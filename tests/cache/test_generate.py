@@ -239,3 +239,26 @@ def test_cells_driven_one_at_a_time_are_counted_and_read_exactly(model):
         want, _ = attention64(cache, c, q[:, :, 0], 32**-0.5, MIXED_PLAN.tau)
         torch.testing.assert_close(out.double(), want, atol=ATTN_FP32_ATOL, rtol=ATTN_FP32_RTOL)
     assert [cache.storage(c).lengths.tolist() for c in range(4)] == [[322, 322], [320, 320], [320, 320], [320, 320]]
+
+
+def test_constructor_arguments_are_checked_before_anything_is_allocated(model):
+    """Each bad argument is refused by name with the fix; integer-like sizes (numpy, torch) and dtype names are
+    taken; a cache larger than the memory free on its device is refused with both numbers before any allocation."""
+    import numpy as np
+
+    plan = loopkv.Plan.uniform(loops=LOOPS, layers=LAYERS)
+    kw = dict(config=model.config, device="cpu")
+    with pytest.raises(ValueError, match="plan must be a loopkv.Plan"):
+        loopkv.LoopKVCache(None, max_batch_size=1, max_cache_len=10, **kw)
+    for bad in (True, 0, 2.0, "2"):
+        with pytest.raises(ValueError, match="max_batch_size must be a positive int"):
+            loopkv.LoopKVCache(plan, max_batch_size=bad, max_cache_len=10, **kw)
+    with pytest.raises(ValueError, match="max_cache_len must be a positive int"):
+        loopkv.LoopKVCache(plan, max_batch_size=1, max_cache_len=-5, **kw)
+    cache = loopkv.LoopKVCache(plan, max_batch_size=np.int64(2), max_cache_len=torch.tensor(40), dtype="float16", **kw)
+    assert (cache.max_batch_size, cache.max_cache_len, cache.dtype) == (2, 40, torch.float16)
+    assert type(cache.max_batch_size) is int
+    with pytest.raises(ValueError, match="float32, bfloat16, float16"):
+        loopkv.LoopKVCache(plan, max_batch_size=1, max_cache_len=10, dtype="int8", **kw)
+    with pytest.raises(ValueError, match=r"needs [0-9.]+ GiB on cpu, which has [0-9.]+ GiB free"):
+        loopkv.LoopKVCache(plan, max_batch_size=64, max_cache_len=10**9, **kw)
