@@ -1,6 +1,7 @@
-"""Triton kernels for the cache-writing ops: ``write_pages_`` (bulk) and ``append_`` (decode + window exit).
+"""Triton kernels of the cache-writing ops: ``write_pages_`` (a prompt's pages) and ``advance_`` (a decode step's
+count and the page leaving the window); and ``_write_token``, the token write of ``token_attention_``'s kernel.
 
-Both produce exactly the codes of the reference codec (``loopkv/ops/codec.py``), bit for bit:
+Both ops produce exactly the codes of the reference codec (``loopkv/ops/codec.py``), bit for bit:
 
 * fp16 ``zero = min`` and ``scale = max(max - min, EPS) / (2**b - 1)`` from fp32 minima and maxima;
 * ``code = clamp(rne((x - zero) / scale), 0, 2**b - 1)`` from the *stored* fp16 values, with IEEE
@@ -8,17 +9,12 @@ Both produce exactly the codes of the reference codec (``loopkv/ops/codec.py``),
   (``(y + C) - C`` rounds ``|y| < 2**22`` to the nearest integer, ties to even, in the FPU's default mode);
 * packing as in :func:`loopkv.ops.codec.pack`: channel ``per * j + i`` of a byte at bit ``bits * i``.
 
-Every program handles one page of one KV head. Channels are processed in their packed order: the
-tile ``x_i [PAGE, DP // per]`` holds channels ``per * j + i``, so packing is a shift-or of ``per``
-tiles, and K's per-channel statistics are plain reductions over the token axis. ``head_dim`` that is
-not a power of two (96) is padded to ``DP`` with masked loads and stores.
-
-``append_`` runs on a ``(B, H, 2)`` grid (K and V apart) with no host sync: each program writes its head's
-new K or V token into
-the sink or the window ring, quantizes the page this append completes for the pool (``length = 319 +
-32 p``, decided on the device), and the last program of a row (an atomic counter that the kernel resets to
-zero, so CUDA-graph replays stay correct) stores ``lengths[b] + 1``. Launchers are plain functions
-that also run on CPU tensors under ``TRITON_INTERPRET=1``.
+An encoding program handles one page of one KV head, K or V. Channels are processed in their packed order: the
+tile ``x_i [PAGE, DP // per]`` holds channels ``per * j + i``, so packing is a shift-or of ``per`` tiles, and K's
+per-channel statistics are plain reductions over the token axis. ``head_dim`` that is not a power of two (96) is
+padded to ``DP`` with masked loads and stores. ``advance_`` decides on the device, per row, whether the step's token
+completes a page for the pool (``length + 1 = QUANTIZE_LENGTH + 32 p``, ``loopkv.format``), with no host sync.
+Launchers are plain functions that also run on CPU tensors under ``TRITON_INTERPRET=1``.
 """
 
 from __future__ import annotations
@@ -27,13 +23,13 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from loopkv.ops.cache_ops import append_reference, write_pages_reference
-from loopkv.ops.codec import EPS, FP16_MAX, GROUP, PAGE, SINK, WINDOW
-from loopkv.ops.layout import QUANTIZE_LENGTH, RING, capacity
+from loopkv.format import GROUP, PAGE, QUANTIZE_LENGTH, RING, SINK, WINDOW, capacity
+from loopkv.ops.cache_ops import write_pages_reference
+from loopkv.ops.codec import EPS, FP16_MAX
 from loopkv.ops.triton_config import KERNEL_OPTIONS
-from loopkv.ops.triton_register import counters
+from loopkv.ops.triton_counters import counters
 
-# The kernels spell these constants out (Triton wants literals); fail loudly if the contract moves.
+# The kernels spell these constants out (Triton wants literals); fail loudly if the format moves.
 assert (SINK, WINDOW, PAGE, GROUP, RING, QUANTIZE_LENGTH) == (32, 256, 32, 32, 288, 319)
 assert EPS == 2.0**-10
 assert FP16_MAX == 65504.0
@@ -59,17 +55,16 @@ def _qparams(xmin, xmax, LEVELS: tl.constexpr):
 
 
 @triton.jit
-def _encode_k_slice(
-    k_src, sk_t, sk_d, page, s0, k_pages, k_scale, k_zero,
-    BITS: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, KS: tl.constexpr,
-):
-    """K of one page: packed bytes ``[s0, s0 + KS)`` of every token (channel KPER * j + i at bits BITS * i of
-    byte j), with their per-channel statistics over the page's tokens."""
+def _encode_k(k_src, sk_t, sk_d, page, k_pages, k_scale, k_zero, BITS: tl.constexpr, D: tl.constexpr,
+              DP: tl.constexpr):
+    """K of one page: the packed bytes of every token (channel KPER * j + i at bits BITS * i of byte j), with their
+    per-channel statistics over the page's tokens."""
     LEVELS: tl.constexpr = (1 << BITS) - 1
     KPER: tl.constexpr = 8 // BITS
     KBD: tl.constexpr = D // KPER
+    KS: tl.constexpr = DP // KPER  # packed bytes per token (padded)
     t = tl.arange(0, 32)  # PAGE
-    j = s0 + tl.arange(0, KS)
+    j = tl.arange(0, KS)
     jm = (t[:, None] < 32) & (j[None, :] < KBD)
     packed = tl.zeros([32, KS], dtype=tl.int32)
     for i in tl.static_range(KPER):
@@ -85,12 +80,9 @@ def _encode_k_slice(
 
 
 @triton.jit
-def _encode_v_slice(
-    v_src, sv_t, sv_d, page, t0, v_hi, v_lo, v_scale, v_zero,
-    BITS: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, TSL: tl.constexpr,
-):
-    """V of one page: tokens ``[t0, t0 + TSL)``, per token in groups of 32 channels (tiles by crumb position,
-    channel 4 * j + i)."""
+def _encode_v(v_src, sv_t, sv_d, page, v_hi, v_lo, v_scale, v_zero, BITS: tl.constexpr, D: tl.constexpr,
+              DP: tl.constexpr):
+    """V of one page, per token in groups of 32 channels (tiles by crumb position, channel 4 * j + i)."""
     LEVELS: tl.constexpr = (1 << BITS) - 1
     VB: tl.constexpr = DP // 4
     VBD: tl.constexpr = D // 4
@@ -98,24 +90,24 @@ def _encode_v_slice(
     NG: tl.constexpr = D // 32
     jv = tl.arange(0, VB)
     g = tl.arange(0, NGP)
-    ts = t0 + tl.arange(0, TSL)
+    ts = tl.arange(0, 32)
     vm = (ts[:, None] < 32) & (jv[None, :] < VBD)
     vptr = v_src + ts[:, None] * sv_t + (jv[None, :] * 4) * sv_d
     x0 = tl.load(vptr, mask=vm, other=0.0).to(tl.float32)
     x1 = tl.load(vptr + sv_d, mask=vm, other=0.0).to(tl.float32)
     x2 = tl.load(vptr + 2 * sv_d, mask=vm, other=0.0).to(tl.float32)
     x3 = tl.load(vptr + 3 * sv_d, mask=vm, other=0.0).to(tl.float32)
-    mn = tl.minimum(tl.minimum(x0, x1), tl.minimum(x2, x3))  # [TSL, VB]; a group = 8 bytes of j
+    mn = tl.minimum(tl.minimum(x0, x1), tl.minimum(x2, x3))  # [32, VB]; a group = 8 bytes of j
     mx = tl.maximum(tl.maximum(x0, x1), tl.maximum(x2, x3))
-    gmin = tl.min(tl.reshape(mn, [TSL, NGP, 8]), axis=2)  # [TSL, NGP]
-    gmax = tl.max(tl.reshape(mx, [TSL, NGP, 8]), axis=2)
-    vscale, vzero = _qparams(gmin, gmax, LEVELS)  # [TSL, NGP] fp16
+    gmin = tl.min(tl.reshape(mn, [32, NGP, 8]), axis=2)  # [32, NGP]
+    gmax = tl.max(tl.reshape(mx, [32, NGP, 8]), axis=2)
+    vscale, vzero = _qparams(gmin, gmax, LEVELS)  # [32, NGP] fp16
     gm = (ts[:, None] < 32) & (g[None, :] < NG)
     goff = page * (32 * NG) + ts[:, None] * NG + g[None, :]
     tl.store(v_scale + goff, vscale, mask=gm)
     tl.store(v_zero + goff, vzero, mask=gm)
-    s_b = tl.reshape(tl.broadcast_to(vscale[:, :, None], [TSL, NGP, 8]), [TSL, VB])
-    z_b = tl.reshape(tl.broadcast_to(vzero[:, :, None], [TSL, NGP, 8]), [TSL, VB])
+    s_b = tl.reshape(tl.broadcast_to(vscale[:, :, None], [32, NGP, 8]), [32, VB])
+    z_b = tl.reshape(tl.broadcast_to(vzero[:, :, None], [32, NGP, 8]), [32, VB])
     c0 = _rne_codes(x0, z_b, s_b, LEVELS)
     c1 = _rne_codes(x1, z_b, s_b, LEVELS)
     c2 = _rne_codes(x2, z_b, s_b, LEVELS)
@@ -135,46 +127,27 @@ def _encode_v_slice(
 def _encode_page(
     k_src, v_src, sk_t, sk_d, sv_t, sv_d, phys, h, H, part,
     k_pages, k_scale, k_zero, v_hi, v_lo, v_scale, v_zero,
-    BITS: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, SLICED: tl.constexpr = False, sl=0,
-    NSL: tl.constexpr = 1,
+    BITS: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
 ):
-    """Encode K (part 0) or V (part 1) of one page of one head (token t, channel c at
-    ``src + t * s_t + c * s_d``) into physical page ``phys``. K and V go to two programs: half the latency.
-
-    BITS 16: exact copy into k_pages/v_hi [N, H, PAGE, D]. BITS 4/2: codes as in codec.encode_pages, the whole
-    page at once, or with SLICED in slices with the same codes: K by 32 channels (its statistics are per channel
-    over the page's tokens), V by 8 tokens (per token and 32-channel group). This program encodes slices ``sl``,
-    ``sl + NSL``, ... (a runtime loop: one slice's code). SLICED is for kernels whose registers go elsewhere: the
-    fused ``append_attention_`` launch, whose whole-page encoder set the register count of its history reader
-    (session 6: 10 spill loads per INT4 page), and whose one-warp programs share the page (session 7).
-    """
+    """Encode K (part 0) or V (part 1) of one page of one head (token t, channel c at ``src + t * s_t + c * s_d``)
+    into physical page ``phys``: BITS 16, an exact copy into k_pages / v_hi [N, H, PAGE, D]; BITS 4 / 2, codes as in
+    ``codec.encode_pages``. K and V go to two programs: half the latency."""
     page = phys.to(tl.int64) * H + h  # (page, head) index into the pool's first two dims
     if BITS == 16:
         t = tl.arange(0, 32)  # PAGE
         c = tl.arange(0, DP)
         m = (t[:, None] < 32) & (c[None, :] < D)
         dst = page * (32 * D) + t[:, None] * D + c[None, :]
-        if sl == 0:  # one program copies the page
-            if part == 0:
-                kx = tl.load(k_src + t[:, None] * sk_t + c[None, :] * sk_d, mask=m)
-                tl.store(k_pages + dst, kx.to(k_pages.dtype.element_ty), mask=m)
-            else:
-                vx = tl.load(v_src + t[:, None] * sv_t + c[None, :] * sv_d, mask=m)
-                tl.store(v_hi + dst, vx.to(v_hi.dtype.element_ty), mask=m)
+        if part == 0:
+            kx = tl.load(k_src + t[:, None] * sk_t + c[None, :] * sk_d, mask=m)
+            tl.store(k_pages + dst, kx.to(k_pages.dtype.element_ty), mask=m)
+        else:
+            vx = tl.load(v_src + t[:, None] * sv_t + c[None, :] * sv_d, mask=m)
+            tl.store(v_hi + dst, vx.to(v_hi.dtype.element_ty), mask=m)
     elif part == 0:
-        KB: tl.constexpr = DP // (8 // BITS)  # packed bytes per token (padded)
-        if SLICED:
-            KS: tl.constexpr = 32 // (8 // BITS)  # 32 channels
-            for s0 in range(sl * KS, KB, NSL * KS):
-                _encode_k_slice(k_src, sk_t, sk_d, page, s0, k_pages, k_scale, k_zero, BITS, D, DP, KS)
-        else:
-            _encode_k_slice(k_src, sk_t, sk_d, page, 0, k_pages, k_scale, k_zero, BITS, D, DP, KB)
+        _encode_k(k_src, sk_t, sk_d, page, k_pages, k_scale, k_zero, BITS, D, DP)
     else:
-        if SLICED:
-            for t0 in range(sl * 8, 32, NSL * 8):
-                _encode_v_slice(v_src, sv_t, sv_d, page, t0, v_hi, v_lo, v_scale, v_zero, BITS, D, DP, 8)
-        else:
-            _encode_v_slice(v_src, sv_t, sv_d, page, 0, v_hi, v_lo, v_scale, v_zero, BITS, D, DP, 32)
+        _encode_v(v_src, sv_t, sv_d, page, v_hi, v_lo, v_scale, v_zero, BITS, D, DP)
 
 
 @triton.jit
@@ -194,21 +167,10 @@ def _write_pages_kernel(
 
 
 @triton.jit
-def _append_token(
-    k_new, v_new, sk_b, sk_h, sk_d, sv_b, sv_h, sv_d, b, h, part, pos,
-    sink_k, sink_v, win_k, win_v, page_table, H, MAXP, CAP,
-    k_pages, k_scale, k_zero, v_hi, v_lo, v_scale, v_zero,
-    BITS: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, SLICED: tl.constexpr = False, sl=0,
-    NSL: tl.constexpr = 1,
-):
-    """K (part 0) or V (part 1) of head h of row b: the token at position ``pos`` into sink/ring, and the page
-    this append completes, encoded into the pool (BITS 0: no pool). Returns the row's new length (``pos`` at
-    capacity: the row is left unchanged). With ``NSL`` programs per part (``sl`` = 0 .. NSL - 1, the fused
-    launch), program ``sl`` encodes its share of the page's slices and only ``sl == 0`` writes the token.
-
-    The append that makes ``n = pos + 1 = 319 + 32 p`` (``QUANTIZE_LENGTH``, docs/storage-layout.md) encodes page
-    ``p`` from ring slots ``(32 p) % 288 + [0, 32)``."""
-    ok = pos < CAP  # rows at capacity are left unchanged
+def _write_token(k_new, v_new, sk_b, sk_h, sv_b, sv_h, b, h, pos, sink_k, sink_v, win_k, win_v, H, CAP,
+                 D: tl.constexpr, DP: tl.constexpr):
+    """The token of head h of row b (k_new, v_new: unit channel stride) at position ``pos`` into sink or window
+    ring; nothing at capacity (``pos >= CAP``)."""
     c = tl.arange(0, DP)
     cm = c < D
     bh = b.to(tl.int64) * H + h
@@ -217,122 +179,12 @@ def _append_token(
     in_win = cm & (pos_c < CAP) & (pos_c >= 32)
     s_off = (bh * 32 + tl.minimum(pos, 31)) * D + c
     w_off = (bh * 288 + tl.maximum(pos - 32, 0) % 288) * D + c  # RING = 288
-    if sl == 0:
-        if part == 0:
-            kn = tl.load(k_new + b.to(tl.int64) * sk_b + h * sk_h + c * sk_d, mask=cm)
-            tl.store(sink_k + s_off, kn.to(sink_k.dtype.element_ty), mask=in_sink)
-            tl.store(win_k + w_off, kn.to(win_k.dtype.element_ty), mask=in_win)
-        else:
-            vn = tl.load(v_new + b.to(tl.int64) * sv_b + h * sv_h + c * sv_d, mask=cm)
-            tl.store(sink_v + s_off, vn.to(sink_v.dtype.element_ty), mask=in_sink)
-            tl.store(win_v + w_off, vn.to(win_v.dtype.element_ty), mask=in_win)
-    new_len = pos + ok.to(tl.int32)
-    if BITS != 0:
-        exits = ok & (new_len >= 319) & ((new_len - 319) % 32 == 0)  # QUANTIZE_LENGTH
-        if exits:
-            p = (new_len - 319) // 32
-            phys = tl.load(page_table + b.to(tl.int64) * MAXP + p)
-            row0 = (bh * 288 + (32 * p) % 288) * D
-            _encode_page(
-                win_k + row0, win_v + row0, D, 1, D, 1, phys, h, H, part,
-                k_pages, k_scale, k_zero, v_hi, v_lo, v_scale, v_zero, BITS, D, DP, SLICED, sl, NSL,
-            )
-    return new_len
-
-
-@triton.jit
-def _append_kernel(
-    k_new, v_new, sk_b, sk_h, sk_d, sv_b, sv_h, sv_d,
-    sink_k, sink_v, win_k, win_v, lengths, page_table, cnt, H, MAXP, CAP,
-    k_pages, k_scale, k_zero, v_hi, v_lo, v_scale, v_zero,
-    BITS: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
-):
-    """Program (b, h, part): ``_append_token`` for the token ``lengths[b]``. The last of the row's 2 H programs
-    (counter ``cnt[b]``, reset to 0 by that program) stores ``lengths[b] = n``.
-    """
-    b = tl.program_id(0)
-    h = tl.program_id(1)
-    part = tl.program_id(2)  # 0: K, 1: V of head h
-    pos = tl.load(lengths + b).to(tl.int32)
-    new_len = _append_token(k_new, v_new, sk_b, sk_h, sk_d, sv_b, sv_h, sv_d, b, h, part, pos,
-                            sink_k, sink_v, win_k, win_v, page_table, H, MAXP, CAP,
-                            k_pages, k_scale, k_zero, v_hi, v_lo, v_scale, v_zero, BITS, D, DP)
-    tl.debug_barrier()  # every thread has read lengths[b] before this program counts itself done
-    done = tl.atomic_add(cnt + b, 1, sem="acq_rel")
-    if done == 2 * H - 1:
-        tl.store(lengths + b, new_len.to(lengths.dtype.element_ty))
-        tl.atomic_xchg(cnt + b, 0)
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
-def _check_bits(bits: int, allowed: tuple[int, ...]) -> None:
-    if bits not in allowed:
-        raise ValueError(f"bits must be one of {allowed}, got {bits}")
-
-
-def _all_contiguous(*tensors: Tensor) -> bool:
-    return all(t.is_contiguous() for t in tensors)
-
-
-def write_pages(
-    k: Tensor, v: Tensor, pages: Tensor, k_pages: Tensor, k_scale: Tensor, k_zero: Tensor,
-    v_hi: Tensor, v_lo: Tensor, v_scale: Tensor, v_zero: Tensor, bits: int, *, num_warps: int = 4,
-) -> None:
-    """Triton ``write_pages_``: encode ``k, v`` [n, H, PAGE, D] into physical ``pages`` (int [n]).
-
-    Pool tensors are the cache's contiguous storage; non-contiguous ones fall back to the reference.
-    """
-    _check_bits(bits, (16, 4, 2))
-    n, H, P, D = k.shape
-    if P != PAGE or v.shape != k.shape:
-        raise ValueError(f"k and v must be [n, H, {PAGE}, D] alike, got {tuple(k.shape)}, {tuple(v.shape)}")
-    if n == 0:
-        return
-    if not _all_contiguous(k_pages, k_scale, k_zero, v_hi, v_lo, v_scale, v_zero):
-        write_pages_reference(k, v, pages, k_pages, k_scale, k_zero, v_hi, v_lo, v_scale, v_zero, bits)
-        return
-    _write_pages_kernel[(n, H, 2)](
-        k, v, pages, *k.stride(), *v.stride(), H,
-        k_pages, k_scale, k_zero, v_hi, v_lo, v_scale, v_zero,
-        BITS=bits, D=D, DP=_next_pow2(D), num_warps=num_warps, **KERNEL_OPTIONS,
-    )
-
-
-def append(
-    k_new: Tensor, v_new: Tensor, sink_k: Tensor, sink_v: Tensor, win_k: Tensor, win_v: Tensor,
-    lengths: Tensor, page_table: Tensor, k_pages: Tensor, k_scale: Tensor, k_zero: Tensor,
-    v_hi: Tensor, v_lo: Tensor, v_scale: Tensor, v_zero: Tensor, bits: int, *, num_warps: int = 4,
-) -> None:
-    """Triton ``append_``: k_new, v_new [B, H, 1, D]; one launch, predicated per row on the device.
-
-    Storage tensors (sink, ring, lengths, page table, pool) are contiguous in the cache; otherwise this
-    falls back to the reference.
-    """
-    _check_bits(bits, (16, 4, 2, 0))
-    B, H, one, D = k_new.shape
-    if one != 1:
-        raise ValueError(f"append_ takes one token per row: k_new [B, H, 1, D], got {tuple(k_new.shape)}")
-    if B == 0:
-        return
-    if not _all_contiguous(sink_k, sink_v, win_k, win_v, lengths, page_table, k_pages, k_scale, k_zero,
-                           v_hi, v_lo, v_scale, v_zero):
-        append_reference(k_new, v_new, sink_k, sink_v, win_k, win_v, lengths, page_table, k_pages, k_scale,
-                         k_zero, v_hi, v_lo, v_scale, v_zero, bits)
-        return
-    maxp = page_table.shape[1]
-    if maxp == 0:
-        bits = 0  # no page is ever quantized: capacity(0) is below QUANTIZE_LENGTH
-    cnt = counters(lengths.device, B, purpose="append")
-    _append_kernel[(B, H, 2)](
-        k_new, v_new, k_new.stride(0), k_new.stride(1), k_new.stride(3),
-        v_new.stride(0), v_new.stride(1), v_new.stride(3),
-        sink_k, sink_v, win_k, win_v, lengths, page_table, cnt, H, maxp, capacity(maxp),
-        k_pages, k_scale, k_zero, v_hi, v_lo, v_scale, v_zero,
-        BITS=bits, D=D, DP=_next_pow2(D), num_warps=num_warps, **KERNEL_OPTIONS,
-    )
+    kn = tl.load(k_new + b.to(tl.int64) * sk_b + h * sk_h + c, mask=cm)
+    tl.store(sink_k + s_off, kn.to(sink_k.dtype.element_ty), mask=in_sink)
+    tl.store(win_k + w_off, kn.to(win_k.dtype.element_ty), mask=in_win)
+    vn = tl.load(v_new + b.to(tl.int64) * sv_b + h * sv_h + c, mask=cm)
+    tl.store(sink_v + s_off, vn.to(sink_v.dtype.element_ty), mask=in_sink)
+    tl.store(win_v + w_off, vn.to(win_v.dtype.element_ty), mask=in_win)
 
 
 @triton.jit
@@ -374,6 +226,43 @@ def _advance_kernel(
         if done == NS - 1:
             tl.store(lengths + c * s_len + b, new_len.to(lengths.dtype.element_ty))
             tl.atomic_xchg(cnt + i * B + b, 0)
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _check_bits(bits: int, allowed: tuple[int, ...]) -> None:
+    if bits not in allowed:
+        raise ValueError(f"bits must be one of {allowed}, got {bits}")
+
+
+def _all_contiguous(*tensors: Tensor) -> bool:
+    return all(t.is_contiguous() for t in tensors)
+
+
+def write_pages(
+    k: Tensor, v: Tensor, pages: Tensor, k_pages: Tensor, k_scale: Tensor, k_zero: Tensor,
+    v_hi: Tensor, v_lo: Tensor, v_scale: Tensor, v_zero: Tensor, bits: int, *, num_warps: int = 4,
+) -> None:
+    """Triton ``write_pages_``: encode ``k, v`` [n, H, PAGE, D] into physical ``pages`` (int [n]).
+
+    Pool tensors are the cache's contiguous storage; non-contiguous ones fall back to the reference.
+    """
+    _check_bits(bits, (16, 4, 2))
+    n, H, P, D = k.shape
+    if P != PAGE or v.shape != k.shape:
+        raise ValueError(f"k and v must be [n, H, {PAGE}, D] alike, got {tuple(k.shape)}, {tuple(v.shape)}")
+    if n == 0:
+        return
+    if not _all_contiguous(k_pages, k_scale, k_zero, v_hi, v_lo, v_scale, v_zero):
+        write_pages_reference(k, v, pages, k_pages, k_scale, k_zero, v_hi, v_lo, v_scale, v_zero, bits)
+        return
+    _write_pages_kernel[(n, H, 2)](
+        k, v, pages, *k.stride(), *v.stride(), H,
+        k_pages, k_scale, k_zero, v_hi, v_lo, v_scale, v_zero,
+        BITS=bits, D=D, DP=_next_pow2(D), num_warps=num_warps, **KERNEL_OPTIONS,
+    )
 
 
 def advance_programs(pairs: int, batch: int, heads: int, bits: int) -> int:

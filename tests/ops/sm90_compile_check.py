@@ -2,12 +2,11 @@
 
 Run by ``test_sm90_compile.py`` in a fresh process (the test session runs Triton in the interpreter, and that is
 chosen when ``@triton.jit`` decorates). The launcher is called on CPU tensors with the kernel replaced by a
-recorder; the recorded arguments are then compiled by ``triton.compile`` for ``cuda:90`` with what the launcher
-does only on a GPU put back (the ``maxnreg`` cap, the L2 prefetch, no bf16 upcast). Prints one JSON line:
-registers, stack bytes and what the PTX contains. ``dtype`` (optional, default ``"bfloat16"``): the inputs';
-``cc_opts`` (optional): a reader variant's options instead of the launcher's default; ``append`` (optional,
-true): the fused ``append_attention`` launch; ``token`` (optional, true): ``token_attention``'s launch;
-``timeline`` (optional, true): the build that writes each program's timeline (``%globaltimer``, ``%smid``).
+recorder, the device taken for an sm_90 GPU of 132 SMs (``triton_config._capability``, ``_num_sms``), so the recorded
+launch is the GPU's (register cap, L2 prefetch, inline PTX, no bf16 upcast); it is compiled by ``triton.compile`` for
+``cuda:90`` with the argument specializations Triton's launcher would make. Prints one JSON line: the launch's
+options and flags, registers, stack bytes and what the PTX contains. ``dtype`` (optional, default ``"bfloat16"``):
+the inputs'; ``token`` (optional, true): ``token_attention``'s launch.
 
     python tests/ops/sm90_compile_check.py '{"bits": 4, "tau": 14.0, "batch": 8, "heads": 8, "group": 1,
                                              "head_dim": 96}'
@@ -15,11 +14,14 @@ true): the fused ``append_attention`` launch; ``token`` (optional, true): ``toke
 
 from __future__ import annotations
 
+import inspect
 import json
 import math
 import os
 import re
+import subprocess
 import sys
+import tempfile
 
 os.environ.pop("TRITON_INTERPRET", None)
 
@@ -34,6 +36,7 @@ from loopkv.ops.triton_register import _dummy_pool  # noqa: E402
 
 TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32",
          torch.int64: "i64", torch.uint8: "u8"}
+OPTIONS = ("num_warps", "num_stages", "maxnreg", "enable_fp_fusion")
 
 
 class Recorder:
@@ -46,84 +49,69 @@ class Recorder:
         return lambda *args, **kwargs: self.calls.append((args, kwargs))
 
 
-def main(case: dict) -> dict:
+def record(case: dict) -> tuple[tuple, dict]:
+    """The launcher's kernel call for ``case`` on an sm_90 GPU of 132 SMs."""
     bits, tau, B, H, G, D = (case[k] for k in ("bits", "tau", "batch", "heads", "group", "head_dim"))
     tau = math.inf if tau is None else float(tau)
     dtype = getattr(torch, case.get("dtype", "bfloat16"))
-    sink = [torch.zeros(B, H, 32, D, dtype=dtype) for _ in range(2)]
-    ring = [torch.zeros(B, H, 288, D, dtype=dtype) for _ in range(2)]
+    exact = [torch.zeros(B, H, n, D, dtype=dtype) for n in (32, 32, 288, 288)]
     lengths = torch.zeros(B, dtype=torch.int32)
     table = torch.zeros(B, 16, dtype=torch.int32)
     pool = _dummy_pool(bits, H, D, dtype, torch.device("cpu"))
     q = torch.zeros(B, H * G, D, dtype=dtype)
-    kernel, rec = ta._cell_attn_kernel, Recorder()
-    ta._cell_attn_kernel = rec
-    opts = case.get("cc_opts")  # a variant's options (default: the launcher's)
-    kw = {"cc_opts": tuple(opts)} if opts is not None else {}
+    rec = Recorder()
+    saved = ta._cell_attn_kernel, triton_config._capability, triton_config._num_sms
+    ta._cell_attn_kernel, triton_config._capability, triton_config._num_sms = rec, lambda d: (9, 0), lambda d: 132
     try:
-        if case.get("append"):  # the fused append_attention launch, own pool at the read bits
+        if case.get("token"):
             tok = torch.zeros(B, H, 1, D, dtype=dtype)
-            ta.append_attention(q, tok, tok, *sink, *ring, lengths, table, *pool, bits, bits, tau, D**-0.5, **kw)
-        elif case.get("token"):  # token_attention_: the reader that also writes the step's token
-            tok = torch.zeros(B, H, 1, D, dtype=dtype)
-            ta.token_attention(q, tok, tok, *sink, *ring, lengths, table, *pool, bits, tau, D**-0.5, **kw)
+            ta.token_attention(q, tok, tok, *exact, lengths, table, *pool, bits, tau, D**-0.5)
         else:
-            ta.cell_attention(q, *sink, *ring, lengths, table, *pool, bits, tau, D**-0.5, **kw)
+            ta.cell_attention(q, *exact, lengths, table, *pool, bits, tau, D**-0.5)
     finally:
-        ta._cell_attn_kernel = kernel
-    (args, kwargs), = rec.calls
-    exact = dtype == torch.float32
-    impl = ta.choose_far_impl(bits, G, None, cc_default=ta.CC_DEFAULT, exact=exact)
-    cfg = triton_config._config(bits, impl, B * H, G, exact)
-    # what the launcher does on a GPU only
-    if impl == "cc":
-        kwargs["OPT"] = ta.cc_opt_bits(cfg["cc_opts"] if opts is None else opts)
-        if kwargs["OPT"] & ta.CC_OPTS["k16"]:
-            kwargs["OPT"] |= ta.OPT_ASM16  # "k16"'s pairs in inline PTX, as on CUDA
-    kwargs["UPCAST"] = False
-    if case.get("timeline"):  # the diagnostics build (cell_attention(timeline=...), CUDA only)
-        kwargs["TIMELINE"] = True
-    options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages", "maxnreg", "enable_fp_fusion") if k in kwargs}
-    if cfg.get("maxnreg"):
-        options["maxnreg"] = cfg["maxnreg"]
-    if case.get("maxnreg"):  # a cap other than the launcher's (probe_page_loop.py --maxnreg)
-        options["maxnreg"] = int(case["maxnreg"])
-    names = [n for n in kernel.arg_names if n not in kwargs]
+        ta._cell_attn_kernel, triton_config._capability, triton_config._num_sms = saved
+    (call,) = rec.calls
+    return call
+
+
+def _specialize(value) -> tuple[str, bool]:
+    """(Triton type, divisible by 16) of a runtime argument, as Triton's launcher specializes it."""
+    if isinstance(value, torch.Tensor):
+        return "*" + TYPES[value.dtype], value.data_ptr() % 16 == 0
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"unexpected argument {value!r}")
+    if isinstance(value, float):
+        return "fp32", False
+    return "i32", value % 16 == 0
+
+
+def main(case: dict) -> dict:
+    args, kwargs = record(case)
+    kernel = ta._cell_attn_kernel
+    options = {k: kwargs.pop(k) for k in OPTIONS if k in kwargs}
+    bound = inspect.signature(kernel.fn).bind(*args, **kwargs).arguments
     sig, constexprs, attrs = {}, {}, {}
-    for name, value in zip(names, args, strict=True):
-        if isinstance(value, torch.Tensor):
-            sig[name] = "*" + TYPES[value.dtype]
-            aligned = value.data_ptr() % 16 == 0
-        elif isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise TypeError(f"{name}: unexpected argument {value!r}")
-        else:
-            sig[name] = "i32" if isinstance(value, int) else "fp32"
-            aligned = isinstance(value, int) and value % 16 == 0
-        if aligned:  # what Triton's launcher specializes on a GPU (pointers and integers divisible by 16)
-            attrs[(kernel.arg_names.index(name),)] = [["tt.divisibility", 16]]
-    for name, value in kwargs.items():
-        sig[name] = "constexpr"
-        constexprs[name] = value
+    for i, p in enumerate(kernel.params):
+        value = bound[p.name]
+        if p.is_constexpr or (isinstance(value, int) and not isinstance(value, bool) and value == 1):
+            sig[p.name], constexprs[(i,)] = "constexpr", value  # Triton specializes integers equal to 1 as well
+            continue
+        sig[p.name], aligned = _specialize(value)
+        if aligned:
+            attrs[(i,)] = [["tt.divisibility", 16]]
     compiled = triton.compile(ASTSource(kernel, sig, constexprs=constexprs, attrs=attrs),
                               target=GPUTarget("cuda", 90, 32), options=options)
-    if case.get("cubin"):  # keep the binary (e.g. for cuobjdump -sass)
-        with open(case["cubin"], "wb") as f:
-            f.write(compiled.asm["cubin"])
     ptx = compiled.asm["ptx"]
-    ftz = [ln.strip() for ln in ptx.splitlines() if ".ftz" in ln]
     registers, stack = _resources(compiled)
-    return {"impl": impl, "opt": kwargs.get("OPT"), "options": options, "registers": registers, "stack": stack,
-            "globaltimer": len(re.findall(r"%globaltimer", ptx)), "smid": len(re.findall(r"%smid", ptx)),
-            "prefetch_l2": len(re.findall(r"prefetch\.global\.L2", ptx)),
+    ftz = [ln.strip() for ln in ptx.splitlines() if ".ftz" in ln]
+    return {"cc": bound["CC"], "l2": bound["L2"], "asm": bound["ASM"], "i32": bound["I32"], "options": options,
+            "registers": registers, "stack": stack, "prefetch_l2": len(re.findall(r"prefetch\.global\.L2", ptx)),
             "fma": len(re.findall(r"\bfma\.rn\.f32", ptx)), "ftz_not_ex2": [ln for ln in ftz if "ex2" not in ln][:5]}
 
 
 def _resources(compiled) -> tuple[int | None, int | None]:
     """Registers and stack bytes per thread from the cubin (Triton's own cuobjdump), None where it is not
     shipped."""
-    import subprocess
-    import tempfile
-
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     if not os.path.exists(tool):
         return None, None

@@ -1,4 +1,4 @@
-"""Triton quantizer kernels (``write_pages_``, ``append_``) against the references: codes ``torch.equal``.
+"""Triton cache-writing kernels (``write_pages_``, ``advance_``) against the references: codes ``torch.equal``.
 
 Interpreted tests (``@pytest.mark.interpret``) run the kernels on CPU under ``TRITON_INTERPRET=1``,
 which Triton reads when a kernel is decorated, i.e. when ``loopkv.ops.triton_quant`` is first imported
@@ -17,8 +17,10 @@ if not torch.cuda.is_available():
 
 triton = pytest.importorskip("triton")
 
-from loopkv.ops import cache_ops, codec, layout  # noqa: E402
+from loopkv.format import QUANTIZE_LENGTH, RING, capacity  # noqa: E402
+from loopkv.ops import cache_ops, codec  # noqa: E402
 from loopkv.ops import triton_quant as tq  # noqa: E402
+from loopkv.ops.step_ops import advance_stacks_reference  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 interpret = pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1 (set on machines without CUDA)")
@@ -109,76 +111,67 @@ def test_write_pages_non_contiguous_input():
     assert_pools_equal(got, want)
 
 
-def make_storage(batch, heads, head_dim, maxp, bits, lengths, dtype=torch.bfloat16, device="cpu"):
-    exact = dict(dtype=dtype, device=device)
-    st = [torch.randn(batch, heads, 32, head_dim, **exact), torch.randn(batch, heads, 32, head_dim, **exact),
-          torch.randn(batch, heads, layout.RING, head_dim, **exact),
-          torch.randn(batch, heads, layout.RING, head_dim, **exact),
-          torch.tensor(lengths, dtype=torch.int32, device=device)]
-    # own cell: row b's pages at b * maxp + p, stored in reverse to exercise the page table
-    page_table = (torch.arange(batch)[:, None] * maxp + torch.arange(maxp).flip(0)[None, :]).int().to(device)
-    return st, page_table, make_pool(batch * maxp, heads, head_dim, bits, dtype, device)
+def make_stacks(cells, batch, heads, head_dim, maxp, bits, lengths, dtype=torch.bfloat16, device="cpu", seed=0):
+    """Stacks as ``advance_`` takes them (``CellStacks``): lengths [cells, batch] (``lengths`` rotated by the cell's
+    index), windows [cells, batch * H * RING * D] (random), page tables and pools [2, ...] (row b's pages at b * maxp
+    + p, in reverse; random bytes)."""
+    g = torch.Generator().manual_seed(seed)
+    ring = [torch.randn(cells, batch * heads * RING * head_dim, generator=g).to(dtype=dtype, device=device)
+            for _ in range(2)]
+    own = torch.tensor([[*lengths[c:], *lengths[:c]] for c in range(cells)], dtype=torch.int32, device=device)
+    table = (torch.arange(batch)[:, None] * maxp + torch.arange(maxp).flip(0)[None, :]).int().flatten()
+    tables = table[None].expand(2, -1).contiguous().to(device)
+    per_pool = [make_pool(batch * maxp, heads, head_dim, bits or 4, dtype, device) for _ in range(2)]
+    pools = [torch.stack([p[i].flatten() for p in per_pool]) if per_pool[0][i].numel() else per_pool[0][i]
+             for i in range(7)]
+    return own, ring, tables, pools
 
 
-def run_appends(bits, lengths, steps, *, maxp=3, heads=2, head_dim=64, dtype=torch.bfloat16, device="cpu"):
+def run_advance(bits, lengths, steps, *, cells=3, maxp=3, heads=2, head_dim=64, dtype=torch.bfloat16, device="cpu"):
+    """``steps`` calls of Triton ``advance`` on cells [2, 0] -> pools [0, 1] of ``cells`` stacked cells, the first
+    ``len(lengths) - 1`` rows, against ``advance_stacks_reference`` on a copy: every tensor bit for bit after every
+    step. Returns the window exits the reference saw."""
     batch = len(lengths)
-    st, pt, pool = make_storage(batch, heads, head_dim, maxp, bits, lengths, dtype, device)
-    got = ([t.clone() for t in st], [t.clone() for t in pool])
-    want = ([t.clone() for t in st], [t.clone() for t in pool])
+    own, ring, tables, pools = make_stacks(cells, batch, heads, head_dim, maxp, bits, lengths, dtype, device)
+    want = [t.clone() for t in (own, *ring, tables, *pools)]
+    got = [own, *ring, tables, *pools]
+    idx = torch.tensor([2, 0], dtype=torch.int32, device=device), torch.tensor([0, 1], dtype=torch.int32,
+                                                                                 device=device)
     exits = 0
     for _ in range(steps):
-        kn = torch.randn(batch, heads, 1, head_dim, dtype=dtype, device=device)
-        vn = torch.randn(batch, heads, 1, head_dim, dtype=dtype, device=device)
-        n = want[0][4]
-        q = layout.QUANTIZE_LENGTH
-        exits += int(((n + 1 >= q) & ((n + 1 - q) % 32 == 0) & (n < layout.capacity(maxp))).sum())
-        tq.append(kn, vn, *got[0], pt, *got[1], bits)
-        cache_ops.append_reference(kn, vn, *want[0], pt, *want[1], bits)
-        for name, a, b in zip(("sink_k", "sink_v", "win_k", "win_v", "lengths"), got[0], want[0], strict=True):
-            assert torch.equal(a, b), name
-        assert_pools_equal(got[1], want[1])
+        n = want[0][idx[0].long(), : batch - 1]
+        exits += int(((n + 1 >= QUANTIZE_LENGTH) & ((n + 1 - QUANTIZE_LENGTH) % 32 == 0)
+                      & (n < capacity(maxp))).sum())
+        args = (batch - 1, batch, heads, head_dim, maxp, bits)
+        advance_stacks_reference(*idx, *want, *args)
+        tq.advance(*idx, *got, *args)
+        for i, (a, b) in enumerate(zip(got, want, strict=True)):
+            assert torch.equal(a.cpu(), b.cpu()), i
     return exits
 
 
 @interpret
 @pytest.mark.interpret
 @pytest.mark.parametrize("bits", [4, 2, 16, 0])
-def test_append_matches_reference(bits):
-    """Rows: empty, inside the sink, at the sink's end, one before page 0 is quantized, one before page 1,
-    at capacity (unchanged). Two steps cross both page writes."""
-    maxp = 3
-    q = layout.QUANTIZE_LENGTH
-    lengths = [0, 5, 31, q - 1, q + 31, layout.capacity(maxp)]
-    exits = run_appends(bits, lengths, 2, maxp=maxp)
-    assert exits == 2
+def test_advance_matches_reference(bits):
+    """Rows: empty, inside the sink, one before page 0 is quantized, one before page 1, at capacity (unchanged), and
+    a last row beyond the batch (unchanged); three cells, two listed, in another order than their pools. Two steps
+    cross both page writes."""
+    q = QUANTIZE_LENGTH
+    exits = run_advance(bits, [0, 31, q - 1, q + 31, capacity(3), 5], 2)
+    assert exits == 4
 
 
 @interpret
 @pytest.mark.interpret
-def test_append_gqa_shape_and_fp32():
-    q = layout.QUANTIZE_LENGTH
-    exits = run_appends(4, [q + 63, q - 33], 2, maxp=4, heads=3, head_dim=96, dtype=torch.float32)
-    assert exits == 1
-
-
-@interpret
-@pytest.mark.interpret
-def test_append_without_pages():
-    """maxp = 0 (max_cache_len below the first page): tokens land, nothing is quantized, full rows stay."""
-    exits = run_appends(4, [0, 100, 316, 318], 3, maxp=0)
-    assert exits == 0
-
-
-@interpret
-@pytest.mark.interpret
-def test_append_counter_reset_across_calls():
-    """The row counters are reset by the kernel: many calls in a row keep lengths exact."""
-    st, pt, pool = make_storage(3, 4, 64, 1, 4, [0, 10, 300])
-    for _ in range(5):
-        kn = torch.randn(3, 4, 1, 64, dtype=torch.bfloat16)
-        tq.append(kn, kn, *st, pt, *pool, 4)
-    assert st[4].tolist() == [5, 15, 305]
-    assert int(tq.counters("cpu", 3, purpose="append")[:3].abs().sum()) == 0
+@pytest.mark.parametrize("programs", [1, 3])
+def test_advance_programs_per_row(programs, monkeypatch):
+    """1 and 3 (not a divisor of 2 H) programs per row share a window exit's encode tasks; the row's counter is reset
+    for the next call."""
+    monkeypatch.setattr(tq, "advance_programs", lambda *a: programs)
+    q = QUANTIZE_LENGTH
+    run_advance(4, [q - 1, q + 30, 0], 3, heads=3, head_dim=96, dtype=torch.float32)
+    assert int(tq.counters("cpu", 8, purpose="advance")[:8].abs().sum()) == 0
 
 
 # ---------------------------------------------------------------------------------------------- GPU
@@ -200,8 +193,9 @@ def test_write_pages_gpu_matches_cpu_reference(bits):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("bits", [4, 2, 16, 0])
-def test_append_gpu_matches_reference(bits):
+def test_advance_gpu_matches_reference(bits):
+    """Ouro's cell shape (16 KV heads x 128), 8 rows crossing window exits at different steps, 40 steps."""
+    q = QUANTIZE_LENGTH
     maxp = 8
-    q = layout.QUANTIZE_LENGTH
-    lengths = [0, 31, q - 1, q + 31, q + 32 * 5 - 3, layout.capacity(maxp), 1000 % layout.capacity(maxp), 500]
-    run_appends(bits, lengths, 40, maxp=maxp, heads=16, head_dim=128, device="cuda")
+    lengths = [0, 31, q - 1, q + 31, q + 32 * 5 - 3, capacity(maxp), 1000 % capacity(maxp), 500]
+    run_advance(bits, lengths, 40, maxp=maxp, heads=16, head_dim=128, device="cuda")
