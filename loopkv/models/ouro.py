@@ -383,6 +383,23 @@ def _declared_max_cache_len(cache: Any) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
+def _check_capacity(cache: Any, generation_config: Any) -> None:
+    """Refuse a ``generate`` request of more tokens than ``cache`` declares it holds. Called once transformers
+    has settled ``generation_config.max_length`` (prompt + new tokens: from ``max_new_tokens``, ``max_length``
+    or transformers' default), so every way of asking for a length is covered."""
+    limit = _declared_max_cache_len(cache)
+    total = generation_config.max_length
+    if limit is None or not isinstance(total, int) or total <= limit:
+        return
+    new = generation_config.max_new_tokens
+    what = (f"prompt length {total - new} + max_new_tokens {new} = {total} tokens" if new is not None
+            else f"max_length {total} tokens (the prompt and the new tokens)")
+    raise ValueError(
+        f"{what} exceeds the cache's max_cache_len {limit}; build the cache with a larger max_cache_len or "
+        "pass a smaller max_new_tokens"
+    )
+
+
 class OuroForCausalLM(OuroPreTrainedModel, GenerationMixin):
     """Ouro with its LM head. The default cache is :func:`dense_cache` (the exact reference)."""
 
@@ -458,8 +475,11 @@ class OuroForCausalLM(OuroPreTrainedModel, GenerationMixin):
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
         """Give ``generate`` a :func:`dense_cache` with ``T * L`` cells when the user passes no cache
-        (transformers would build ``DynamicCache(config=...)`` with only ``L`` layers)."""
+        (transformers would build ``DynamicCache(config=...)`` with only ``L`` layers); refuse a request
+        longer than a user cache's declared capacity (:func:`_check_capacity`)."""
         user_cache = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
+        if user_cache is not None:
+            _check_capacity(user_cache, generation_config)
         implementation = generation_config.cache_implementation
         builds_cache = user_cache is None and generation_config.use_cache is not False
         if builds_cache and implementation not in (None, "dynamic"):
@@ -475,29 +495,11 @@ class OuroForCausalLM(OuroPreTrainedModel, GenerationMixin):
                     model_kwargs[name] = dense_cache(self.config)
 
     def generate(self, inputs: torch.Tensor | None = None, generation_config=None, **kwargs: Any):
-        """``GenerationMixin.generate``, refusing up front a request longer than the cache's capacity
-        (``prompt length + max_new_tokens > cache.max_cache_len``)."""
+        """``GenerationMixin.generate``; a request longer than the cache's capacity is refused before the
+        prefill (``_prepare_cache_for_generation``)."""
         if _OUTPUT_CACHE_FIELD == "cache" and "past_key_values" in kwargs:
             # transformers >= ~5.2x renamed generate's cache argument; accept the old name without a warning
             kwargs["cache"] = _pick_cache(kwargs.pop("past_key_values"), kwargs.get("cache"))
-        cache = _pick_cache(kwargs.get("past_key_values"), kwargs.get("cache"))
-        limit = _declared_max_cache_len(cache) if cache is not None else None
-        if limit is not None:
-            prompt = inputs if inputs is not None else kwargs.get("input_ids", kwargs.get("inputs_embeds"))
-            prompt_len = prompt.shape[1] if prompt is not None else 0
-            config = generation_config if generation_config is not None else self.generation_config
-            new_tokens = kwargs.get("max_new_tokens", config.max_new_tokens)
-            if new_tokens is not None:
-                total = prompt_len + new_tokens
-                what = f"prompt length {prompt_len} + max_new_tokens {new_tokens}"
-            else:
-                total = kwargs.get("max_length", config.max_length)
-                what = f"max_length {total} (prompt length {prompt_len})"
-            if total > limit:
-                raise ValueError(
-                    f"{what} = {total} tokens exceeds the cache's max_cache_len {limit}; "
-                    "build the cache with a larger max_cache_len or ask for fewer tokens"
-                )
         return super().generate(inputs, generation_config=generation_config, **kwargs)
 
 

@@ -7,13 +7,11 @@ names; it does not call loopkv. Generation is checked against recomputation with
 from __future__ import annotations
 
 import json
-import sys
-import types
 
 import pytest
 import torch
 from safetensors.torch import save_file
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM
 from transformers.cache_utils import DynamicCache
 
 from loopkv.models.ouro import OuroConfig, OuroForCausalLM, dense_cache, register_ouro, static_dense_cache
@@ -396,6 +394,25 @@ def test_generate_refuses_request_beyond_cache_capacity():
     assert out.shape == (1, 12)
 
 
+@pytest.mark.filterwarnings("ignore:Using the model-agnostic default")
+def test_generate_without_max_new_tokens_checks_the_length_transformers_settles_on():
+    """Neither ``max_new_tokens`` nor ``max_length``: transformers' default length, checked against the
+    cache's capacity like any other, and refused before the cache sees a token."""
+    model = build_model(generation_config_dict())
+    ids = torch.randint(3, VOCAB, (1, 7))
+    dense = model.generate(ids, do_sample=False)  # the default length, with the default cache
+    total = dense.shape[1]
+    assert total > ids.shape[1]
+    out = model.generate(ids, past_key_values=BoundedCache(model.config, max_cache_len=total), do_sample=False)
+    assert torch.equal(out, dense)
+    short = BoundedCache(model.config, max_cache_len=total - 1)
+    with pytest.raises(ValueError, match=rf"max_length {total} tokens .*max_cache_len {total - 1}"):
+        model.generate(ids, past_key_values=short, do_sample=False)
+    assert short.calls == []
+    with pytest.raises(ValueError, match=r"max_length 10 tokens .*max_cache_len 9"):
+        model.generate(ids, past_key_values=BoundedCache(model.config, max_cache_len=9), max_length=10)
+
+
 # ------------------------------------------------------------------------------------- loopkv handles
 
 
@@ -409,6 +426,8 @@ class Handle:
 
 
 class HandleCache(RecordingCache):
+    attention_implementation = "loopkv-test-handles"  # as LoopKVCache names "loopkv": what reads the handles
+
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         k, v = super().update(key_states, value_states, layer_idx, *args, **kwargs)
         return Handle(k), Handle(v)
@@ -428,9 +447,7 @@ def test_handles_dispatch_to_loopkv_attention(monkeypatch):
         scores = scores.masked_fill(~allowed, float("-inf"))
         return (scores.softmax(-1) @ v).transpose(1, 2), None
 
-    stub = types.ModuleType("loopkv.cache.attention")
-    stub.loopkv_attention = loopkv_attention
-    monkeypatch.setitem(sys.modules, "loopkv.cache.attention", stub)
+    monkeypatch.setitem(AttentionInterface._global_mapping, HandleCache.attention_implementation, loopkv_attention)
     model = build_model(generation_config_dict(num_attention_heads=4, num_key_value_heads=2))
     ids = torch.randint(3, VOCAB, (2, 6))
     with torch.no_grad():
