@@ -21,7 +21,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from loopkv.format import COLD_MIDPOINT, GROUP, PAGE, SINK, WINDOW, check_head_dim  # noqa: F401  TODO(transition)
+from loopkv.format import COLD_MIDPOINT, GROUP, PAGE, check_head_dim  # noqa: F401  (check_head_dim: the codec's rule)
 
 EPS = 2.0**-10  # smallest quantization range: a constant group decodes finitely (fp16-normal scale)
 FP16_MAX = 65504.0

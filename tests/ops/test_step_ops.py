@@ -1,11 +1,12 @@
-"""``token_attention_`` + ``advance_`` (``loopkv/ops/step_ops.py``) against ``append_`` + ``cell_attention``.
+"""``token_attention_`` + ``advance_`` (``loopkv/ops/step_ops.py``): a decode step on stacked cells.
 
-The pair must leave the storage that the two per-cell ops leave and return what ``cell_attention`` returns. The
-references are checked against ``append_``'s and ``cell_attention``'s references; the Triton kernels against the
-per-cell Triton ops bit for bit (the same reader reads the same values; the encoder is the reference codec's), and
-``advance_`` on stacks of several cells, kinds and pool orders against its reference. Under the interpreter the
-token-writing programs run after every reader, so a reader that took the ring instead of the op's input for the new
-token would read a stale slot and fail.
+The pair must leave the storage that writing each cell's token and counting it (``write_token_reference``, then
+``advance_reference``, per cell) leaves, and return what ``cell_attention`` returns over the appended state. The
+references are checked at that level on stacks; the Triton kernels bit for bit against the Triton reader over the
+reference-appended state (the same reader reads the same values) and the reference's storage (the encoder is the
+reference codec's); ``advance_`` on stacks of several cells, kinds and pool orders against its reference. Under the
+interpreter the token-writing programs run after every reader, so a reader that took the ring instead of the op's
+input for the new token would read a stale slot and fail.
 """
 
 import math
@@ -17,15 +18,15 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from loopkv.ops import layout, step_ops  # noqa: E402
-from loopkv.ops.cache_ops import append_reference  # noqa: E402
+from loopkv import format as fmt  # noqa: E402
+from loopkv.ops import step_ops  # noqa: E402
+from loopkv.ops.cache_ops import advance_reference, write_token_reference  # noqa: E402
 from loopkv.ops.cell_attention import cell_attention_reference  # noqa: E402
-from tests.ops.test_append_attention import READER_CASES  # noqa: E402
 from tests.ops.test_triton_attention import interpret, make_cell  # noqa: E402
 
 INF = math.inf
 MAXP = 3
-CAP = layout.capacity(MAXP)
+CAP = fmt.capacity(MAXP)
 # sink, window only, the first window exit (318 -> 319), the first history read (319 -> 320), a later exit (350 ->
 # 351) and a full row (left unchanged)
 LENGTHS = [0, 31, 290, 318, 319, 350, CAP - 1, CAP]
@@ -46,6 +47,13 @@ def as_stacks(cells):
     return own, pools, views
 
 
+def append_token(kn, vn, st, own_bits):
+    """The per-cell oracle of a decode token: write it at ``lengths[b]`` (``write_token_reference``), then count it
+    and quantize the page leaving the window (``advance_reference``; own_bits 0: a share cell, no pool)."""
+    write_token_reference(kn, vn, *st[:5], st[5].shape[1])
+    advance_reference(st[2], st[3], st[4], st[5], *st[6:], own_bits)
+
+
 def assert_same(a, b):
     for name, x, y in zip(NAMES, a, b, strict=True):
         assert torch.equal(x, y), name
@@ -53,8 +61,8 @@ def assert_same(a, b):
 
 def test_references_compose_to_append_then_attention():
     """Reference level: three steps of ``token_attention_reference`` + ``advance_stacks_reference`` on a 2-cell
-    stack (an INT4 cell and a share cell, which writes no pool) equal ``append_reference`` +
-    ``cell_attention_reference`` per cell: outputs and every tensor."""
+    stack (an INT4 cell and a share cell, which writes no pool) equal the per-cell token append +
+    ``cell_attention_reference``: outputs and every tensor."""
     cells = [make_cell(len(LENGTHS), 2, 64, MAXP, 4, LENGTHS, seed=s) for s in (1, 2)]
     own, pools, views = as_stacks(cells)
     ref = [[t.clone() for t in c] for c in views]
@@ -65,7 +73,7 @@ def test_references_compose_to_append_then_attention():
             q = torch.randn(B, 2 * H, D, generator=g)
             kn, vn = (torch.randn(B, H, 1, D, generator=g) for _ in range(2))
             own_bits = 4 if n == 0 else 0  # cell 1 reads cell 0's pool as a share cell (its own rows here)
-            append_reference(kn, vn, *rf[:6], *rf[6:], own_bits)
+            append_token(kn, vn, rf, own_bits)
             want = cell_attention_reference(q, *rf, 4, 14.0, D**-0.5)
             got = step_ops.token_attention_reference(q, kn, vn, *st, 4, 14.0, D**-0.5)
             assert torch.equal(got, want)
@@ -77,12 +85,22 @@ def test_references_compose_to_append_then_attention():
     assert views[0][4].tolist() == [min(n + 3, CAP) for n in LENGTHS]
 
 
+READER_CASES = (("bits", "tau", "group", "dtype", "head_dim"), [
+    (4, 14.0, 1, torch.bfloat16, 64),  # CUDA-core reader, V precision
+    (2, INF, 2, torch.float16, 64),  # CUDA-core reader, two query heads
+    (4, INF, 4, torch.bfloat16, 96),  # tensor-core reader, padded head_dim
+    (4, 14.0, 1, torch.float32, 64),  # tensor-core reader, fp32 products
+    (16, INF, 1, torch.bfloat16, 64),  # BF16 pages
+])
+
+
 @interpret
 @pytest.mark.interpret
 @pytest.mark.parametrize(*READER_CASES)
-def test_token_attention_and_advance_equal_append_then_attention(bits, tau, far_impl, group, dtype, head_dim):
-    """Triton: three decode steps from every length in ``LENGTHS``; outputs and storage bit for bit equal to
-    ``append`` + ``cell_attention`` (Triton), with ``advance`` run on the cell's row of the stacks."""
+def test_token_attention_and_advance_equal_append_then_attention(bits, tau, group, dtype, head_dim):
+    """Triton: three decode steps from every length in ``LENGTHS``; outputs bit for bit the Triton reader's over the
+    reference-appended state, storage bit for bit the reference's, with ``advance`` run on the cell's row of the
+    stacks."""
     from loopkv.ops import triton_attention as ta
     from loopkv.ops import triton_quant as tq
 
@@ -90,14 +108,14 @@ def test_token_attention_and_advance_equal_append_then_attention(bits, tau, far_
     own, pools, (st,) = as_stacks([make_cell(B, H, head_dim, MAXP, bits, LENGTHS, dtype=dtype, seed=3 + bits)])
     ref = [t.clone() for t in st]
     g = torch.Generator().manual_seed(bits)
-    kw = {"splits": 2} | ({"far_impl": far_impl} if far_impl else {})
     idx = torch.zeros(1, dtype=torch.int32)
     for _ in range(3):
         q = torch.randn(B, H * group, head_dim, generator=g).to(dtype)
         kn, vn = (torch.randn(B, H, 1, head_dim, generator=g).to(dtype) for _ in range(2))
-        tq.append(kn, vn, *ref, bits)
-        want = ta.cell_attention(q, *ref, bits, tau, head_dim**-0.5, **kw)
-        got = ta.token_attention(q, kn, vn, *st, bits, tau, head_dim**-0.5, **kw)
+        appended = write_token_reference(kn, vn, *ref[:5], MAXP).to(torch.int32)
+        want = ta.cell_attention(q, *ref[:4], appended, *ref[5:], bits, tau, head_dim**-0.5)
+        advance_reference(ref[2], ref[3], ref[4], ref[5], *ref[6:], bits)
+        got = ta.token_attention(q, kn, vn, *st, bits, tau, head_dim**-0.5)
         assert torch.equal(got, want)
         assert torch.equal(st[4] + (st[4] < CAP).int(), ref[4])  # the token is not counted yet
         tq.advance(idx, idx, own[4], own[2], own[3], *pools, B, B, H, head_dim, MAXP, bits)
@@ -139,25 +157,6 @@ def test_advance_on_stacks_equals_its_reference(bits, programs, monkeypatch):
         assert any(not torch.equal(x, y) for x, y in zip(pools, as_stacks(cells)[1], strict=True) if x.numel())
 
 
-def test_opcheck_step_ops():
-    """Schema, declared mutations and fake kernels of both ops (CPU samples, INT4 with V precision, INT2, BF16 and a
-    share group)."""
-    B, H, D = 3, 2, 64
-    lengths = [0, layout.QUANTIZE_LENGTH - 1, layout.QUANTIZE_LENGTH + 31]
-    for bits in (4, 2, 16):
-        own, pools, (st,) = as_stacks([make_cell(B, H, D, MAXP, bits, lengths, seed=bits)])
-        q = torch.randn(B, 2 * H, D)
-        kn, vn = torch.randn(B, H, 1, D), torch.randn(B, H, 1, D)
-        torch.library.opcheck(torch.ops.loopkv.token_attention_.default,
-                              (q, kn, vn, *st, bits, 14.0 if bits == 4 else INF, D**-0.5))
-        idx = torch.zeros(1, dtype=torch.int32)
-        torch.library.opcheck(torch.ops.loopkv.advance_.default, (idx, idx, own[4], own[2], own[3], *pools, B, B, H,
-                                                                  D, MAXP, bits))
-    empty = torch.zeros(0, dtype=torch.int32)
-    torch.library.opcheck(torch.ops.loopkv.advance_.default,
-                          (idx, idx, own[4], own[2], own[3], *([empty] * 8), B, B, H, D, MAXP, 0))
-
-
 def test_advance_refuses_bad_arguments():
     own, pools, _ = as_stacks([make_cell(2, 2, 64, MAXP, 4, [0, 300])])
     idx = torch.zeros(1, dtype=torch.int32)
@@ -175,15 +174,15 @@ def test_gpu_token_attention_and_advance_equal_append_then_attention(bits, tau):
     """On the GPU the programs of one launch run concurrently, so this is where a race between the token-writing
     programs and the readers, or between ``advance``'s programs of one row, would show: 40 decode steps of an
     Ouro-sized cell (16 KV heads x 128, bf16, 8 rows whose lengths cross window exits at different steps), outputs and
-    storage bit for bit equal to ``append`` + ``cell_attention``; ``advance`` with its default and with 1 program
-    per row on alternate steps."""
+    storage bit for bit equal to the reference token append + the Triton reader; ``advance`` with its default and
+    with 1 program per row on alternate steps."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     from loopkv.ops import triton_attention as ta
     from loopkv.ops import triton_quant as tq
 
     maxp = 12
-    lengths = [0, 20, 300, 318, 319, 340, 500, layout.capacity(maxp) - 5]
+    lengths = [0, 20, 300, 318, 319, 340, 500, fmt.capacity(maxp) - 5]
     B, H, D = len(lengths), 16, 128
     cell = make_cell(B, H, D, maxp, bits, lengths, dtype=torch.bfloat16, device="cuda", seed=11)
     own, pools, (st,) = as_stacks([cell])
@@ -195,8 +194,9 @@ def test_gpu_token_attention_and_advance_equal_append_then_attention(bits, tau):
         for step in range(40):
             q = torch.randn(B, H, D, generator=g, device="cuda").to(torch.bfloat16)
             kn, vn = (torch.randn(B, H, 1, D, generator=g, device="cuda").to(torch.bfloat16) for _ in range(2))
-            tq.append(kn, vn, *ref, bits)
-            want = ta.cell_attention(q, *ref, bits, tau, D**-0.5)
+            appended = write_token_reference(kn, vn, *ref[:5], maxp).to(torch.int32)
+            want = ta.cell_attention(q, *ref[:4], appended, *ref[5:], bits, tau, D**-0.5)
+            advance_reference(ref[2], ref[3], ref[4], ref[5], *ref[6:], bits)
             got = ta.token_attention(q, kn, vn, *st, bits, tau, D**-0.5)
             tq.advance_programs = default if step % 2 else (lambda *a: 1)
             tq.advance(idx, idx, own[4], own[2], own[3], *pools, B, B, H, D, maxp, bits)
