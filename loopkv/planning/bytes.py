@@ -173,30 +173,45 @@ def exact_bytes_per_request(config: Any, *, dtype_bytes: int = 2) -> int:
 
 
 def per_token(
-    options: Sequence[str], layers: int, shape: ModelShape, *, v_precision: bool = False,
+    options: Sequence[str], layers: int, shape: ModelShape, *, v_precision: bool | Sequence[bool] = False,
     hot_fraction: float = 1.0, dtype_bytes: int = 2,
 ) -> BytesPerToken:
     """Stored and read KiB per history token of cells holding ``options`` (flat index ``t * L + l``, the
     last ``layers`` entries the final loop, which ``share`` cells read) on a model of ``shape``.
 
-    v_precision: the reads of INT4 codes skip the V lo plane for the ``1 - hot_fraction`` cold tokens.
+    v_precision: the reads of INT4 codes skip the V lo plane for the ``1 - hot_fraction`` cold tokens; one
+        flag for every loop, or one per loop (the *reading* cell's loop decides: a ``share`` cell in a loop
+        with V precision reads its INT4 source with it).
     dtype_bytes: bytes per element of the cache's exact dtype (2 for BF16), the cost of ``bf16`` cells.
     """
     _check_dtype_bytes(dtype_bytes)
     if not (isinstance(hot_fraction, (int, float)) and 0.0 <= hot_fraction <= 1.0):
         raise ValueError(f"hot_fraction must be a number in [0, 1], got {hot_fraction!r}")
-    cold_saving = (1.0 - hot_fraction) * _lo_plane_bits(shape) if v_precision else 0.0
+    loops = len(options) // layers
+    per_loop = _per_loop_flags(v_precision, loops)
+    saving = (1.0 - hot_fraction) * _lo_plane_bits(shape)
     final = len(options) - layers
     per_cell = []
     for index, option in enumerate(options):
         read_option = options[final + index % layers] if option == "share" else option
         stored = _option_bits(option, shape, dtype_bytes)
         read = _option_bits(read_option, shape, dtype_bytes)
-        if read_option == "int4":
-            read -= cold_saving
+        if read_option == "int4" and per_loop[index // layers]:
+            read -= saving
         per_cell.append((stored / 8 / KIB, read / 8 / KIB))
     return BytesPerToken(
         stored_kib=sum(s for s, _ in per_cell),
         read_kib=sum(r for _, r in per_cell),
         per_cell=tuple(per_cell),
     )
+
+
+def _per_loop_flags(v_precision: bool | Sequence[bool], loops: int) -> tuple[bool, ...]:
+    if isinstance(v_precision, bool):
+        return (v_precision,) * loops
+    flags = tuple(v_precision)
+    if len(flags) != loops or not all(isinstance(f, bool) for f in flags):
+        raise ValueError(
+            f"v_precision must be one bool or one bool per loop ({loops} loops), got {v_precision!r}"
+        )
+    return flags

@@ -11,6 +11,8 @@ next-token agreement (argmax equal).
 :func:`random_plans`), the prediction of the profile (the sum of the plan's single-cell damages,
 :func:`loopkv.planning.knapsack.predicted_damage`) with the measured KL, as the paper's Appendix D:
 Pearson correlation, correlation on a log scale, rank correlation, and the range of measured/predicted.
+Next to the raw sum it shows the two-family additivity correction (:mod:`loopkv.planning.correction`):
+factors fitted on some plans (the named ones, by default) and scored on the others (the random ones).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from loopkv.planning import correction as _correction
 from loopkv.planning.knapsack import predicted_damage
 from loopkv.planning.plan import Plan
 from loopkv.planning.profiler import as_documents, kl_per_position
@@ -131,14 +134,18 @@ def measure_kl(model, plan, documents: Any, *, prefill_len: int | None = None, m
 
 
 # ------------------------------------------------------------------------------------------ additivity
-def random_plans(profile, n: int, *, seed: int = 0, options: Sequence[str] = ("int4", "int2", "share"),
+def random_plans(profile, n: int, *, seed: int = 0, options: Sequence[str] | None = None,
                  share_loops: Sequence[int] | None = None, final_option: str = "int4",
                  tau: float = math.inf) -> list:
     """``n`` random plans on ``profile``'s shape: each non-final cell draws an option from ``options``
-    (``share`` only in ``share_loops``, default the last two non-final loops), the final loop is
-    ``final_option``. Seeded and independent of the measurements (the paper fixes them first)."""
+    (default: the options the profile measured; ``share`` only in ``share_loops``, default the last two
+    non-final loops), the final loop is ``final_option``. Seeded and independent of the measurements (the
+    paper fixes them first)."""
     if not isinstance(n, int) or n < 0:
         raise ValueError(f"n must be an int >= 0, got {n!r}")
+    options = tuple(profile.options) if options is None else tuple(options)
+    if not options:
+        raise ValueError("random_plans needs options to draw from; the profile measured none")
     T, L = profile.loops, profile.layers
     allowed_share = set(range(max(0, T - 3), T - 1)) if share_loops is None else set(share_loops)
     rng = random.Random(seed)
@@ -162,6 +169,10 @@ class AdditivityReport:
     pearson: correlation of predicted and measured; log_pearson: the same of their logarithms;
     spearman: rank correlation; ratio_min / ratio_max: the range of measured / predicted;
     log_slope: the slope of log(measured) on log(predicted). NaN where fewer than 2 plans allow it.
+    corrected: per plan, the prediction with the additivity correction (``correction``, its factors as a
+    dict); families: per plan "own" or "shared"; fitted: which plans the correction was fitted on;
+    errors: on the plans it was *not* fitted on (all plans when it was fitted on all or given), the mean
+    absolute relative error and the worst factor of the raw sum and of the corrected prediction.
     """
 
     names: tuple[str, ...]
@@ -175,20 +186,36 @@ class AdditivityReport:
     ratio_min: float
     ratio_max: float
     results: tuple[KLResult, ...] = field(default=(), repr=False)
+    corrected: tuple[float, ...] = ()
+    correction: dict[str, Any] | None = None
+    families: tuple[str, ...] = ()
+    fitted: tuple[bool, ...] = ()
+    errors: dict[str, Any] = field(default_factory=dict)
 
     def format(self) -> str:
         unit = self.kl_share or 1.0
         name = "KL_share" if self.kl_share else "nats"
         width = max([len(n) for n in self.names] + [4])
-        lines = [f"{'plan':<{width}}  predicted ({name})  measured ({name})  measured/predicted"]
-        for n_, p, m in zip(self.names, self.predicted, self.measured, strict=True):
-            ratio = m / p if p > 0 else math.nan
-            lines.append(f"{n_:<{width}}  {p / unit:>16.4g}  {m / unit:>15.4g}  {ratio:>18.3f}")
+        corrected = self.corrected or (math.nan,) * len(self.names)
+        lines = [f"{'plan':<{width}}  family  predicted: sum  corrected ({name})  measured ({name})  "
+                 "measured/sum  measured/corrected"]
+        for i, (n_, p, m) in enumerate(zip(self.names, self.predicted, self.measured, strict=True)):
+            c = corrected[i]
+            fam = (self.families[i] if self.families else "") + ("*" if self.fitted and self.fitted[i] else "")
+            lines.append(f"{n_:<{width}}  {fam:<6}  {p / unit:>14.4g}  {c / unit:>18.4g}  {m / unit:>15.4g}  "
+                         f"{_ratio(m, p):>12.3f}  {_ratio(m, c):>18.3f}")
         lines.append(
             f"{len(self.names)} plans: pearson {self.pearson:.3f}, log-scale pearson {self.log_pearson:.3f} "
             f"(slope {self.log_slope:.2f}), rank {self.spearman:.3f}, measured/predicted "
             f"{self.ratio_min:.2f}-{self.ratio_max:.2f}x"
         )
+        if self.correction is not None:
+            lines.append(f"correction: {self.correction['text']}" + ("; * = fitted on" if any(self.fitted) else ""))
+            raw, cor = self.errors.get("raw", {}), self.errors.get("corrected", {})
+            if raw.get("plans"):
+                lines.append(f"on {self.errors['scored']} ({raw['plans']} plans): mean |error| {raw['mae']:.1%} for "
+                             f"the sum, {cor['mae']:.1%} corrected; worst miss x{raw['worst_factor']:.2f} and "
+                             f"x{cor['worst_factor']:.2f}")
         return "\n".join(lines)
 
     def to_dict(self) -> dict[str, Any]:
@@ -197,7 +224,13 @@ class AdditivityReport:
             "kl_share": self.kl_share, "pearson": self.pearson, "log_pearson": self.log_pearson,
             "spearman": self.spearman, "log_slope": self.log_slope, "ratio_min": self.ratio_min,
             "ratio_max": self.ratio_max, "results": [r.to_dict() for r in self.results],
+            "corrected": list(self.corrected), "correction": self.correction, "families": list(self.families),
+            "fitted": list(self.fitted), "errors": self.errors,
         }
+
+
+def _ratio(a: float, b: float) -> float:
+    return a / b if b > 0 else math.nan
 
 
 def _corr(x: np.ndarray, y: np.ndarray) -> float:
@@ -216,8 +249,14 @@ def _ranks(x: np.ndarray) -> np.ndarray:
 
 
 def summarize(names: Sequence[str], predicted: Sequence[float], measured: Sequence[float], *,
-              kl_share: float | None = None, results: Sequence[KLResult] = ()) -> AdditivityReport:
-    """The statistics of :class:`AdditivityReport` from paired predictions and measurements."""
+              kl_share: float | None = None, results: Sequence[KLResult] = (), plans: Sequence[Any] | None = None,
+              correction: Any = None, fit_on: Sequence[int] | None = None) -> AdditivityReport:
+    """The statistics of :class:`AdditivityReport` from paired predictions and measurements.
+
+    With ``plans``, also the additivity correction: ``correction`` (a
+    :class:`~loopkv.planning.correction.Correction`) applied as given, or, when None, fitted on the plans
+    whose indices are in ``fit_on`` (default: all) with the paper's factors for a family none of them is in.
+    The errors are scored on the other plans (on all when none is left)."""
     p, m = np.asarray(predicted, dtype=np.float64), np.asarray(measured, dtype=np.float64)
     if p.shape != m.shape or len(names) != len(p):
         raise ValueError("names, predicted and measured must have one entry per plan")
@@ -231,13 +270,43 @@ def summarize(names: Sequence[str], predicted: Sequence[float], measured: Sequen
         ratio_min=float(ratios.min()) if len(ratios) else math.nan,
         ratio_max=float(ratios.max()) if len(ratios) else math.nan,
         results=tuple(results),
+        **(_corrected(plans, p, m, correction, fit_on) if plans is not None else {}),
     )
+
+
+def _corrected(plans, p: np.ndarray, m: np.ndarray, correction, fit_on) -> dict[str, Any]:
+    """The AdditivityReport fields of the additivity correction (see :func:`summarize`)."""
+    if len(plans) != len(p):
+        raise ValueError("plans must have one entry per prediction")
+    fitted = [False] * len(plans)
+    if correction is None:
+        chosen = range(len(plans)) if fit_on is None else fit_on
+        fitted = [i in set(chosen) for i in range(len(plans))]
+        pick = [i for i in range(len(plans)) if fitted[i]]
+        correction = _correction.fit([plans[i] for i in pick], p[pick], m[pick],
+                                     source=f"fitted on {len(pick)} of these plans")
+    corrected = [correction.predict(plan, float(x)) for plan, x in zip(plans, p, strict=True)]
+    scored = [i for i in range(len(plans)) if not fitted[i]] or list(range(len(plans)))
+    return {
+        "corrected": tuple(corrected),
+        "correction": {**correction.to_dict(), "text": correction.describe()},
+        "families": tuple(_correction.family(plan) for plan in plans),
+        "fitted": tuple(fitted),
+        "errors": {
+            "scored": "the plans it was not fitted on" if len(scored) < len(plans) else "every plan",
+            "raw": _correction.errors([p[i] for i in scored], [m[i] for i in scored]),
+            "corrected": _correction.errors([corrected[i] for i in scored], [m[i] for i in scored]),
+        },
+    }
 
 
 def additivity_report(model, profile, plans: Sequence[Any], documents: Any, *, names: Sequence[str] | None = None,
                       prefill_len: int | None = None, max_positions: int | None = None,
-                      progress: bool = True) -> AdditivityReport:
-    """Measure every plan with :func:`measure_kl` and compare with the profile's prediction."""
+                      progress: bool = True, correction: Any = None,
+                      fit_on: Sequence[int] | None = None) -> AdditivityReport:
+    """Measure every plan with :func:`measure_kl` and compare with the profile's prediction, raw and with
+    the additivity correction (``correction`` as given, or fitted on the plans ``fit_on``: see
+    :func:`summarize`)."""
     profile.validate_for(model.config)
     if names is None:
         names = [str(p.provenance.get("preset") or p.provenance.get("made_by") or f"plan {i}")
@@ -247,4 +316,5 @@ def additivity_report(model, profile, plans: Sequence[Any], documents: Any, *, n
     predicted = [predicted_damage(profile, plan) for plan in plans]
     results = [measure_kl(model, plan, documents, prefill_len=prefill_len, max_positions=max_positions,
                           progress=progress) for plan in plans]
-    return summarize(names, predicted, [r.kl for r in results], kl_share=profile.kl_share, results=results)
+    return summarize(names, predicted, [r.kl for r in results], kl_share=profile.kl_share, results=results,
+                     plans=plans, correction=correction, fit_on=fit_on)

@@ -11,8 +11,11 @@ JSON that a person can read and edit::
 
 Options: ``bf16`` (exact, in the cache's dtype), ``int4``, ``int2`` and ``share`` (store nothing and read
 the final loop's history at the same layer). The final loop cannot share: it is the source shared cells
-read. A schema mismatch (type, version, fields) is a ``ValueError``; an environment mismatch (another
-loopkv version wrote the file) is a :class:`PlanEnvironmentWarning`.
+read. ``tau`` is one number for the whole plan, or a list with one entry per loop (``[10, 10, "inf",
+"inf"]``); files that hold one number, every plan file before per-loop tau included, load unchanged, and
+a plan whose loops all have the same tau is written with one number. A schema mismatch (type, version,
+fields) is a ``ValueError``; an environment mismatch (another loopkv version wrote the file) is a
+:class:`PlanEnvironmentWarning`.
 """
 
 from __future__ import annotations
@@ -23,12 +26,12 @@ import os
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from types import MappingProxyType
 from typing import Any
 
 from loopkv.cells import Cell, CellLayout
 from loopkv.format import GROUP, OPTIONS, PAGE, QUANTIZED, SINK, WINDOW, check_head_dim
 from loopkv.planning import bytes as _bytes
+from loopkv.planning.frozen import FrozenMapping, _freeze, _thaw  # noqa: F401 (FrozenMapping re-exported)
 
 PLAN_TYPE = "loopkv.Plan"
 PLAN_VERSION = 1
@@ -42,61 +45,6 @@ _DATA_KEYS = (
 
 class PlanEnvironmentWarning(UserWarning):
     """A plan file was written by a different environment (e.g. another loopkv version)."""
-
-
-class FrozenMapping(Mapping):
-    """A read-only mapping (unlike ``MappingProxyType``, it pickles and deep-copies, so a plan can be
-    saved with ``torch.save`` or copied with the cache that holds it)."""
-
-    __slots__ = ("_data",)
-
-    def __init__(self, data: Mapping[str, Any] = MappingProxyType({})) -> None:
-        self._data = dict(data)
-
-    def __getitem__(self, key: str) -> Any:
-        return self._data[key]
-
-    def __iter__(self):
-        return iter(self._data)
-
-    def __len__(self) -> int:
-        return len(self._data)
-
-    def __repr__(self) -> str:
-        return repr(self._data)
-
-    def __reduce__(self):
-        return (FrozenMapping, (self._data,))
-
-
-def _freeze(value: Any, where: str) -> Any:
-    """A deep read-only copy of a JSON-like value: dicts -> FrozenMapping, lists -> tuples."""
-    if isinstance(value, Mapping):
-        out = {}
-        for key, item in value.items():
-            if not isinstance(key, str):
-                raise ValueError(f"{where} keys must be str (JSON objects), got {key!r}")
-            out[key] = _freeze(item, f"{where}[{key!r}]")
-        return FrozenMapping(out)
-    if isinstance(value, (list, tuple)):
-        return tuple(_freeze(item, f"{where}[{i}]") for i, item in enumerate(value))
-    if isinstance(value, float) and not math.isfinite(value):
-        raise ValueError(f"{where} is {value}; JSON has no inf/nan, store it as a string or leave it out")
-    if value is None or isinstance(value, (str, bool, int, float)):
-        return value
-    raise ValueError(
-        f"{where} is a {type(value).__name__}; provenance and predicted hold JSON values only "
-        "(str, int, float, bool, None, lists and dicts of them)"
-    )
-
-
-def _thaw(value: Any) -> Any:
-    """Inverse of :func:`_freeze`: plain dicts and lists, for JSON."""
-    if isinstance(value, Mapping):
-        return {k: _thaw(v) for k, v in value.items()}
-    if isinstance(value, tuple):
-        return [_thaw(v) for v in value]
-    return value
 
 
 def _loopkv_version() -> str:
@@ -113,7 +61,12 @@ class Plan:
     options: ``tuple[str, ...]`` of length ``T * L``, indexed by the flat cell index ``t * L + l``; values
         in :data:`OPTIONS`. A ``share`` cell reads the final loop's history at its layer.
     tau: V precision threshold: an INT4 value whose attention weight is below ``2**-tau`` of the row's
-        largest reads only its high plane; ``inf`` turns V precision off.
+        largest reads only its high plane; ``inf`` turns V precision off. One number for every loop, or
+        one per loop (a sequence of ``loops`` numbers, e.g. ``(10, 10, inf, inf)``: V precision in loops 0
+        and 1 only, as the paper's Table 14 sweeps). The threshold is the *reading* cell's: a ``share`` cell
+        reads its source's INT4 pages at its own loop's tau. A per-loop sequence whose entries are all equal
+        is stored as that one number, so ``tau`` is a float for every plan that does not vary it by loop;
+        :meth:`tau_for` and :meth:`tau_of` give the threshold of a loop or a cell in either case.
     sink, window, page, group: codec parameters; only the storage format's (:mod:`loopkv.format`: 32 / 256 /
         32 / 32) are implemented.
     kv_heads, head_dim: the shape the plan was made for, if known (checked by :meth:`validate_for`).
@@ -126,7 +79,7 @@ class Plan:
     loops: int
     layers: int
     options: tuple[str, ...]
-    tau: float = math.inf
+    tau: float | tuple[float, ...] = math.inf
     sink: int = SINK
     window: int = WINDOW
     page: int = PAGE
@@ -165,10 +118,7 @@ class Plan:
                 f"Plan.options puts 'share' in the final loop (loop {final}, layers {shared_final}); "
                 "the final loop is the source shared cells read, so give those cells 'int4', 'int2' or 'bf16'"
             )
-        tau = self.tau
-        if not isinstance(tau, (int, float)) or isinstance(tau, bool) or math.isnan(tau) or tau < 0:
-            raise ValueError(f"Plan.tau must be a number >= 0 (math.inf turns V precision off), got {tau!r}")
-        object.__setattr__(self, "tau", float(tau))
+        object.__setattr__(self, "tau", _check_tau(self.tau, self.loops))
         self._check_codec()
         for name in ("kv_heads", "head_dim"):
             value = getattr(self, name)
@@ -224,13 +174,37 @@ class Plan:
         L = self.layers
         return [list(self.options[t * L : (t + 1) * L]) for t in range(self.loops)]
 
+    @property
+    def taus(self) -> tuple[float, ...]:
+        """The V precision threshold of every loop, ``taus[t]`` for loop ``t``."""
+        return self.tau if isinstance(self.tau, tuple) else (self.tau,) * self.loops
+
+    def tau_for(self, loop: int) -> float:
+        """The V precision threshold of the cells of ``loop`` (0-based); ``inf``: V precision off there."""
+        if not _is_int(loop) or not 0 <= loop < self.loops:
+            raise ValueError(f"loop must be an int in [0, {self.loops}), got {loop!r}")
+        return self.taus[loop]
+
+    def tau_of(self, cell: Cell) -> float:
+        """The V precision threshold ``cell`` reads INT4 history with (its loop's; also for a ``share``
+        cell, which reads its source's pages at its own threshold)."""
+        self.layout.flat_index(cell)  # range check with a clear error
+        return self.taus[cell.loop]
+
+    @property
+    def v_precision(self) -> bool:
+        """Whether any loop has a finite ``tau`` (V precision on somewhere)."""
+        return any(math.isfinite(t) for t in self.taus)
+
     def source(self, cell: Cell) -> Cell:
         """The cell whose history ``cell`` reads: itself, or the final loop's cell for a ``share`` cell."""
         return self.layout.source(cell) if self.option(cell) == "share" else cell
 
     # ------------------------------------------------------------------ presets
     @classmethod
-    def from_grid(cls, grid: Sequence[Sequence[str]], *, tau: float = math.inf, **fields: Any) -> Plan:
+    def from_grid(
+        cls, grid: Sequence[Sequence[str]], *, tau: float | Sequence[float] = math.inf, **fields: Any
+    ) -> Plan:
         """A plan from ``grid[loop][layer]`` (as :meth:`grid` returns); other fields by keyword."""
         if not grid or any(len(row) != len(grid[0]) for row in grid):
             raise ValueError(
@@ -241,7 +215,7 @@ class Plan:
 
     @classmethod
     def uniform(
-        cls, *, loops: int, layers: int, option: str = "int4", tau: float = math.inf, **fields: Any
+        cls, *, loops: int, layers: int, option: str = "int4", tau: float | Sequence[float] = math.inf, **fields: Any
     ) -> Plan:
         """Every cell at ``option`` (``bf16``, ``int4`` or ``int2``): uniform INT4 is KIVI-4."""
         if option not in ("bf16", "int4", "int2"):
@@ -260,7 +234,7 @@ class Plan:
         layers: int,
         shared_loops: Sequence[int] | None = None,
         option: str = "int4",
-        tau: float = math.inf,
+        tau: float | Sequence[float] = math.inf,
         **fields: Any,
     ) -> Plan:
         """Loops ``shared_loops`` (0-based; default the loop before the final one) read the final loop's
@@ -288,7 +262,7 @@ class Plan:
 
     @classmethod
     def from_loops(
-        cls, *, loops: int, layers: int, per_loop: Sequence[str], tau: float = math.inf, **fields: Any
+        cls, *, loops: int, layers: int, per_loop: Sequence[str], tau: float | Sequence[float] = math.inf, **fields: Any
     ) -> Plan:
         """One option per loop, e.g. ``["int4", "int2", "share", "int4"]`` (the paper's INT4/INT2 +
         sharing)."""
@@ -306,7 +280,7 @@ class Plan:
         option: str = "int4",
         per_loop: Sequence[str] | None = None,
         shared_loops: Sequence[int] | None = None,
-        tau: float = math.inf,
+        tau: float | Sequence[float] = math.inf,
         **fields: Any,
     ) -> Plan:
         """A preset plan for a model config (T, L, KV heads, head_dim from ``config``).
@@ -371,12 +345,13 @@ class Plan:
         else:
             shape = _bytes.as_shape(config)
             self.validate_for(shape)
-        if math.isinf(self.tau) and hot_fraction != 1.0:
+        if not self.v_precision and hot_fraction != 1.0:
             raise ValueError(
-                f"hot_fraction={hot_fraction} needs V precision, but the plan has tau=inf (off); "
+                f"hot_fraction={hot_fraction} needs V precision, but the plan has tau=inf (off) in every loop; "
                 "use a plan with a finite tau or hot_fraction=1.0"
             )
-        return _bytes.per_token(self.options, self.layers, shape, v_precision=math.isfinite(self.tau),
+        per_loop = tuple(math.isfinite(t) for t in self.taus)
+        return _bytes.per_token(self.options, self.layers, shape, v_precision=per_loop,
                                 hot_fraction=hot_fraction, dtype_bytes=dtype_bytes)
 
     # ------------------------------------------------------------------ JSON
@@ -385,7 +360,7 @@ class Plan:
         data = {
             "loops": self.loops,
             "layers": self.layers,
-            "tau": "inf" if math.isinf(self.tau) else self.tau,
+            "tau": _tau_json(self.tau),
             "sink": self.sink,
             "window": self.window,
             "page": self.page,
@@ -414,7 +389,7 @@ class Plan:
                 f"_type is {envelope.get('_type')!r}, expected {PLAN_TYPE!r}: not a loopkv plan file"
             )
         version = envelope.get("_version")
-        if version != PLAN_VERSION:
+        if not _is_int(version) or version != PLAN_VERSION:  # JSON true and 1.0 equal 1 in Python
             raise ValueError(
                 f"plan file _version {version!r} is not supported (this loopkv reads version "
                 f"{PLAN_VERSION}); re-create the plan with this loopkv version"
@@ -440,6 +415,13 @@ class Plan:
             )
         cells = data["cells"]
         loops, layers = data["loops"], data["layers"]
+        for name, value in (("loops", loops), ("layers", layers)):
+            if not _is_int(value) or value < 1:
+                raise ValueError(f"plan file '{name}' must be an integer >= 1 (a JSON number), got {value!r}")
+        for name in ("provenance", "predicted"):
+            value = data.get(name)
+            if value is not None and not isinstance(value, Mapping):
+                raise ValueError(f"plan file '{name}' must be a JSON object (or null), got a {type(value).__name__}")
         if (
             not isinstance(cells, list)
             or len(cells) != loops
@@ -493,11 +475,35 @@ def _check_loops_layers(loops: Any, layers: Any) -> None:
             raise ValueError(f"{name} must be an int >= 1, got {value!r}")
 
 
-def _parse_tau(value: Any) -> float:
+def _check_tau(tau: Any, loops: int) -> float | tuple[float, ...]:
+    """``tau`` as a float, or a tuple of one float per loop when the loops differ; ValueError otherwise."""
+    if isinstance(tau, Sequence) and not isinstance(tau, str):
+        if len(tau) != loops:
+            raise ValueError(
+                f"Plan.tau has {len(tau)} entries but the plan has {loops} loops; give one number for every "
+                "loop or one per loop (math.inf: V precision off in that loop)"
+            )
+        values = tuple(_check_tau(t, loops) for t in tau)
+        return values[0] if len(set(values)) == 1 else values
+    if not isinstance(tau, (int, float)) or isinstance(tau, bool) or math.isnan(tau) or tau < 0:
+        raise ValueError(f"Plan.tau must be a number >= 0 (math.inf turns V precision off), got {tau!r}")
+    return float(tau)
+
+
+def _tau_json(tau: float | tuple[float, ...]) -> Any:
+    if isinstance(tau, tuple):
+        return [_tau_json(t) for t in tau]
+    return "inf" if math.isinf(tau) else tau
+
+
+def _parse_tau(value: Any) -> float | tuple[float, ...]:
     if value is None or value == "inf":
         return math.inf
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         return float(value)
+    if isinstance(value, list) and value and all(not isinstance(v, list) for v in value):
+        return tuple(_parse_tau(v) for v in value)
     raise ValueError(
-        f"plan file 'tau' must be a number >= 0, \"inf\" or null (V precision off), got {value!r}"
+        f"plan file 'tau' must be a number >= 0, \"inf\" or null (V precision off), or a list of those with "
+        f"one entry per loop, got {value!r}"
     )

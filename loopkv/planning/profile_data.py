@@ -2,10 +2,19 @@
 
 Paper §3.1. For every non-final cell ``c = (t, l)``, ``t < T-1``, and every profiled
 option ``o``, ``damage[(t*L + l, o)] = KL(p_exact || p_{c<-o})`` in nats per token (>= 0), every other
-cell exact. ``bf16`` costs nothing by definition and is never stored. The final loop (the sources of
-shared cells) is profiled at ``int2`` only (``final_int2``, one value per layer); its ``int4`` damage
-is 0 by definition, as in the paper's planner. ``kl_share`` is the unit of damage: the KL of letting
-loop T-2 read loop T-1's BF16 history, every layer at once (paper §2.3).
+cell exact. ``bf16`` costs nothing by definition and is never stored. The final loop's cells (the
+sources of shared cells) are profiled the same way at ``final_options`` (``int4`` and ``int2``), one
+value per layer, and a plan's predicted damage counts them (the paper's "sum of single-cell damages
+plus source", Table 12). ``kl_share`` is the unit of damage: the KL of letting loop T-2 read loop T-1's
+BF16 history, every layer at once (paper §2.3).
+
+Profiles made before the final loop's INT4 was profiled (``final_options`` ``["int2"]`` or ``[]``) still
+load. They cannot count the final loop's INT4 damage: :meth:`Profile.damage_of` gives 0 for it and
+:meth:`Profile.uncounted` names it, and the planner records and prints that a plan's prediction leaves it
+out (``predicted["uncounted"]``). Re-profile with this loopkv to count it.
+
+``share`` damages are measured with the final loop's cell at ``share_source`` (``int4`` unless the
+profile's ``provenance["settings"]["share_source"]`` says otherwise, :attr:`Profile.share_source`).
 
 A profile may be *partial*: the profiler starts from :meth:`Profile.partial`, adds measurements with
 :meth:`Profile.with_damage` / :meth:`Profile.with_kl_share`, saves with :meth:`Profile.to_json` after
@@ -16,9 +25,9 @@ JSON (versioned, readable, editable)::
 
     {"_type": "loopkv.Profile", "_version": 1, "_data": {
        "loops": 4, "layers": 24, "kv_heads": 16, "head_dim": 128,
-       "options": ["int4", "int2", "share"], "final_options": ["int2"],
+       "options": ["int4", "int2", "share"], "final_options": ["int4", "int2"],
        "damage": {"int4": [[d(0,0), ..., d(0,L-1)], ..., [d(T-2,0), ...]], ...},   # null = not measured
-       "final": {"int2": [d(T-1,0), ..., d(T-1,L-1)]},
+       "final": {"int4": [d(T-1,0), ..., d(T-1,L-1)], "int2": [...]},
        "kl_share": 1.2e-4,                 # null = not measured
        "provenance": {...},
        "per_document": {"int4": [[[kl per document] or null, ...], ...], ...}       # optional
@@ -42,8 +51,10 @@ PROFILE_TYPE = "loopkv.Profile"
 PROFILE_VERSION = 1
 # Options a non-final cell can be profiled at; bf16 is exact (damage 0) and never profiled.
 PROFILE_OPTIONS = ("int4", "int2", "share")
-# Options the final loop can be profiled at (int4 is the anchor, damage 0 by definition).
-FINAL_PROFILE_OPTIONS = ("int2",)
+# Options the final loop can be profiled at (it cannot share: it is the source).
+FINAL_PROFILE_OPTIONS = ("int4", "int2")
+# What a share cell reads when the profile does not record it (the profiler's default).
+DEFAULT_SHARE_SOURCE = "int4"
 # Provenance keys the profiler records; free-form values, JSON-serializable.
 PROVENANCE_KEYS = ("model_fingerprint", "documents_hash", "loopkv_version", "torch_version", "device", "date")
 # Provenance keys that must agree for a partial file to be resumed (the rest are environment).
@@ -95,7 +106,7 @@ class Profile:
     Fields:
         loops, layers: T and L; kv_heads, head_dim: the KV shape (for the byte model).
         options: options profiled for every non-final cell, a subset of ("int4", "int2", "share").
-        final_options: options profiled for the final loop's cells, () or ("int2",).
+        final_options: options profiled for the final loop's cells, a subset of ("int4", "int2").
         damage: ``{(t*L + l, option): KL}`` for measured pairs; final-loop keys hold ``final_options``.
         kl_share: the damage unit (KL of loop T-2 reading loop T-1's BF16 history); None until measured.
         provenance: model fingerprint, documents hash, loopkv/torch versions, device, date, ...
@@ -192,9 +203,11 @@ class Profile:
         final_int2: Iterable[float] | None = None,
         kl_share: float | None = None,
         provenance: Mapping[str, Any] | None = None,
+        final: Mapping[str, Iterable[float]] | None = None,
     ) -> Profile:
-        """A profile from grids: ``damage[option]`` is array-like ``[T-1, L]`` (loop-major),
-        ``final_int2`` array-like ``[L]`` (None: the final loop was not profiled)."""
+        """A profile from grids: ``damage[option]`` is array-like ``[T-1, L]`` (loop-major); ``final[option]``
+        array-like ``[L]``, the final loop's damages per layer (``final_int2`` is ``final["int2"]``); an
+        option left out of ``final`` was not profiled in the final loop."""
         table: dict[DamageKey, float] = {}
         for option, grid in damage.items():
             rows = [list(map(float, row)) for row in grid]
@@ -203,14 +216,21 @@ class Profile:
             for t, row in enumerate(rows):
                 for layer, v in enumerate(row):
                     table[(t * layers + layer, option)] = v
-        final_options: tuple[str, ...] = ()
+        finals = dict(final or {})
         if final_int2 is not None:
-            vals = list(map(float, final_int2))
+            if "int2" in finals:
+                raise ValueError("pass the final loop's INT2 damages once: final_int2= or final={'int2': ...}")
+            finals["int2"] = final_int2
+        final_options = tuple(o for o in FINAL_PROFILE_OPTIONS if o in finals)
+        unknown = sorted(set(finals) - set(FINAL_PROFILE_OPTIONS))
+        if unknown:
+            raise ValueError(f"final has option(s) {unknown}; the final loop is profiled at {FINAL_PROFILE_OPTIONS}")
+        for option in final_options:
+            vals = list(map(float, finals[option]))
             if len(vals) != layers:
-                raise ValueError(f"final_int2 must have {layers} values (one per layer), got {len(vals)}")
-            final_options = ("int2",)
+                raise ValueError(f"final[{option!r}] must have {layers} values (one per layer), got {len(vals)}")
             for layer, v in enumerate(vals):
-                table[((loops - 1) * layers + layer, "int2")] = v
+                table[((loops - 1) * layers + layer, option)] = v
         return cls(
             loops=loops,
             layers=layers,
@@ -248,15 +268,51 @@ class Profile:
     @property
     def final_int2(self) -> tuple[float, ...] | None:
         """The final loop's INT2 damage per layer, or None if not (fully) profiled."""
-        keys = [((self.loops - 1) * self.layers + layer, "int2") for layer in range(self.layers)]
-        if "int2" not in self.final_options or any(k not in self.damage for k in keys):
+        return self.final_damages("int2")
+
+    @property
+    def final_int4(self) -> tuple[float, ...] | None:
+        """The final loop's INT4 damage per layer, or None if not (fully) profiled (a profile made before
+        the final loop's INT4 was profiled)."""
+        return self.final_damages("int4")
+
+    def final_damages(self, option: str) -> tuple[float, ...] | None:
+        """The final loop's damage per layer at ``option``, or None if not (fully) profiled."""
+        keys = [((self.loops - 1) * self.layers + layer, option) for layer in range(self.layers)]
+        if option not in self.final_options or any(k not in self.damage for k in keys):
             return None
         return tuple(self.damage[k] for k in keys)
 
-    def damage_of(self, cell: Cell, option: str) -> float:
-        """The damage of ``option`` at ``cell``: 0 for bf16 anywhere and for int4 in the final loop."""
+    @property
+    def share_source(self) -> str:
+        """The final loop's option the ``share`` damages were measured with (``int4`` by default)."""
+        settings = self.provenance.get("settings")
+        source = settings.get("share_source") if isinstance(settings, Mapping) else None
+        return source or DEFAULT_SHARE_SOURCE
+
+    def is_counted(self, cell: Cell, option: str) -> bool:
+        """Whether :meth:`damage_of` gives a measured damage (or bf16's exact 0) for ``(cell, option)``:
+        False only for INT4 in the final loop of a profile that did not profile it (then counted as 0)."""
         final = cell.loop == self.loops - 1
-        if option == "bf16" or (final and option == "int4"):
+        return not (final and option == "int4" and (self.layout.flat_index(cell), option) not in self.damage)
+
+    def uncounted(self) -> tuple[str, ...]:
+        """What a plan's predicted damage from this profile leaves out, one sentence each: empty for a
+        profile that measured the final loop at INT4."""
+        missing = [layer for layer in range(self.layers) if not self.is_counted(Cell(self.loops - 1, layer), "int4")]
+        if not missing:
+            return ()
+        where = "every layer" if len(missing) == self.layers else f"layers {missing}"
+        return (
+            f"the final loop's own INT4 damage (loop {self.loops - 1}, {where}): not in this profile, counted as 0; "
+            "re-profile with this loopkv (final options int4,int2) to count it",
+        )
+
+    def damage_of(self, cell: Cell, option: str) -> float:
+        """The damage of ``option`` at ``cell``: 0 for bf16 anywhere. INT4 in the final loop of a profile
+        that did not measure it also gives 0; :meth:`is_counted` and :meth:`uncounted` say so."""
+        final = cell.loop == self.loops - 1
+        if option == "bf16" or (final and option == "int4" and not self.is_counted(cell, option)):
             self.layout.flat_index(cell)
             return 0.0
         key = (self.layout.flat_index(cell), option)

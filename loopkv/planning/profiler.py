@@ -3,15 +3,19 @@
 For every non-final cell ``c`` and option ``o`` the damage is ``KL(p_exact || p_{c<-o})`` with every
 other cell exact, in nats per token, in the model's activations (fp32 is required), averaged over the
 positions ``i >= max(prefill_len, 320)`` of the documents (pooled over documents: every position
-weighs the same). The final loop is profiled at INT2 per layer, and ``kl_share`` (the unit of damage)
-is loop T-2 reading loop T-1's exact history, every layer at once, everything else exact (paper §2.3).
+weighs the same). The final loop's cells are profiled the same way at ``final_options`` (INT4 and INT2),
+and ``kl_share`` (the unit of damage) is loop T-2 reading loop T-1's exact history, every layer at once,
+everything else exact (paper §2.3).
 
 Each measurement is one teacher-forced forward per document in which the perturbed cell attends as
 the served cache does (:mod:`loopkv.planning.simulate`: sink and window exact, a page quantized once
 it has left the window, a ``share`` cell reading the final loop's quantized pages). ``batch_cells``
-measurements share one forward, one batch row each. Everything is deterministic: the jobs are cut
-into batches from the full, fixed job list, so a resumed run recomputes exactly the batches an
-uninterrupted one would (with the same ``batch_cells``) and gets the same numbers.
+measurements share one forward, one batch row each; the cells before the batch's first perturbed cell
+are exact in every row, so they run once, on one row, and the rows start from that hidden state
+(:func:`loopkv.planning.simulate.forward`, ``expand_from``). Jobs are ordered by their first perturbed
+cell, so a batch's rows start close together. Everything is deterministic: the jobs are cut into batches
+from the full, fixed job list, so a resumed run recomputes exactly the batches an uninterrupted one
+would (with the same ``batch_cells``) and gets the same numbers.
 
 Round-off can make a damage that is really ~0 come out slightly negative; it is clamped to 0, and the
 clamped entries are listed in ``provenance["clamped"]`` (and warned about).
@@ -19,6 +23,7 @@ clamped entries are listed in ``provenance["clamped"]`` (and warned about).
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import hashlib
 import math
@@ -47,7 +52,8 @@ from loopkv.planning.simulate import (
 KL_SHARE = "kl_share"  # the job that measures the unit
 DEFAULT_BATCH_CELLS = 8
 # Settings that change the numbers; a partial file made with other settings is not resumed.
-_SETTING_KEYS = ("tau", "share_source", "share_passes", "prefill_len", "first_position", "document_lengths", "dtype")
+_SETTING_KEYS = ("tau", "share_source", "share_passes", "prefill_len", "first_position", "document_lengths", "dtype",
+                 "tf32")
 
 
 # ------------------------------------------------------------------------------------------ documents
@@ -165,12 +171,15 @@ def kl_per_position(ref_logits: Tensor, logits: Tensor, *, chunk: int = 256) -> 
 
 # ------------------------------------------------------------------------------------------- profile
 def _jobs(base: Profile) -> list[tuple[Cell, str] | str]:
-    """Every measurement in a fixed order: the unit first, then cell-major, option-minor, the ``share``
-    measurements last (so that they batch together: only they need ``share_passes``)."""
+    """Every measurement in a fixed order: cell-major, option-minor, the ``share`` measurements and the
+    unit last (so that they batch together: only they need ``share_passes``), the unit placed by its first
+    cell (loop T-2, layer 0)."""
     everything = Profile.partial(loops=base.loops, layers=base.layers, kv_heads=base.kv_heads,
                                  head_dim=base.head_dim, options=base.options, final_options=base.final_options)
     pairs = everything.missing()
-    return [KL_SHARE, *[j for j in pairs if j[1] != "share"], *[j for j in pairs if j[1] == "share"]]
+    shares = [j for j in pairs if j[1] == "share"]
+    unit_at = sum(1 for cell, _ in shares if cell.loop < base.loops - 2)
+    return [*[j for j in pairs if j[1] != "share"], *shares[:unit_at], KL_SHARE, *shares[unit_at:]]
 
 
 def _done(profile: Profile, job) -> bool:
@@ -195,13 +204,15 @@ def profile(
     resume: bool = True,
     batch_cells: int = DEFAULT_BATCH_CELLS,
     progress: bool = True,
+    tf32: bool = False,
 ) -> Profile:
     """Profile every cell of ``model`` (see the module docstring) and return the :class:`Profile`.
 
     documents: token ids, a [N] / [n, N] tensor or a sequence of 1-D tensors, each longer than
         ``max(prefill_len, 320)`` (about 1024+ tokens is typical; e.g. :func:`calibration_documents`).
     options: what non-final cells are profiled at, from ("int4", "int2", "share");
-    final_options: () or ("int2",), the final loop's options.
+    final_options: what the final loop's cells are profiled at, from ("int4", "int2"); a plan's damage
+        counts the final loop's option only where it was profiled.
     tau: V precision threshold for INT4 reads (``inf``: off). share_source: what a ``share`` cell reads,
         the final loop at "int4" (the planner's default), "int2" or "bf16".
     share_passes: 1 takes a shared cell's source pages from the exact model (exact for documents shorter
@@ -213,6 +224,9 @@ def profile(
         partial file from the same setup is continued (a file from another model, other documents or
         other settings is refused with a ValueError).
     batch_cells: measurements per forward (batch rows); more is faster and takes more memory.
+    tf32: run the model's matmuls in TF32 on CUDA (``torch.backends.cuda.matmul.allow_tf32``); off by default.
+        It changes the numbers (recorded in ``provenance["settings"]``); ``benchmarks/bench_profile.py``
+        measures how much against the fp32 profile and its noise floor.
     """
     loops, layers = check_model(model)
     _check_arguments(model, tau=tau, share_source=share_source, share_passes=share_passes, batch_cells=batch_cells,
@@ -232,6 +246,7 @@ def profile(
         "first_position": first,
         "document_lengths": [int(d.numel()) for d in docs],
         "dtype": str(model.dtype),
+        **({"tf32": True} if tf32 else {}),  # absent when off, so that earlier partial files still resume
     }
     provenance = {
         "model_fingerprint": model_fingerprint(model),
@@ -250,7 +265,20 @@ def profile(
     pending = [[j for j in b if not _done(result, j)] for b in batches]
     runner = _Runner(model, docs, loops=loops, layers=layers, tau=tau, share_source=share_source,
                      share_passes=share_passes, prefill_len=prefill_len, first=first)
-    return _measure(runner, result, [b for b in pending if b], out=out, progress=progress)
+    with tf32_matmuls(tf32):
+        return _measure(runner, result, [b for b in pending if b], out=out, progress=progress)
+
+
+@contextlib.contextmanager
+def tf32_matmuls(enabled: bool):
+    """TF32 for CUDA matmuls and cuDNN inside the block when ``enabled``; the previous settings after."""
+    before = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+    if enabled:
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
 
 
 def _check_arguments(model, *, tau, share_source, share_passes, batch_cells, prefill_len) -> None:
@@ -358,6 +386,10 @@ class _Runner:
             self._refs[d] = (logits[0], final_sources(state.captured, loops=self.loops, layers=self.layers))
         return self._refs[d]
 
+    def first_cell(self, job) -> int:
+        """The first cell (flat index) a job perturbs: every cell before it is exact in its row."""
+        return min(self._spec(job))
+
     def _spec(self, job) -> dict:
         L, T = self.layers, self.loops
         if job == KL_SHARE:
@@ -372,16 +404,17 @@ class _Runner:
         sums = [0.0] * len(batch)
         per_doc: list[list[float]] = [[] for _ in batch]
         total = 0
+        start = min(min(spec) for spec in specs)
         for d, doc in enumerate(self.docs):
             ref, sources = self._reference(d)
-            ids = doc.to(self.model.device)[None].expand(len(batch), -1)
+            ids = doc.to(self.model.device)[None]
             shares = any(s.share for spec in specs for s in spec.values())
             passes = self.share_passes if shares else 1
             for k in range(passes):
                 capture = self.final if k + 1 < passes else frozenset()
                 state = SimState(rows=specs, prefill_len=self.prefill_len, layers=self.layers, sources=sources,
                                  capture=capture)
-                logits = forward(self.model, ids, state, logits_from=self.first)
+                logits = forward(self.model, ids, state, logits_from=self.first, expand_from=start)
                 if capture:  # the next pass reads each row's own perturbed final loop
                     sources = final_sources(state.captured, loops=self.loops, layers=self.layers)
             kl = kl_per_position(ref, logits)  # [R, P]

@@ -14,8 +14,9 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+from loopkv.planning import correction as _correction
 from loopkv.planning.bytes import ModelShape, unit_kib
-from loopkv.planning.knapsack import OPTION_UNITS, plan_units, predicted_damage
+from loopkv.planning.knapsack import OPTION_UNITS, plan_units, predicted_damage, prediction_notes
 from loopkv.planning.plan import PLAN_TYPE, Plan
 from loopkv.planning.profile_data import PROFILE_TYPE, Profile, config_shape
 
@@ -44,7 +45,7 @@ def format_plan(plan: Any, *, config_or_shape: Any = None, profile: Profile | No
     shape = _shape(plan, config_or_shape, profile)
     width = len(str(L - 1))
     label = max(len(f"loop {T - 1} (final)"), len("layer"))
-    lines = [f"loopkv plan: {T} loops x {L} layers ({T * L} cells), tau={plan.tau:g}"]
+    lines = [f"loopkv plan: {T} loops x {L} layers ({T * L} cells), {_tau_text(plan)}"]
     for digit in range(width):
         head = "layer" if digit == width - 1 else ""
         lines.append(f"{head:<{label}}  " + "".join(str(layer).rjust(width)[digit] for layer in range(L)))
@@ -71,7 +72,7 @@ def format_plan(plan: Any, *, config_or_shape: Any = None, profile: Profile | No
             )
     else:
         lines.append("stored / read: unknown KV shape (pass config_or_shape= or a profile)")
-    lines.append(_damage_line(plan, profile))
+    lines.extend(_damage_lines(plan, profile))
     budgets = plan.provenance.get("budgets") if isinstance(plan.provenance, Mapping) else None
     if budgets:
         shown = {k: v for k, v in budgets.items() if v is not None}
@@ -98,6 +99,7 @@ def format_profile(profile: Profile) -> str:
             lines.append(_loop_summary(profile, option, t, scale))
     for option in profile.final_options:
         lines.append(_loop_summary(profile, option, T - 1, scale) + "  (final loop)")
+    lines += [f"not counted in plans from this profile: {note}" for note in profile.uncounted()]
     prov = {k: v for k, v in profile.provenance.items() if not isinstance(v, (Mapping, list, tuple))}
     if prov:
         lines.append("provenance: " + ", ".join(f"{k}={v}" for k, v in prov.items()))
@@ -255,17 +257,35 @@ def _per_loop_damage(profile: Profile | None, plan: Any) -> list[str] | None:
     return out
 
 
-def _damage_line(plan: Any, profile: Profile | None) -> str:
+def _tau_text(plan: Any) -> str:
+    taus = getattr(plan, "taus", (plan.tau,))
+    if len(set(taus)) == 1:
+        return f"tau={taus[0]:g}"
+    return "tau per loop: " + ", ".join(f"{t:g}" for t in taus)
+
+
+def _damage_lines(plan: Any, profile: Profile | None) -> list[str]:
+    """The predicted damage: the sum of single-cell KLs, the same with the paper's additivity correction,
+    and what the sum leaves out."""
     if profile is not None:
         damage, kl = predicted_damage(profile, plan), profile.kl_share
+        notes = prediction_notes(profile, plan)
     else:
         damage = plan.predicted.get("damage")
         rel = plan.predicted.get("damage_kl_share")
         kl = damage / rel if damage is not None and rel else None
+        notes = list(plan.predicted.get("uncounted") or ())
     if damage is None:
-        return "predicted damage: unknown (pass the profile)"
-    text = f"predicted damage (sum of single-cell KLs): {damage:.4g} nats/token"
-    return text + (f" = {damage / kl:.4g} KL_share" if kl else "")
+        return ["predicted damage: unknown (pass the profile)"]
+
+    def amount(x: float) -> str:
+        return f"{x:.4g} nats/token" + (f" = {x / kl:.4g} KL_share" if kl else "")
+
+    corr = _correction.PAPER
+    lines = [f"predicted damage (sum of single-cell KLs, final loop included): {amount(damage)}",
+             f"  with the additivity correction (x{corr.factor(plan):.2f}, {_correction.family(plan)} plan; "
+             f"{corr.source}): {amount(corr.predict(plan, damage))}"]
+    return lines + [f"  not counted: {note}" for note in notes]
 
 
 def _loop_summary(profile: Profile, option: str, t: int, scale: float) -> str:

@@ -93,7 +93,7 @@ def plan_spec(plan: Any) -> dict[int, Served]:
         if option == "bf16":
             continue
         source = plan.options[final * plan.layers + index % plan.layers]
-        spec[index] = served_for(option, source_option=source, tau=plan.tau)
+        spec[index] = served_for(option, source_option=source, tau=plan.taus[index // plan.layers])
     return spec
 
 
@@ -321,16 +321,55 @@ def forward(
     state: SimState,
     *,
     logits_from: int,
+    expand_from: int | None = None,
 ) -> Tensor:
     """One simulated forward of ``ids`` [R, N] (call inside :func:`served_attention_enabled`).
 
+    expand_from: with ``ids`` [1, N] and ``R = len(state.rows)`` rows, run the cells before flat index
+        ``expand_from`` once, on one row, and copy that row's hidden state to the ``R`` rows at the input of
+        cell ``expand_from``. Exact when no row serves a cell before ``expand_from`` (they all compute the
+        exact prefix then): the rows share the prefix's work instead of each repeating it.
     Returns the logits of positions ``logits_from .. N-1``: [R, N - logits_from, V] (model dtype).
     """
     loops, layers = check_model(model)
     cache = _sim_cache(state, loops * layers)
     keep = ids.shape[1] - logits_from
-    out = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=keep)
-    return out.logits
+    if expand_from is None:
+        return model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=keep).logits
+    served = [cell for spec in state.rows for cell in spec]
+    if ids.shape[0] != 1 or (served and min(served) < expand_from):
+        raise ValueError(
+            f"expand_from={expand_from} needs ids of one row and no row served before that cell (first served "
+            f"cell: {min(served) if served else None}, ids rows: {ids.shape[0]})"
+        )
+    with _rows_expanded(model, expand_from, len(state.rows)):
+        return model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=keep).logits
+
+
+@contextlib.contextmanager
+def _rows_expanded(model, at_cell: int, rows: int) -> Iterator[None]:
+    """Forward pre-hooks on the decoder layers (called once per cell, in cell order): the hidden state that
+    enters cell ``at_cell`` is repeated to ``rows`` rows."""
+    layer_modules = getattr(getattr(model, "model", None), "layers", None)
+    if layer_modules is None:
+        raise ValueError("expand_from needs a model whose decoder layers are model.model.layers (Ouro's layout)")
+    calls = [0]
+
+    def hook(module, args, kwargs):
+        cell = kwargs.get("cell_index", calls[0])
+        calls[0] += 1
+        if cell != at_cell:
+            return None
+        hidden = args[0] if args else kwargs["hidden_states"]
+        hidden = hidden.expand(rows, *hidden.shape[1:]).contiguous()
+        return ((hidden, *args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": hidden})
+
+    handles = [m.register_forward_pre_hook(hook, with_kwargs=True) for m in layer_modules]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
 
 
 def final_sources(captured: Mapping[int, tuple[Tensor, Tensor]], *, loops: int, layers: int):

@@ -164,7 +164,8 @@ def plans(draw):
     for t in range(loops):
         allowed = ["bf16", "int4", "int2"] + (["share"] if t < loops - 1 else [])
         cells += draw(st.lists(st.sampled_from(allowed), min_size=layers, max_size=layers))
-    tau = draw(st.sampled_from([math.inf, 0.0, 14.0]))
+    one = st.sampled_from([math.inf, 0.0, 14.0])
+    tau = draw(st.one_of(one, st.lists(one, min_size=loops, max_size=loops)))  # one, or one per loop
     return Plan(loops=loops, layers=layers, options=cells, tau=tau)
 
 
@@ -177,7 +178,7 @@ def plans(draw):
 )
 def test_property_stored_le_read_and_share_stores_nothing(plan, kv_heads, head_dim, hot):
     shape = ModelShape(plan.loops, plan.layers, kv_heads, head_dim)
-    hot = hot if math.isfinite(plan.tau) else 1.0
+    hot = hot if plan.v_precision else 1.0
     b = plan.bytes_per_token(shape, hot_fraction=hot)
     assert len(b.per_cell) == plan.loops * plan.layers
     unit = unit_kib(shape)
@@ -187,7 +188,8 @@ def test_property_stored_le_read_and_share_stores_nothing(plan, kv_heads, head_d
         final_cell = (plan.loops - 1) * plan.layers + i % plan.layers
         source = plan.options[final_cell] if option == "share" else option
         assert stored == (0.0 if option == "share" else option_kib(option, shape))
-        cold = (1 - hot) * lo if (math.isfinite(plan.tau) and source == "int4") else 0.0
+        reader_vp = math.isfinite(plan.taus[i // plan.layers])  # the reading cell's loop, also for a share
+        cold = (1 - hot) * lo if (reader_vp and source == "int4") else 0.0
         assert read == pytest.approx(option_kib(source, shape) - cold)
         if hot == 1.0:
             assert stored <= read
@@ -198,3 +200,20 @@ def test_property_stored_le_read_and_share_stores_nothing(plan, kv_heads, head_d
         assert b.read_kib / unit == int(b.read_kib / unit)
     if hot == 1.0:
         assert b.stored_kib <= b.read_kib
+
+
+def test_v_precision_per_loop_reads():
+    """Paper Table 14's arm: KIVI-4 + loop-3 sharing (1-based) with V precision in loops 1-2 only. Per token,
+    loops 0-1 read INT4 less the cold lo plane (48 x (2.5 - 5/6 x 0.5) KiB at hot fraction 1/6), the shared
+    loop 2 and the final loop read plain INT4 (48 x 2.5 KiB); V precision in every loop saves the shared loop's
+    and the final loop's lo plane too."""
+    shape = ModelShape(loops=4, layers=24, kv_heads=16, head_dim=128)
+    per_loop = Plan.share_loop(loops=4, layers=24, tau=(14, 14, math.inf, math.inf))
+    everywhere = Plan.share_loop(loops=4, layers=24, tau=14)
+    assert per_loop.bytes_per_token(shape, hot_fraction=1 / 6).read_kib == pytest.approx(48 * (2.5 - 5 / 12) + 120)
+    assert everywhere.bytes_per_token(shape, hot_fraction=1 / 6).read_kib == pytest.approx(96 * (2.5 - 5 / 12))
+    assert per_loop.bytes_per_token(shape).stored_kib == 180.0
+    from loopkv.planning.bytes import per_token
+
+    with pytest.raises(ValueError, match="one bool per loop"):
+        per_token(per_loop.options, 24, shape, v_precision=(True, False))

@@ -121,12 +121,17 @@ def test_additivity_report_end_to_end(model, doc):
     doc = doc[:, :340]  # 20 counted positions: one window exit during decode (position 351 is not needed)
     prof = profile(model, doc, options=("int4", "int2"), final_options=(), progress=False)
     plans = [_single(Cell(0, 1), "int2"), *random_plans(prof, 2, seed=0, options=("int4", "int2"))]
-    rep = additivity_report(model, prof, plans, doc, progress=False)
+    rep = additivity_report(model, prof, plans, doc, progress=False, fit_on=[0])
     assert rep.predicted == tuple(predicted_damage(prof, p) for p in plans)
     assert rep.names[1] == "random_plans(seed=0) #0"
     # a single-cell plan is measured as profiled
     assert rep.measured[0] == pytest.approx(rep.predicted[0], rel=1e-3)
     assert all(m > 0 for m in rep.measured)
     assert rep.to_dict()["results"][0]["positions"] == 340 - FIRST_HISTORY
-    assert len(rep.format().splitlines()) == len(plans) + 2
+    # the correction is fitted on plan 0 (own codes: factor measured / predicted) and scored on the others
+    assert rep.fitted == (True, False, False)
+    assert rep.correction["own"] == pytest.approx(rep.measured[0] / rep.predicted[0])
+    assert rep.corrected[1] == pytest.approx(rep.correction["own"] * rep.predicted[1])
+    assert rep.errors["raw"]["plans"] == 2
+    assert len(rep.format().splitlines()) == len(plans) + 4  # header, plans, summary, correction, its errors
     assert math.isfinite(rep.ratio_max)

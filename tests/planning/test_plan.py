@@ -216,7 +216,8 @@ def plans(draw):
     for t in range(loops):
         allowed = ["bf16", "int4", "int2"] + (["share"] if t < loops - 1 else [])
         cells += draw(st.lists(st.sampled_from(allowed), min_size=layers, max_size=layers))
-    tau = draw(st.one_of(st.just(math.inf), st.floats(0.0, 64.0), st.integers(0, 30)))
+    one_tau = st.one_of(st.just(math.inf), st.floats(0.0, 64.0), st.integers(0, 30))
+    tau = draw(st.one_of(one_tau, st.lists(one_tau, min_size=loops, max_size=loops)))  # one, or one per loop
     kv_heads = draw(st.one_of(st.none(), st.integers(1, 16)))
     head_dim = draw(st.one_of(st.none(), st.sampled_from([32, 64, 96, 128, 256])))
     json_scalar = st.one_of(
@@ -250,6 +251,7 @@ def test_json_round_trip(plan, tmp_path_factory):
     assert loaded == plan
     assert loaded.options == plan.options
     assert loaded.tau == plan.tau
+    assert loaded.taus == plan.taus
     assert loaded.provenance == plan.provenance
     assert loaded.predicted == plan.predicted
     assert Plan.from_dict(json.loads(json.dumps(plan.to_dict()))) == plan
@@ -258,7 +260,14 @@ def test_json_round_trip(plan, tmp_path_factory):
     json.loads(text, parse_constant=lambda c: pytest.fail(f"non-standard JSON constant {c}"))
     data = json.loads(text)["_data"]
     assert data["cells"] == plan.grid()
-    assert data["tau"] == ("inf" if math.isinf(plan.tau) else plan.tau)
+    def as_json(t):
+        return "inf" if math.isinf(t) else t
+
+    if len(set(plan.taus)) == 1:  # one number, as every plan file before per-loop tau
+        assert isinstance(plan.tau, float)
+        assert data["tau"] == as_json(plan.tau)
+    else:
+        assert data["tau"] == [as_json(t) for t in plan.taus]
     for row in plan.grid():
         assert json.dumps(row) in text
 
@@ -350,3 +359,47 @@ def test_another_loopkv_version_warns_only():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         Plan.from_dict(d)
+
+
+def test_per_loop_tau():
+    plan = Plan.share_loop(loops=T, layers=L, tau=[10, 10, math.inf, 14])
+    assert plan.taus == (10.0, 10.0, math.inf, 14.0)
+    assert plan.tau == (10.0, 10.0, math.inf, 14.0)
+    assert [plan.tau_for(t) for t in range(T)] == [10.0, 10.0, math.inf, 14.0]
+    assert plan.tau_of(Cell(2, 1)) == math.inf  # a share cell reads at its own loop's tau, not its source's
+    assert plan.tau_of(Cell(3, 0)) == 14.0
+    assert plan.v_precision
+    # The same value in every loop is stored as one number (plan.tau stays a float, as before).
+    same = Plan.uniform(loops=T, layers=L, tau=(14, 14, 14, 14))
+    assert same.tau == 14.0
+    assert isinstance(same.tau, float)
+    assert same == Plan.uniform(loops=T, layers=L, tau=14.0)
+    assert not Plan.uniform(loops=T, layers=L).v_precision
+    with pytest.raises(ValueError, match="3 entries but the plan has 4 loops"):
+        Plan.uniform(loops=T, layers=L, tau=(1, 2, 3))
+    with pytest.raises(ValueError, match="tau must be a number >= 0"):
+        Plan.uniform(loops=T, layers=L, tau=(1, 2, 3, -1))
+    with pytest.raises(ValueError, match=r"loop must be an int in \[0, 4\)"):
+        plan.tau_for(4)
+
+
+def test_plan_file_from_before_per_loop_tau_loads():
+    """A plan file as loopkv wrote it before per-loop tau (tau one number or "inf")."""
+    old = {
+        "_type": "loopkv.Plan", "_version": 1, "_metadata": {"loopkv": loopkv.__version__},
+        "_data": {"loops": 2, "layers": 2, "tau": 14.0, "sink": 32, "window": 256, "page": 32, "group": 32,
+                  "kv_heads": 2, "head_dim": 32, "provenance": {"solver": "x"}, "predicted": {"damage": 0.1},
+                  "cells": [["int4", "share"], ["int4", "int2"]]},
+    }
+    plan = Plan.from_json_str(json.dumps(old))
+    assert plan.tau == 14.0
+    assert plan.taus == (14.0, 14.0)
+    assert plan.options == ("int4", "share", "int4", "int2")
+    assert plan.to_dict()["_data"] == old["_data"]  # written back the same way
+    old["_data"]["tau"] = "inf"
+    assert Plan.from_dict(old).taus == (math.inf, math.inf)
+    old["_data"]["tau"] = [14, "inf"]
+    assert Plan.from_dict(old).taus == (14.0, math.inf)
+    old["_data"]["tau"] = [[14]]
+    with pytest.raises(ValueError, match="one entry per loop"):
+        Plan.from_dict(old)

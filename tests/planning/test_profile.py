@@ -160,6 +160,8 @@ def test_profile_is_complete_nonnegative_and_ordered(full_profile, model):
             assert p.damage_of(c, "int2") >= p.damage_of(c, "int4") > 0, c
             assert len(p.per_document[(t * LAYERS + layer, "int4")]) == 2
     assert all(v > 0 for v in p.final_int2)
+    assert all(i2 >= i4 > 0 for i4, i2 in zip(p.final_int4, p.final_int2, strict=True))  # the source cells' own damage
+    assert p.uncounted() == ()
     assert p.provenance["clamped"] == []
     assert p.provenance["model_fingerprint"] == model_fingerprint(model)
     assert p.provenance["positions"] == 2 * (420 - FIRST_HISTORY)
@@ -190,8 +192,10 @@ def test_profile_resumes_after_interruption(full_profile, model, docs, tmp_path,
     monkeypatch.setattr(Profile, "to_json", original)
     partial = Profile.from_json(out)
     assert not partial.is_complete
-    assert partial.kl_share is not None
-    assert len(partial.damage) == 7  # the first batch: kl_share and 7 (cell, option) pairs
+    assert partial.kl_share is None  # the unit is measured with the share jobs, at the end
+    todo = Profile.partial(loops=LOOPS, layers=LAYERS, kv_heads=KV_HEADS, head_dim=D).missing()
+    first = [(c.loop * LAYERS + c.layer, o) for c, o in todo if o != "share"][:8]  # cell-major, shares last
+    assert sorted(partial.damage) == sorted(first)
     resumed = profile(model, docs, out=out, batch_cells=8, progress=False)
     assert resumed.is_complete
     assert resumed.damage == full_profile.damage
@@ -210,6 +214,10 @@ def test_resume_refuses_another_setup(model, docs, tmp_path):
         profile(model, docs[:, :330], out=out, options=("int4",), final_options=(), tau=3.0, progress=False)
     with pytest.raises(ValueError, match="model_fingerprint"):
         profile(tiny_model(seed=1), docs[:, :330], out=out, options=("int4",), final_options=(), progress=False)
+    with pytest.raises(ValueError, match="tf32"):
+        profile(model, docs[:, :330], out=out, options=("int4",), final_options=(), tf32=True, progress=False)
+    with pytest.raises(ValueError, match="final_options"):
+        profile(model, docs[:, :330], out=out, options=("int4",), progress=False)
     # resume=False starts over and overwrites
     fresh = profile(model, docs[:, :340], out=out, options=("int4",), final_options=(), resume=False,
                     progress=False)
@@ -275,6 +283,41 @@ def test_profile_share_passes(model):
             assert two.damage_of(c, "share") != one.damage_of(c, "share")
             assert two.damage_of(c, "share") == pytest.approx(one.damage_of(c, "share"), rel=0.2)
     assert two.provenance["settings"]["share_passes"] == 2
+
+
+def test_rows_expanded_at_the_first_served_cell_equal_full_rows(model):
+    """``expand_from``: the exact prefix runs once on one row; every row's logits are those of a forward that
+    runs all rows from the start (fp32 round-off apart)."""
+    from loopkv.planning.simulate import SimState, forward, served_attention_enabled
+
+    doc = tiny_documents(1, 360)
+    rows = [{2: served_for("int2")}, {3: served_for("int4")}, {5: served_for("int4")}]
+    with torch.no_grad(), served_attention_enabled(model):
+        state = SimState(rows=rows, prefill_len=FIRST_HISTORY, layers=LAYERS, sources={})
+        full = forward(model, doc.expand(3, -1), state, logits_from=FIRST_HISTORY)
+        state = SimState(rows=rows, prefill_len=FIRST_HISTORY, layers=LAYERS, sources={})
+        shared = forward(model, doc, state, logits_from=FIRST_HISTORY, expand_from=2)
+        assert shared.shape == full.shape == (3, 360 - FIRST_HISTORY, VOCAB)
+        torch.testing.assert_close(shared, full, atol=LOGITS_FP32_ATOL, rtol=LOGITS_FP32_RTOL)
+        assert (full[0] - full[1]).abs().max() > 100 * (shared - full).abs().max()  # the rows differ: not vacuous
+        with pytest.raises(ValueError, match="no row served before"):
+            forward(model, doc, state, logits_from=FIRST_HISTORY, expand_from=3)
+
+
+def test_final_loop_int4_damage_is_the_simulated_plans_kl(full_profile, model, docs):
+    """The profiled INT4 damage of a final-loop cell is the KL of the one-cell plan's served simulation."""
+    final = Cell(LOOPS - 1, 1)
+    options = ["bf16"] * (LOOPS * LAYERS)
+    options[final.loop * LAYERS + final.layer] = "int4"
+    plan = loopkv.Plan(loops=LOOPS, layers=LAYERS, options=tuple(options))
+    exact = loopkv.Plan.uniform(loops=LOOPS, layers=LAYERS, option="bf16")
+    total = 0.0
+    for doc in docs:
+        p = torch.log_softmax(simulate_plan(model, exact, doc).double(), -1)
+        q = torch.log_softmax(simulate_plan(model, plan, doc).double(), -1)
+        total += float((p.exp() * (p - q)).sum())
+    measured = total / (docs.shape[0] * (docs.shape[1] - FIRST_HISTORY))
+    assert full_profile.damage_of(final, "int4") == pytest.approx(measured, rel=1e-3)
 
 
 def test_public_profile_is_the_function():

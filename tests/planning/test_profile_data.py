@@ -21,7 +21,7 @@ def profiles(draw):
     loops = draw(st.integers(2, 4))
     layers = draw(st.integers(1, 5))
     options = tuple(draw(st.permutations(["int4", "int2", "share"]))[: draw(st.integers(0, 3))])
-    final_options = draw(st.sampled_from([(), ("int2",)]))
+    final_options = draw(st.sampled_from([(), ("int2",), ("int4",), ("int4", "int2")]))
     p = Profile.partial(
         loops=loops,
         layers=layers,
@@ -80,7 +80,9 @@ def test_json_is_readable_grid():
     assert data["final"]["int2"] == [5.0, 6.0]
     assert p.final_int2 == (5.0, 6.0)
     assert p.damage_of(Cell(1, 0), "share") == 3.0
-    assert p.damage_of(Cell(2, 1), "int4") == 0.0  # the final loop at INT4: 0 by definition
+    assert p.damage_of(Cell(2, 1), "int4") == 0.0  # the final loop at INT4 was not profiled: counted as 0 ...
+    assert not p.is_counted(Cell(2, 1), "int4")  # ... and said so
+    assert "final loop's own INT4" in p.uncounted()[0]
     assert p.damage_of(Cell(0, 1), "bf16") == 0.0
     assert p.is_complete
     assert p.missing() == []
@@ -161,10 +163,10 @@ def test_partial_resume_bookkeeping(tmp_path):
     prov = {"model_fingerprint": "m1", "documents_hash": "d1", "device": "cpu"}
     p = Profile.partial(loops=3, layers=2, kv_heads=1, head_dim=32, provenance=prov)
     todo = p.missing()
-    # Cell-major order, the options of each cell in order; the final loop only at int2.
+    # Cell-major order, the options of each cell in order; the final loop at int4 and int2.
     assert todo[:3] == [(Cell(0, 0), "int4"), (Cell(0, 0), "int2"), (Cell(0, 0), "share")]
-    assert todo[-2:] == [(Cell(2, 0), "int2"), (Cell(2, 1), "int2")]
-    assert len(todo) == 2 * 2 * 3 + 2
+    assert todo[-4:] == [(Cell(2, 0), "int4"), (Cell(2, 0), "int2"), (Cell(2, 1), "int4"), (Cell(2, 1), "int2")]
+    assert len(todo) == 2 * 2 * 3 + 2 * 2
     assert not p.is_complete
     path = tmp_path / "partial.json"
     for i, (cell, option) in enumerate(todo[:5]):  # measure some, save, "crash"
@@ -186,6 +188,8 @@ def test_partial_resume_bookkeeping(tmp_path):
     resumed = resumed.with_kl_share(1e-4)
     assert resumed.is_complete
     assert resumed.final_int2 == (0.5, 0.5)
+    assert resumed.final_int4 == (0.5, 0.5)
+    assert resumed.uncounted() == ()
 
 
 def test_profile_is_immutable():

@@ -27,7 +27,7 @@ def _profile(loops=4, layers=24, seed=0):
         kv_heads=16,
         head_dim=128,
         damage=grids,
-        final_int2=rng.exponential(0.25, layers) * KL_SHARE,
+        final={"int4": rng.exponential(0.002, layers) * KL_SHARE, "int2": rng.exponential(0.25, layers) * KL_SHARE},
         kl_share=KL_SHARE,
     )
 
@@ -63,9 +63,25 @@ def test_format_plan_solved_with_profile():
     assert f"{pred['damage_kl_share']:.4g} KL_share" in text
     assert f"read with V precision: {pred['read_kib_v_precision']:g} KiB" in text
     assert "max_stored_kib=156" in text
-    # Per-loop damages add up to the total.
+    # Per-loop damages add up to the total, the final loop's included.
     per_loop = [float(line.split("damage ")[1].split()[0]) for line in text.splitlines() if line.startswith("loop ")]
+    assert per_loop[-1] > 0
     assert math.fsum(per_loop) == pytest.approx(pred["damage_kl_share"], rel=1e-2)
+    # The corrected prediction is the paper's factor for the plan's family.
+    factor = 0.97 if "share" in plan.options else 0.73
+    assert f"{factor * pred['damage_kl_share']:.4g} KL_share" in text.split("additivity correction")[1]
+    assert "not counted" not in text
+
+
+def test_format_plan_per_loop_tau_and_uncounted_final_loop():
+    plan = Plan.from_loops(loops=4, layers=24, per_loop=["int4", "int2", "share", "int4"], kv_heads=16, head_dim=128,
+                           tau=(10.0, 10.0, math.inf, math.inf))
+    assert "tau per loop: 10, 10, inf, inf" in format_plan(plan)
+    old = Profile.from_arrays(loops=4, layers=24, kv_heads=16, head_dim=128, kl_share=KL_SHARE,
+                              damage={o: [[1e-6] * 24] * 3 for o in ("int4", "int2", "share")}, final_int2=[1e-6] * 24)
+    text = format_plan(plan, profile=old)
+    assert "not counted: the final loop's own INT4 damage (loop 3, every layer)" in text
+    assert "not counted" in format_profile(old)
 
 
 def test_format_plan_shape_sources():
@@ -89,7 +105,7 @@ def test_format_profile():
     assert "(final loop)" in text
     partial = Profile.partial(loops=3, layers=4, kv_heads=16, head_dim=128).with_damage(Cell(0, 1), "int4", 1e-5)
     text = format_profile(partial)
-    assert "partial: 27 (cell, option) pairs missing" in text
+    assert "partial: 31 (cell, option) pairs missing" in text  # 8 cells x 3 + 4 final cells x 2, less one
     assert "not measured" in text
 
 
