@@ -1,7 +1,8 @@
 """Planning: the Plan, the byte model, and (lazily) the profiler, the knapsack and KL evaluation.
 
 ``import loopkv.planning`` loads only :mod:`loopkv.planning.plan` and :mod:`loopkv.planning.bytes` (no torch);
-``profile``, ``Profile``, ``solve``, ``solve_layerwise`` and ``measure_kl`` load on first access.
+``profile``, ``Profile``, ``solve``, ``solve_layerwise``, ``measure_kl``, ``generate_documents`` and the rest of
+``_LAZY`` load on first access.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ _LAZY = {
     "solve_layerwise": ("loopkv.planning.knapsack", "solve_layerwise"),
     "measure_kl": ("loopkv.planning.evaluate", "measure_kl"),
     "additivity_report": ("loopkv.planning.evaluate", "additivity_report"),
+    "random_plans": ("loopkv.planning.evaluate", "random_plans"),
+    "generate_documents": ("loopkv.planning.generate", "generate_documents"),
 }
 
 __all__ = [

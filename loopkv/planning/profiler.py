@@ -366,10 +366,14 @@ def _progress(total: int, *, enabled: bool):
 
 
 class _Runner:
-    """Measures batches of jobs over every document; caches each document's exact reference."""
+    """Measures batches of jobs over every document; caches each document's exact reference.
 
-    def __init__(self, model, docs, *, loops, layers, tau, share_source, share_passes, prefill_len, first) -> None:
-        self.model, self.docs = model, docs
+    share_prefix: run the cells before a batch's first perturbed cell once, on one row (the default); False
+    runs every row from the first cell (the comparison ``benchmarks/bench_profile.py`` times)."""
+
+    def __init__(self, model, docs, *, loops, layers, tau, share_source, share_passes, prefill_len, first,
+                 share_prefix: bool = True) -> None:
+        self.model, self.docs, self.share_prefix = model, docs, share_prefix
         self.loops, self.layers = loops, layers
         self.tau, self.share_source, self.share_passes = tau, share_source, share_passes
         self.final = frozenset((loops - 1) * layers + layer for layer in range(layers))
@@ -408,13 +412,16 @@ class _Runner:
         for d, doc in enumerate(self.docs):
             ref, sources = self._reference(d)
             ids = doc.to(self.model.device)[None]
+            if not self.share_prefix:
+                ids = ids.expand(len(batch), -1)
             shares = any(s.share for spec in specs for s in spec.values())
             passes = self.share_passes if shares else 1
             for k in range(passes):
                 capture = self.final if k + 1 < passes else frozenset()
                 state = SimState(rows=specs, prefill_len=self.prefill_len, layers=self.layers, sources=sources,
                                  capture=capture)
-                logits = forward(self.model, ids, state, logits_from=self.first, expand_from=start)
+                logits = forward(self.model, ids, state, logits_from=self.first,
+                                 expand_from=start if self.share_prefix else None)
                 if capture:  # the next pass reads each row's own perturbed final loop
                     sources = final_sources(state.captured, loops=self.loops, layers=self.layers)
             kl = kl_per_position(ref, logits)  # [R, P]

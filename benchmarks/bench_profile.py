@@ -1,0 +1,328 @@
+"""How long the profile of an Ouro-1.4B-sized model takes on one GPU (paper §3.1: "about 3 GPU-hours").
+
+The model has Ouro-1.4B's shapes (4 loops x 24 layers, 16 MHA heads of 128, hidden 2048, vocabulary 49152) with
+seeded random weights, in fp32 activations as the profiler requires. The profile is the paper's: 16 documents of
+8K tokens (``--docs``, ``--doc-len``), every non-final cell at int4, int2 and share, every final-loop cell at int4
+and int2, and KL_share: 265 evaluations (one evaluation = one (cell, option) measured over all documents), cut
+into batches of ``--batch-cells`` rows exactly as ``loopkv.planning.profile`` cuts them.
+
+What is measured and what is extrapolated. A sample of the profile's own batches (``--sample-batches``, spread
+evenly over the batches without and with ``share`` jobs) is timed on ``--measure-docs`` documents of the full
+length, with the document's exact reference forward timed apart. The full profile's time is extrapolated:
+
+* over documents, linearly: each document is its own forward, so a batch's time is the sum of its documents';
+* over batches, by a cost model fitted on the sampled ones: a batch of ``R`` rows whose first perturbed cell is
+  ``c`` (of ``T*L``) and that runs ``p`` passes (2 for ``share`` jobs) costs ``p * (c/TL + R * (1 - c/TL))``
+  model-forward units with the exact prefix run once on one row, ``p * R`` without; seconds per unit is the
+  sampled batches' total time over their total units. The plain mean time per sampled batch times the number of
+  batches is reported beside it.
+
+Arms (``--arms``): ``fp32-rows`` (every row runs the whole model: the profiler before prefix sharing), ``fp32``
+(the exact prefix once per batch, on one row, then the rows), ``tf32`` (the same with TF32 matmuls). The TF32
+check compares damages measured in fp32 and TF32 against their noise floor: on this model (random weights: its
+KLs say little about a trained model's) and on loopkv's trained small model, whose whole profile is taken both
+ways on ``--small-docs`` documents; a damage is "within the noise floor" when the two differ by less than its
+standard error over documents.
+
+    python benchmarks/bench_profile.py --out benchmarks/results/profile.json        # H200: about 8 minutes
+
+``--smoke`` runs a tiny model on the CPU in seconds and checks the script; it measures nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+from collections.abc import Sequence
+
+import torch
+from run_info import RESULTS, run_info, write_json
+
+from loopkv.planning.profile_data import Profile
+
+SEED = 0
+ARMS = {"fp32-rows": (False, False), "fp32": (True, False), "tf32": (True, True)}  # (share_prefix, tf32)
+SMOKE = {"docs": 2, "doc_len": 352, "measure_docs": 1, "sample_batches": 2, "small_docs": 1, "small_len": 352,
+         "tf32_jobs": 2}
+
+
+def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--docs", type=int, default=16, help="documents of the profile being extrapolated to")
+    p.add_argument("--doc-len", type=int, default=8192, help="tokens per document")
+    p.add_argument("--measure-docs", type=int, default=1, help="documents each sampled batch is timed on")
+    p.add_argument("--sample-batches", type=int, default=4, help="batches of the profile timed per arm")
+    p.add_argument("--batch-cells", type=int, default=8, help="measurements per forward (the profiler's default)")
+    p.add_argument("--arms", default="tf32,fp32,fp32-rows", help=f"comma-separated, from {','.join(ARMS)}")
+    p.add_argument("--budget-s", type=float, default=390.0,
+                   help="stop sampling batches (each arm keeps at least one) and skip the remaining checks once "
+                        "this many seconds have passed; the JSON is written after every arm")
+    p.add_argument("--tf32-jobs", type=int, default=3, help="jobs whose damage is compared in fp32 and TF32")
+    p.add_argument("--small-docs", type=int, default=4, help="documents of the small model's TF32 check (0: skip)")
+    p.add_argument("--small-len", type=int, default=1024, help="tokens per document of the small model's check")
+    p.add_argument("--smoke", action="store_true", help="a tiny model on the CPU: checks the script")
+    p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/profile.json)")
+    args = p.parse_args(argv)
+    if args.smoke:
+        for key, value in SMOKE.items():
+            setattr(args, key, value)
+        args.device = "cpu"
+    bad = [a for a in args.arms.split(",") if a not in ARMS]
+    if bad:
+        p.error(f"--arms: unknown arm(s) {bad}; choose from {list(ARMS)}")
+    return args
+
+
+def ouro_config(smoke: bool):
+    from loopkv.models.ouro import OuroConfig
+
+    if smoke:
+        return OuroConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                          num_attention_heads=2, num_key_value_heads=2, head_dim=32, total_ut_steps=3,
+                          max_position_embeddings=4096)
+    return OuroConfig(vocab_size=49152, hidden_size=2048, intermediate_size=5632, num_hidden_layers=24,
+                      num_attention_heads=16, num_key_value_heads=16, head_dim=128, total_ut_steps=4,
+                      max_position_embeddings=65536, rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=False)
+
+
+def build(config, device):
+    from loopkv.models.ouro import OuroForCausalLM
+
+    torch.manual_seed(SEED)
+    with torch.device(device):
+        model = OuroForCausalLM(config)
+    return model.float().eval()
+
+
+def runner(model, docs, *, share_prefix: bool):
+    from loopkv.planning.profiler import _Runner
+    from loopkv.planning.simulate import FIRST_HISTORY
+
+    c = model.config
+    return _Runner(model, docs, loops=c.total_ut_steps, layers=c.num_hidden_layers, tau=math.inf,
+                   share_source="int4", share_passes=2, prefill_len=FIRST_HISTORY, first=FIRST_HISTORY,
+                   share_prefix=share_prefix)
+
+
+def profile_batches(config, batch_cells: int) -> list[list]:
+    """The profile's batches, as ``loopkv.planning.profile`` cuts them (default options)."""
+    from loopkv.planning.profiler import _jobs
+
+    base = Profile.partial(loops=config.total_ut_steps, layers=config.num_hidden_layers,
+                           kv_heads=config.num_key_value_heads, head_dim=config.head_dim)
+    jobs = _jobs(base)
+    return [jobs[i : i + batch_cells] for i in range(0, len(jobs), batch_cells)]
+
+
+def cost_units(run, batch, *, share_prefix: bool) -> float:
+    """Model-forward units of a batch per document (module docstring)."""
+    cells = run.loops * run.layers
+    passes = run.share_passes if any(s.share for job in batch for s in run._spec(job).values()) else 1
+    if not share_prefix:
+        return passes * len(batch)
+    frac = min(run.first_cell(job) for job in batch) / cells
+    return passes * (frac + len(batch) * (1 - frac))
+
+
+def sample(batches: list, k: int) -> list[int]:
+    """``k`` batch indices spread evenly over the batches without and with share jobs (half each)."""
+    plain = [i for i, b in enumerate(batches) if all(j != "kl_share" and j[1] != "share" for j in b)]
+    shared = [i for i in range(len(batches)) if i not in plain]
+    picks = []
+    for group, n in ((plain, (k + 1) // 2), (shared, k // 2)):
+        n = min(n, len(group))
+        picks += [group[round(x * (len(group) - 1) / max(n - 1, 1))] for x in range(n)] if n else []
+    return sorted(set(picks))
+
+
+def _sync(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _bar():
+    from tqdm import tqdm
+
+    return tqdm(disable=True)
+
+
+def time_arm(model, docs, batches, picks, *, share_prefix: bool, tf32: bool, device, n_docs: int,
+             deadline: float = math.inf) -> dict:
+    """One arm: the reference forward per document and the sampled batches (those begun before ``deadline``,
+    at least one), timed; the full profile extrapolated."""
+    from loopkv.planning.profiler import tf32_matmuls
+    from loopkv.planning.simulate import served_attention_enabled
+
+    run = runner(model, docs, share_prefix=share_prefix)
+    if torch.device(device).type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    with torch.no_grad(), tf32_matmuls(tf32), served_attention_enabled(model):
+        _sync(device)
+        start = time.perf_counter()
+        for d in range(len(docs)):
+            run._reference(d)
+        _sync(device)
+        reference = (time.perf_counter() - start) / len(docs)
+        rows = []
+        for i in picks:
+            if rows and time.perf_counter() > deadline:
+                break
+            _sync(device)
+            start = time.perf_counter()
+            run.measure(batches[i], _bar())
+            _sync(device)
+            rows.append({"index": i, "jobs": [str(j) for j in batches[i]], "rows": len(batches[i]),
+                         "first_cell": min(run.first_cell(j) for j in batches[i]),
+                         "units": cost_units(run, batches[i], share_prefix=share_prefix),
+                         "seconds_per_doc": (time.perf_counter() - start) / len(docs)})
+    per_unit = sum(r["seconds_per_doc"] for r in rows) / sum(r["units"] for r in rows)
+    total_units = sum(cost_units(run, b, share_prefix=share_prefix) for b in batches)
+    evaluations = sum(len(b) for b in batches)
+    full = n_docs * (per_unit * total_units + reference)
+    mean = n_docs * (sum(r["seconds_per_doc"] for r in rows) / len(rows) * len(batches) + reference)
+    return {
+        "share_prefix": share_prefix, "tf32": tf32, "reference_seconds_per_doc": reference, "sampled": rows,
+        "seconds_per_unit_per_doc": per_unit, "units_per_doc": total_units,
+        "full_profile_minutes": full / 60, "full_profile_minutes_mean_batch": mean / 60,
+        "minutes_per_evaluation": full / 60 / evaluations, "how": "extrapolated",
+        "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if torch.device(device).type == "cuda" else None,
+    }
+
+
+def tf32_on_jobs(model, docs, jobs) -> dict:
+    """Damage of ``jobs`` in fp32 and TF32 on the same documents, and the exact model's own TF32 KL."""
+    from loopkv.planning.profiler import kl_per_position, tf32_matmuls
+    from loopkv.planning.simulate import served_attention_enabled
+
+    out = {}
+    for name, tf32 in (("fp32", False), ("tf32", True)):
+        run = runner(model, docs, share_prefix=True)
+        with torch.no_grad(), tf32_matmuls(tf32), served_attention_enabled(model):
+            values = run.measure(jobs, _bar())
+            out[name] = {str(j): {"damage": v[0], "per_document": v[1]} for j, v in zip(jobs, values, strict=True)}
+            out[name + "_reference"] = [run._reference(d)[0] for d in range(len(docs))]
+    floor = []
+    for ref32, ref_tf in zip(out.pop("fp32_reference"), out.pop("tf32_reference"), strict=True):
+        floor.append(float(kl_per_position(ref32, ref_tf[None])[0].mean()))
+    rows = []
+    for key, a in out["fp32"].items():
+        b = out["tf32"][key]
+        rows.append({"job": key, "fp32": a["damage"], "tf32": b["damage"],
+                     "relative_difference": abs(b["damage"] - a["damage"]) / a["damage"] if a["damage"] else None})
+    return {"jobs": rows, "exact_model_kl_tf32_vs_fp32": sum(floor) / len(floor),
+            "note": "random weights: near-uniform outputs, so these KLs say little about a trained model's"}
+
+
+def tf32_on_profile(model, docs) -> dict:
+    """A whole profile of ``model`` in fp32 and in TF32: per damage, the difference against its standard error
+    over documents (its noise floor)."""
+    from loopkv.planning.profiler import profile
+
+    a = profile(model, docs, progress=False)
+    b = profile(model, docs, progress=False, tf32=True)
+    ratios = []
+    for key, value in a.damage.items():
+        per_doc = a.per_document.get(key, ())
+        se = float(torch.tensor(per_doc).std()) / math.sqrt(len(per_doc)) if len(per_doc) > 1 else math.nan
+        diff = abs(b.damage[key] - value)
+        ratios.append({"key": f"{key[1]} at cell {key[0]}", "fp32": value, "tf32": b.damage[key],
+                       "difference_over_se": diff / se if se > 0 else None})
+    finite = [r["difference_over_se"] for r in ratios if r["difference_over_se"] is not None]
+    return {"documents": len(docs), "doc_len": int(docs[0].numel()), "damages": len(ratios),
+            "within_noise_floor": sum(1 for r in finite if r < 1.0), "compared": len(finite),
+            "max_difference_over_se": max(finite, default=None),
+            "kl_share_fp32": a.kl_share, "kl_share_tf32": b.kl_share, "per_damage": ratios,
+            "seconds_fp32": a.provenance["profile_seconds"], "seconds_tf32": b.provenance["profile_seconds"]}
+
+
+def _small_check(args, model, device) -> dict | None:
+    """The TF32 check on loopkv's trained small model (with --smoke: on the tiny random model)."""
+    if args.small_docs < 1:
+        return None
+    if args.smoke:
+        gen = torch.Generator().manual_seed(SEED + 1)
+        docs = [torch.randint(0, model.config.vocab_size, (args.small_len,), generator=gen)
+                for _ in range(args.small_docs)]
+        return {"model": "tiny random (smoke)", **tf32_on_profile(model, docs)}
+    from loopkv.models.small import load_small
+    from loopkv.planning.profiler import calibration_documents
+
+    small = load_small(dtype=torch.float32, device=device)
+    docs = calibration_documents(n=args.small_docs, length=args.small_len, seed=SEED)
+    return {"model": "loopkv small (trained)", **tf32_on_profile(small, docs)}
+
+
+def main(argv: Sequence[str] | None = None) -> dict:
+    args = _parse(argv)
+    deadline = time.perf_counter() + args.budget_s
+    device = torch.device(args.device)
+    config = ouro_config(args.smoke)
+    model = build(config, device)
+    gen = torch.Generator().manual_seed(SEED)
+    docs = [torch.randint(0, config.vocab_size, (args.doc_len,), generator=gen) for _ in range(args.measure_docs)]
+    batches = profile_batches(config, args.batch_cells)
+    picks = sample(batches, args.sample_batches)
+    from loopkv.planning.simulate import served_attention_enabled
+
+    with torch.no_grad(), served_attention_enabled(model):  # warm up kernels and allocator on a short document
+        runner(model, [docs[0][:400]], share_prefix=True).measure(batches[0][:1], _bar())
+    result = {
+        **run_info(__file__, argv, device),
+        "model": {"shape": "tiny (smoke)" if args.smoke else "Ouro-1.4B (random weights)",
+                  "config": {k: getattr(config, k) for k in ("total_ut_steps", "num_hidden_layers", "hidden_size",
+                                                             "num_attention_heads", "head_dim", "vocab_size")}},
+        "profile": {"documents": args.docs, "doc_len": args.doc_len, "batch_cells": args.batch_cells,
+                    "evaluations": sum(len(b) for b in batches), "batches": len(batches), "share_passes": 2},
+        "measured": {"documents": args.measure_docs, "doc_len": args.doc_len, "batches": picks},
+        "arms": {},
+        "tf32_check": {},
+        "extrapolation": "full-profile times are extrapolated (module docstring): linear in documents, over batches "
+                         "by the cost model fitted on the sampled batches",
+    }
+    out = args.out or (RESULTS / "profile.json")
+    for name in args.arms.split(","):
+        share_prefix, tf32 = ARMS[name]
+        arm = time_arm(model, docs, batches, picks, share_prefix=share_prefix, tf32=tf32, device=device,
+                       n_docs=args.docs, deadline=deadline)
+        result["arms"][name] = arm
+        write_json(out, result)
+        print(f"{name}: {arm['full_profile_minutes']:.1f} min per profile (extrapolated from {len(arm['sampled'])} "
+              f"batches), {arm['minutes_per_evaluation'] * 60:.1f} s per evaluation", flush=True)
+    everything = [j for b in batches for j in b]
+    kinds = [next(j for j in everything if j != "kl_share" and j[1] == o) for o in ("int4", "int2", "share")]
+    checks = {"ouro_shape": lambda: tf32_on_jobs(model, docs, (kinds + ["kl_share"])[: args.tf32_jobs]),
+              "small_model": lambda: _small_check(args, model, device)}
+    for name, check in checks.items():
+        over = time.perf_counter() > deadline
+        result["tf32_check"][name] = {"skipped": f"past --budget-s {args.budget_s:g}"} if over else check()
+        write_json(out, result)
+    result["summary"] = _summary(result)
+    write_json(out, result)
+    _print_table(result)
+    return result
+
+
+def _summary(result: dict) -> dict:
+    """Minutes per profile per arm (extrapolated), the fastest arm, and the issue's targets (60 and 20 minutes)."""
+    minutes = {name: arm["full_profile_minutes"] for name, arm in result["arms"].items()}
+    best = min(minutes, key=minutes.get) if minutes else None
+    return {"full_profile_minutes_extrapolated": minutes, "fastest_arm": best,
+            "evaluations_per_profile": result["profile"]["evaluations"],
+            "minutes_per_evaluation": {n: a["minutes_per_evaluation"] for n, a in result["arms"].items()},
+            "within_60_min": None if best is None else minutes[best] <= 60,
+            "within_20_min": None if best is None else minutes[best] <= 20}
+
+
+def _print_table(result: dict) -> None:
+    print(f"profile: {result['profile']['evaluations']} evaluations, {result['profile']['documents']} x "
+          f"{result['profile']['doc_len']} tokens ({result['model']['shape']}, {result['device']})")
+    print(f"{'arm':<10} {'min/profile':>12} {'(mean-batch)':>12} {'s/evaluation':>13} {'ref s/doc':>10}")
+    for name, arm in result["arms"].items():
+        print(f"{name:<10} {arm['full_profile_minutes']:>12.1f} {arm['full_profile_minutes_mean_batch']:>12.1f} "
+              f"{arm['minutes_per_evaluation'] * 60:>13.2f} {arm['reference_seconds_per_doc']:>10.2f}")
+
+
+if __name__ == "__main__":
+    main()
