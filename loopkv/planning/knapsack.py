@@ -6,7 +6,7 @@ and damage ``d[c, o]`` (the profile's single-cell KL), and the plan solves
     min  sum_c r_{o(c)}   s.t.  sum_c d[c, o(c)] <= eps,   sum_c s_{o(c)} <= M      (objective "read")
     min  sum_c s_{o(c)}   s.t.  sum_c d[c, o(c)] <= eps,   sum_c r_{o(c)} <= R      (objective "stored")
 
-The second is the objective the paper uses for models trained to share (Dory's planes, Appendix F). Both
+The second is the objective the paper uses for models trained to share (Dory's planes, Appendix G). Both
 budgets are optional, and either objective takes both.
 
 **The final loop is in the sum.** Its cells (the sources ``share`` cells read) take an option from
