@@ -205,3 +205,23 @@ def test_malformed_data_is_a_value_error():
     del obj["_data"]["damage"]["share"]
     with pytest.raises(ValueError, match="malformed"):
         Profile.from_dict(obj)
+
+
+def test_profile_file_from_before_the_final_loops_int4_loads():
+    """A profile file as loopkv wrote it before the final loop's INT4 was profiled: it loads, prices the final
+    loop's INT4 at 0 and says that it does."""
+    old = {"_type": "loopkv.Profile", "_version": 1, "_data": {
+        "loops": 2, "layers": 2, "kv_heads": 1, "head_dim": 32, "options": ["int4", "int2", "share"],
+        "final_options": ["int2"], "damage": {"int4": [[0.1, 0.2]], "int2": [[1.0, 2.0]], "share": [[3.0, 4.0]]},
+        "final": {"int2": [5.0, 6.0]}, "kl_share": 0.5, "provenance": {"settings": {"share_source": "int4"}}}}
+    p = Profile.from_dict(old)
+    assert p.is_complete
+    assert p.final_int2 == (5.0, 6.0)
+    assert p.final_int4 is None
+    assert p.damage_of(Cell(1, 0), "int4") == 0.0
+    assert p.uncounted() == (
+        "the final loop's own INT4 damage (loop 1, every layer): not in this profile, counted as 0; re-profile "
+        "with this loopkv (final options int4,int2) to count it",
+    )
+    assert p.share_source == "int4"
+    assert json.loads(p.dumps())["_data"]["final"] == {"int2": [5.0, 6.0]}  # written back as it was
