@@ -25,8 +25,26 @@ import os
 import sys
 from collections.abc import Sequence
 
-EXIT_ERROR = 2
+from loopkv import __version__
+from loopkv.cli_errors import (
+    UserError,
+    check_input_file,
+    check_model_dir,
+    check_output_file,
+    png_path,
+    read_token_file,
+    reading,
+    resolve_device,
+    run_command,
+    token_rows,
+)
+
 DTYPES = ("float32", "bfloat16", "float16")
+# The V-precision threshold `loopkv plan` records by default: the paper's (§3.3), the one the demo, the README
+# and the benchmarks serve. The profile measures the codec without it (`profile --tau` defaults to inf): at
+# tau = 14 a value is read from its high plane only when its weight is below 2^-14 of the row's largest, and
+# on the small model KIVI-4 + V has the KL of KIVI-4 to three digits (benchmarks/results/quality.json).
+DEFAULT_TAU = 14.0
 
 
 # ---------------------------------------------------------------------------------------------- parser
@@ -59,7 +77,9 @@ def _add_documents(p: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="loopkv", description="Loop-aware KV-cache compression for looped "
                                      "transformers: profile, plan, show, evaluate.")
+    parser.add_argument("--version", action="version", version=f"loopkv {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    from loopkv.planning import cli_support as planning_cli  # light: argparse helpers of the planner
 
     p = sub.add_parser("profile", help="measure every cell's single-cell damage (resumable)",
                        description="Profile every (loop, layer) cell of MODEL at every option: the fp32 KL "
@@ -71,13 +91,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true", help="start over even if --out exists")
     p.add_argument("--options", type=_options, default=("int4", "int2", "share"),
                    help="comma-separated options for non-final cells (default int4,int2,share)")
-    p.add_argument("--no-final", action="store_true", help="do not profile the final loop at int2")
+    p.add_argument("--no-final", action="store_true", help="do not profile the final loop (same as no "
+                   "--final-options; plans then count its INT4 as 0 and say so)")
     p.add_argument("--tau", type=_float, default=math.inf, help="V precision threshold (default inf: off)")
     p.add_argument("--share-source", default="int4", choices=("int4", "int2", "bf16"),
                    help="the final loop's option a shared cell reads (default int4)")
     p.add_argument("--share-passes", type=int, default=2,
                    help="passes that iterate a shared cell's source pages to the served fixed point (default 2)")
     p.add_argument("--batch-cells", type=int, default=8, help="measurements per forward (default 8)")
+    planning_cli.add_profile_arguments(p)
 
     p = sub.add_parser("plan", help="solve a plan from a profile (exact knapsack)",
                        description="Solve the plan with the least read bytes per token under a damage and a "
@@ -86,22 +108,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--preset", choices=("r", "m", "R", "M"),
                    help="r: read-optimized (damage <= 1.19 KL_share); m: memory-optimized (also storage "
                         "<= 0.65 of uniform INT4)")
-    p.add_argument("--max-damage", type=_float, help="damage budget (required without --preset)")
+    p.add_argument("--max-damage", type=_float,
+                   help="damage budget in KL_share (--damage-unit abs: nats); required without --preset, "
+                        "replaces the preset's with it")
     p.add_argument("--damage-unit", choices=("kl_share", "abs"), default=None,
                    help="unit of --max-damage (default kl_share)")
     p.add_argument("--max-stored-kib", type=_float, help="storage budget, KiB per history token")
     p.add_argument("--storage-fraction", type=_float, help="storage budget as a fraction of uniform INT4")
-    p.add_argument("--tau", type=_float, default=None, help="V precision threshold recorded in the plan")
+    p.add_argument("--tau", type=planning_cli.tau_arg, default=DEFAULT_TAU,
+                   help=f"V precision threshold recorded in the plan (default {DEFAULT_TAU:g}, the paper's; "
+                        "inf turns V precision off), or one per loop: 10,10,inf,inf")
     p.add_argument("--final-option", choices=("int4", "int2", "bf16"), default=None,
                    help="the final loop's option (default int4)")
     p.add_argument("--options", type=_options, default=None,
                    help="options for non-final cells (default int4,int2,share)")
     p.add_argument("--layerwise", action="store_true", help="one option per layer (the paper's ablation)")
+    planning_cli.add_plan_arguments(p)
     p.add_argument("--out", required=True, help="plan JSON to write")
 
     p = sub.add_parser("show", help="print a plan or a profile (optionally a PNG heatmap)")
     p.add_argument("file", metavar="FILE", help="a plan or profile JSON")
-    p.add_argument("--png", help="also write a heatmap PNG (needs matplotlib)")
+    p.add_argument("--png", help="also write a heatmap PNG to this path ('.png' is added if missing; needs "
+                   "matplotlib)")
     p.add_argument("--profile", help="a profile JSON, for a plan's predicted damage per loop")
 
     p = sub.add_parser("eval", help="measure plans' KL through the real LoopKVCache",
@@ -114,6 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-positions", type=int, default=None, help="decode at most this many counted positions")
     p.add_argument("--profile", help="profile JSON: also print predicted vs measured (additivity report)")
     p.add_argument("--random", type=int, default=0, help="with --profile: also measure N random plans")
+    planning_cli.add_eval_arguments(p)
     p.add_argument("--json", help="write the results to this JSON file")
 
     p = sub.add_parser("demo", help="run the loopkv demo (arguments are passed on)", add_help=False)
@@ -127,13 +156,14 @@ def load_model(spec: str, *, device: str | None = None, dtype: str = "float32"):
     import torch
 
     torch_dtype = getattr(torch, dtype)
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = resolve_device(device)
     if spec == "small":
         from loopkv.models.small import load_small
 
         return load_small(dtype=torch_dtype, device=device)
     if not os.path.isdir(spec):
         raise ValueError(f"MODEL {spec!r} is neither a checkpoint directory nor 'small'")
+    check_model_dir(spec)
     from loopkv.models.ouro import OuroForCausalLM
 
     model = OuroForCausalLM.from_pretrained(spec, dtype=torch_dtype, local_files_only=True)
@@ -158,8 +188,6 @@ def _tokenize(spec: str, text: bytes):
 
 def load_documents(args, model) -> list:
     """The documents of a command: ``--documents`` files, or generated calibration documents."""
-    import torch
-
     if not args.documents:
         from loopkv.planning.profiler import calibration_documents
 
@@ -171,18 +199,14 @@ def load_documents(args, model) -> list:
         return docs
     docs = []
     for path in args.documents:
-        if path.endswith(".pt"):
-            data = torch.load(path, map_location="cpu", weights_only=True)
-        elif path.endswith(".npy"):
-            import numpy as np
-
-            data = torch.from_numpy(np.load(path))
+        check_input_file(path, "--documents")
+        if path.endswith((".pt", ".npy")):
+            data = read_token_file(path)
         else:
             with open(path, "rb") as f:
                 data = _tokenize(args.model, f.read())
-        data = torch.as_tensor(data) if not isinstance(data, (list, tuple)) else data
-        rows = [data] if isinstance(data, torch.Tensor) and data.dim() == 1 else list(data)
-        docs += [torch.as_tensor(r)[: args.doc_len] if args.doc_len else torch.as_tensor(r) for r in rows]
+        rows = token_rows(data, path, vocab_size=model.config.vocab_size)
+        docs += [r[: args.doc_len] if args.doc_len else r for r in rows]
     return docs
 
 
@@ -190,13 +214,16 @@ def load_documents(args, model) -> list:
 def cmd_profile(args) -> int:
     from loopkv.planning.profiler import profile
 
+    check_output_file(args.out, "--out", default_name="profile.json")
     if os.path.exists(args.out) and not (args.resume or args.overwrite):
         raise ValueError(f"{args.out} exists; pass --resume to continue it or --overwrite to start over")
+    from loopkv.planning.cli_support import profile_documents
+
     model = load_model(args.model, device=args.device)
-    docs = load_documents(args, model)
-    result = profile(model, docs, options=args.options, final_options=() if args.no_final else ("int2",),
+    docs = profile_documents(args, model, load_documents)
+    result = profile(model, docs, options=args.options, final_options=() if args.no_final else args.final_options,
                      tau=args.tau, share_source=args.share_source, share_passes=args.share_passes, out=args.out,
-                     resume=args.resume, batch_cells=args.batch_cells, progress=not args.quiet)
+                     resume=args.resume, batch_cells=args.batch_cells, progress=not args.quiet, tf32=args.tf32)
     from loopkv.planning.show import format_profile
 
     print(format_profile(result))
@@ -213,12 +240,26 @@ def cmd_plan(args) -> int:
     from loopkv.planning.profile_data import Profile
     from loopkv.planning.show import format_plan
 
-    prof = Profile.from_json(args.profile)
+    check_output_file(args.out, "--out", default_name="plan.json")
+    with reading(args.profile, "PROFILE", kind="profile"):
+        prof = Profile.from_json(args.profile)
     kwargs = {k: v for k, v in {
         "max_damage": args.max_damage, "damage_unit": args.damage_unit, "max_stored_kib": args.max_stored_kib,
         "storage_fraction": args.storage_fraction, "tau": args.tau, "final_option": args.final_option,
         "options": args.options,
     }.items() if v is not None}
+    from loopkv.planning.cli_support import plan_kwargs
+
+    kwargs.update(plan_kwargs(args))  # objective, read budget, final options, fix/forbid rules
+    import warnings
+
+    from loopkv.planning.knapsack import UncountedDamageWarning
+
+    warnings.simplefilter("ignore", UncountedDamageWarning)  # format_plan prints what is not counted
+    if args.damage_unit is not None and args.max_damage is None:
+        raise UserError("--damage-unit is the unit of --max-damage; pass --max-damage too")
+    if args.max_damage is not None:  # KL_share by default, with --preset as without it
+        kwargs.setdefault("damage_unit", "kl_share")
     if args.preset is not None:
         if args.layerwise:
             raise ValueError("--layerwise takes explicit budgets (--max-damage ...), not --preset")
@@ -235,24 +276,44 @@ def cmd_plan(args) -> int:
 
 
 def cmd_show(args) -> int:
+    from loopkv.planning.profile_data import Profile
     from loopkv.planning.show import show_file
 
-    print(show_file(args.file, profile=args.profile, png=args.png))
-    if args.png:
-        print(f"wrote {args.png}")
+    png = png_path(args.png) if args.png else None
+    if png is not None:
+        check_output_file(png, "--png", default_name="plan.png")
+    prof = None
+    if args.profile:
+        with reading(args.profile, "--profile", kind="profile"):
+            prof = Profile.from_json(args.profile)
+    try:
+        with reading(args.file, "FILE", kind="plan or profile"):
+            text = show_file(args.file, profile=prof, png=png)
+    except ImportError as err:  # --png without matplotlib
+        raise UserError(f"--png: {err}") from err
+    print(text)
+    if png is not None:
+        print(f"wrote {png}")
     return 0
 
 
 def cmd_eval(args) -> int:
-    from loopkv.planning.evaluate import measure_kl, random_plans, summarize
-    from loopkv.planning.knapsack import predicted_damage
+    from loopkv.planning.evaluate import measure_kl, random_plans
     from loopkv.planning.plan import Plan
     from loopkv.planning.profile_data import Profile
 
     if args.random and not args.profile:
         raise ValueError("--random needs --profile (random plans are drawn on the profile's shape)")
-    prof = Profile.from_json(args.profile) if args.profile else None
-    plans = [Plan.from_json(p) for p in args.plan]
+    if args.json:
+        check_output_file(args.json, "--json", default_name="eval.json")
+    prof = None
+    if args.profile:
+        with reading(args.profile, "--profile", kind="profile"):
+            prof = Profile.from_json(args.profile)
+    plans = []
+    for path in args.plan:
+        with reading(path, "--plan", kind="plan"):
+            plans.append(Plan.from_json(path))
     names = list(args.plan)
     if args.random:
         extra = random_plans(prof, args.random, seed=args.seed)
@@ -274,8 +335,9 @@ def cmd_eval(args) -> int:
               f"({r.positions} positions from {r.first_position})")
     out = {"plans": names, "results": [r.to_dict() for r in results], "model": args.model}
     if prof is not None:
-        report = summarize(names, [predicted_damage(prof, p) for p in plans], [r.kl for r in results],
-                           kl_share=prof.kl_share, results=results)
+        from loopkv.planning.cli_support import additivity
+
+        report = additivity(names, plans, results, prof, args, n_named=len(args.plan))
         print(report.format())
         out["additivity"] = report.to_dict()
     if args.json:
@@ -299,13 +361,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``loopkv`` command line; returns the exit status (2 on a usage or input error)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["demo"]:  # the demo parses its own options (argparse.REMAINDER drops leading --options)
-        return cmd_demo(argparse.Namespace(command="demo", args=argv[1:]))
+        return run_command("demo", cmd_demo, argparse.Namespace(command="demo", args=argv[1:]))
     args = build_parser().parse_args(argv)
-    try:
-        return COMMANDS[args.command](args)
-    except (ValueError, FileNotFoundError) as err:
-        print(f"loopkv {args.command}: error: {err}", file=sys.stderr)
-        return EXIT_ERROR
+    return run_command(args.command, COMMANDS[args.command], args)
 
 
 if __name__ == "__main__":

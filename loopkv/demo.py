@@ -10,9 +10,11 @@
      simulation of the served cache (``loopkv.planning.simulate``, tested equal to the cache's reads);
    * retrieval exact match on fresh synthetic documents (greedy answer == teacher-forced argmax of
      every answer token, with the prompt prefilled exactly as the cache does);
-   * decode tokens/s of a real ``model.generate`` through a ``LoopKVCache`` on one retrieval prompt
-     (on a CPU this runs the PyTorch reference ops: it shows the path works, not kernel speed).
-5. Print the table and write the plans' heatmaps as PNG.
+   * a real ``model.generate`` through a ``LoopKVCache`` on one retrieval prompt: whether it gives the
+     answer, and on a GPU its decode tokens/s (on a CPU it runs the PyTorch reference ops, which show that
+     the path works, not how fast the kernels are: the table leaves tok/s out there).
+5. Print the table and write the plans (JSON) and their heatmaps (PNG) into ``--out`` (default
+   ``loopkv-demo/`` in the current folder).
 """
 
 from __future__ import annotations
@@ -27,8 +29,14 @@ from dataclasses import dataclass
 
 import torch
 
-TAU = 14.0  # the paper's V-precision threshold (§3.3)
+from loopkv.cli import DEFAULT_TAU
+from loopkv.cli_errors import check_output_dir, resolve_device
+
+TAU = DEFAULT_TAU  # the paper's V-precision threshold (§3.3), as `loopkv plan` records by default
 PROFILE_FILE = "profile.json"
+OUT = "loopkv-demo"
+# --quick: one short prompt and document per column (a smoke run, as CI runs it)
+QUICK = {"contexts": "512", "prompts": 1, "kl_docs": 1, "kl_len": 448, "gen_context": 448}
 
 
 @dataclass
@@ -45,19 +53,27 @@ class Arm:
 
 
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="loopkv demo", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="loopkv demo", description=__doc__.split("\n\n")[0],
+                                epilog=f"Writes loopkv-r.json, loopkv-m.json and their heatmaps (PNG) into --out, "
+                                f"by default {OUT}/ in the current folder.")
     p.add_argument("--reprofile", action="store_true", help="profile again instead of loading the shipped profile")
     p.add_argument("--contexts", default="2048,4096", help="retrieval context lengths, comma-separated")
     p.add_argument("--prompts", type=int, default=2, help="retrieval prompts per context")
     p.add_argument("--kl-docs", type=int, default=2, help="held-out documents for the KL column")
     p.add_argument("--kl-len", type=int, default=1024, help="tokens per KL document")
-    p.add_argument("--gen-context", type=int, default=1024, help="retrieval prompt length for the tokens/s column")
-    p.add_argument("--out", default="loopkv-demo", help="folder for the PNG heatmaps")
-    p.add_argument("--quick", action="store_true", help="a reduced setting (CI): 1 prompt at 1024, 1 KL document")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--gen-context", type=int, default=1024,
+                   help="retrieval prompt length for the generate and tok/s columns")
+    p.add_argument("--out", default=OUT, help=f"folder the plans (JSON) and heatmaps (PNG) are written to, "
+                   f"created if missing (default: {OUT}/ in the current folder)")
+    p.add_argument("--quick", action="store_true",
+                   help=f"a smoke run (CI): retrieval on {QUICK['prompts']} prompt of {QUICK['contexts']} tokens, "
+                        f"KL on {QUICK['kl_docs']} document of {QUICK['kl_len']} tokens, generate on a "
+                        f"{QUICK['gen_context']}-token prompt")
+    p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     args = p.parse_args(argv)
     if args.quick:
-        args.contexts, args.prompts, args.kl_docs, args.kl_len, args.gen_context = "512", 1, 1, 448, 448
+        for name, value in QUICK.items():
+            setattr(args, name, value)
     return args
 
 
@@ -171,16 +187,40 @@ def _decode_speed(model, arm: Arm, prompt, answer) -> None:
     arm.answer_ok = torch.equal(out[0, len(prompt): len(prompt) + len(answer)].cpu(), answer)
 
 
-def format_table(arms: list[Arm], contexts: list[int]) -> str:
+def format_table(arms: list[Arm], contexts: list[int], *, tok_s: bool) -> str:
+    """The demo's table; ``tok_s``: with the decode-speed column (on a GPU; a CPU runs the reference ops)."""
     bf16 = arms[0].stored_kib
     head = (f"{'arm':<14} {'stored KiB':>10} {'read KiB':>9} {'saved':>6} {'KL (nats)':>10} {'agree':>6} "
-            + " ".join(f"{'ret@' + str(n):>8}" for n in contexts) + f" {'tok/s':>7}")
+            + " ".join(f"{'ret@' + str(n):>8}" for n in contexts) + f" {'generate':>8}"
+            + (f" {'tok/s':>7}" if tok_s else ""))
     lines = [head, "-" * len(head)]
     for a in arms:
         ret = " ".join(f"{a.retrieval[n]:>8.0%}" for n in contexts)
+        gen = {True: "right", False: "wrong", None: "-"}[a.answer_ok]
         lines.append(f"{a.name:<14} {a.stored_kib:>10.2f} {a.read_kib:>9.2f} {1 - a.stored_kib / bf16:>6.0%} "
-                     f"{a.kl:>10.2e} {a.agree:>6.1%} {ret} {a.tok_s:>7.1f}")
+                     f"{a.kl:>10.2e} {a.agree:>6.1%} {ret} {gen:>8}" + (f" {a.tok_s:>7.1f}" if tok_s else ""))
     return "\n".join(lines)
+
+
+def format_notes(*, cells: int, docs: int, first: int, prompts: int, device: str) -> str:
+    """What the table's columns mean, one line each."""
+    cuda = device.startswith("cuda")
+    speed = ("tok/s: decode tokens per second of that generate, eager, prefill included (the served, compiled "
+             "speed is measured by benchmarks/bench_decode.py)" if cuda else
+             f"no tok/s column on {device}: there the cache runs the PyTorch reference ops, written to be plainly "
+             "correct, not fast; their speed, which differs from arm to arm, says nothing about the GPU kernels' "
+             "(decode speed is measured on a GPU by benchmarks/bench_decode.py)")
+    return "\n".join([
+        f"stored / read KiB: per history token, summed over the {cells} cells; saved: history memory saved vs BF16; "
+        "'read' counts no V-precision savings (the hot fraction is not measured here).",
+        f"KL (nats): mean over positions of KL(exact || arm), the next-token distribution of the exact fp32 model "
+        f"against the arm's, in nats per token, on {docs} held-out document(s) from position {first} on (0: "
+        "identical); agree: share of those positions where both pick the same next token.",
+        f"ret@n: retrieval exact match over {prompts} prompt(s) of n tokens.",
+        "generate: whether model.generate through a real LoopKVCache gives the retrieval answer "
+        "(the other columns simulate the served cache).",
+        speed + ".",
+    ])
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -191,6 +231,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     from loopkv.planning.show import plot_plan
 
     args = _parse(argv)
+    check_output_dir(args.out, "--out")  # before the work, not after it
+    args.device = resolve_device(args.device)
     t_start = time.perf_counter()
     torch.manual_seed(0)
     model = load_small(device=args.device)
@@ -231,13 +273,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         except ImportError as err:
             print(f"(no heatmap: {err})", file=sys.stderr)
     print()
-    print(format_table(arms, contexts))
-    print(f"\nKiB per history token summed over {cfg.total_ut_steps * cfg.num_hidden_layers} cells; 'saved' = "
-          f"history memory saved vs BF16; KL and agreement vs the exact fp32 model on {len(docs)} held-out "
-          f"document(s) from position {FIRST_HISTORY} on; ret@n = retrieval exact match over {args.prompts} "
-          f"prompt(s) of n tokens; 'read' counts no V-precision savings (hot fraction not measured here); tok/s = "
-          f"model.generate through a LoopKVCache on {args.device}"
-          f"{' (PyTorch reference ops)' if args.device == 'cpu' else ''}.")
+    print(format_table(arms, contexts, tok_s=args.device.startswith("cuda")))
+    print()
+    print(format_notes(cells=cfg.total_ut_steps * cfg.num_hidden_layers, docs=len(docs), first=FIRST_HISTORY,
+                       prompts=args.prompts, device=args.device))
     print(f"plans and heatmaps in {out}/ ; {time.perf_counter() - t_start:.0f} s")
     return 0
 

@@ -123,3 +123,189 @@ def test_import_is_light():
     code = "import sys, loopkv.cli; print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+# ------------------------------------------------------------------- user errors: exit 2, one line, no traceback
+def one_error_line(capsys, *needles: str) -> str:
+    """The stderr of a refused command: exactly one line, ``loopkv COMMAND: error: ...``, with every needle
+    (besides transformers' progress bar when a checkpoint was loaded)."""
+    err = capsys.readouterr().err
+    lines = [line for line in err.strip().splitlines() if not line.startswith("Loading weights")]
+    assert len(lines) == 1, err
+    assert lines[0].startswith("loopkv "), err
+    assert ": error: " in lines[0], err
+    for needle in needles:
+        assert needle in lines[0], err
+    return lines[0]
+
+
+def small_profile(kl_share: float = 1.0) -> Profile:
+    rng = np.random.default_rng(0)
+    damage = {o: rng.uniform(0.01, 1.0, (LOOPS - 1, LAYERS)) for o in ("int4", "int2", "share")}
+    return Profile.from_arrays(loops=LOOPS, layers=LAYERS, kv_heads=2, head_dim=32, damage=damage,
+                               final_int2=[0.5] * LAYERS, kl_share=kl_share)
+
+
+@pytest.fixture
+def no_work(monkeypatch):
+    """Fails the test if a command loads a model: what is refused must be refused before the work."""
+    def load_model(*args, **kwargs):
+        raise AssertionError("the command loaded the model before refusing its arguments")
+
+    monkeypatch.setattr("loopkv.cli.load_model", load_model)
+
+
+def test_version(capsys):
+    import loopkv
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0
+    assert capsys.readouterr().out.strip() == f"loopkv {loopkv.__version__}"
+
+
+def test_max_damage_is_in_kl_share_with_and_without_preset(tmp_path, capsys):
+    """--max-damage is in KL_share whether or not --preset is given (it was nats with --preset)."""
+    path = tmp_path / "p.json"
+    small_profile(kl_share=0.5).to_json(path)  # 3 KL_share = 1.5 nats: the two readings give different plans
+    with_preset, without = tmp_path / "a.json", tmp_path / "b.json"
+    assert main(["plan", str(path), "--preset", "r", "--max-damage", "3", "--out", str(with_preset)]) == 0
+    assert main(["plan", str(path), "--max-damage", "3", "--out", str(without)]) == 0
+    a, b = Plan.from_json(with_preset), Plan.from_json(without)
+    assert a.predicted["damage_kl_share"] <= 3 * (1 + 1e-9)
+    assert a.options == b.options
+    assert main(["plan", str(path), "--preset", "r", "--max-damage", "3", "--damage-unit", "abs",
+                 "--out", str(with_preset)]) == 0
+    assert Plan.from_json(with_preset).predicted["damage_kl_share"] > 3  # 3 nats = 6 KL_share: a looser plan
+    capsys.readouterr()
+    assert main(["plan", str(path), "--preset", "r", "--damage-unit", "abs", "--out", str(with_preset)]) == 2
+    one_error_line(capsys, "--damage-unit", "pass --max-damage")
+
+
+def test_plan_records_the_demos_tau_by_default(tmp_path):
+    from loopkv.demo import TAU
+
+    path, plan = tmp_path / "p.json", tmp_path / "plan.json"
+    small_profile().to_json(path)
+    assert main(["plan", str(path), "--preset", "m", "--out", str(plan)]) == 0
+    assert Plan.from_json(plan).tau == TAU == 14.0
+    assert main(["plan", str(path), "--preset", "m", "--tau", "inf", "--out", str(plan)]) == 0
+    assert Plan.from_json(plan).tau == float("inf")
+
+
+def test_folders_and_unreadable_files_are_named(checkpoint, tmp_path, capsys, no_work):
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    plan = tmp_path / "plan.json"
+    Plan.uniform(loops=LOOPS, layers=LAYERS).to_json(plan)
+    assert main(["plan", str(folder), "--preset", "r", "--out", str(plan)]) == 2
+    one_error_line(capsys, f"PROFILE {folder} is a folder", "pass the file")
+    assert main(["show", str(folder)]) == 2
+    one_error_line(capsys, f"FILE {folder} is a folder")
+    assert main(["eval", str(checkpoint), "--plan", str(folder)]) == 2
+    one_error_line(capsys, f"--plan {folder} is a folder")
+    assert main(["show", str(tmp_path / "missing.json")]) == 2
+    one_error_line(capsys, "missing.json does not exist", "check the path")
+    for name, content, needle in [("empty.json", b"", "is not valid JSON (empty)"),
+                                  ("cut.json", plan.read_bytes()[:60], "is not valid JSON (Expecting"),
+                                  ("binary.json", bytes(range(128, 256)), "is not a text file")]:
+        bad = tmp_path / name
+        bad.write_bytes(content)
+        assert main(["show", str(bad)]) == 2
+        one_error_line(capsys, f"FILE {bad}", needle)
+        assert main(["plan", str(bad), "--preset", "r", "--out", str(plan)]) == 2
+        one_error_line(capsys, f"PROFILE {bad}", needle)
+        assert main(["eval", str(checkpoint), "--plan", str(bad)]) == 2
+        one_error_line(capsys, f"--plan {bad}", needle)
+
+
+def test_plan_file_schema_errors(tmp_path, capsys):
+    """_version must be the integer 1 (JSON true and 1.0 are not), loops an integer, provenance an object;
+    each refusal names the file and the field."""
+    good = Plan.uniform(loops=LOOPS, layers=LAYERS).to_dict()
+    cases = [(("_version",), True, "_version True is not supported"),
+             (("_version",), 1.0, "_version 1.0 is not supported"),
+             (("_data", "loops"), str(LOOPS), f"'loops' must be an integer >= 1 (a JSON number), got '{LOOPS}'"),
+             (("_data", "provenance"), ["a"], "'provenance' must be a JSON object (or null), got a list"),
+             (("_data", "predicted"), "x", "'predicted' must be a JSON object (or null), got a str")]
+    path = tmp_path / "plan.json"
+    for keys, value, message in cases:
+        envelope = json.loads(json.dumps(good))
+        target = envelope
+        for key in keys[:-1]:
+            target = target[key]
+        target[keys[-1]] = value
+        path.write_text(json.dumps(envelope))
+        assert main(["show", str(path)]) == 2
+        one_error_line(capsys, f"FILE {path}", message)
+    path.write_text(json.dumps(good))
+    assert main(["show", str(path)]) == 0
+
+
+def test_model_device_and_document_errors(checkpoint, tmp_path, capsys):
+    plan = tmp_path / "plan.json"
+    Plan.uniform(loops=LOOPS, layers=LAYERS).to_json(plan)
+    empty = tmp_path / "empty_model"
+    empty.mkdir()
+    assert main(["eval", str(empty), "--plan", str(plan)]) == 2
+    one_error_line(capsys, "has no config.json", "save_pretrained")
+    for device, needle in [("nonsense", "is not a torch device"), ("meta", "holds no data"),
+                           ("cuda:99", "CUDA GPU")]:
+        assert main(["eval", str(checkpoint), "--plan", str(plan), "--device", device]) == 2
+        one_error_line(capsys, "--device", device, needle, "pass")
+
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    cases = [("dict.pt", lambda p: torch.save({"ids": tiny_documents(1, 400)}, p), "holds a dict"),
+             ("big.pt", lambda p: torch.save(torch.tensor([3, 5, 500]), p), "token id 500"),
+             ("neg.npy", lambda p: np.save(p, np.array([3, -1, 4])), "token id -1"),
+             ("float.npy", lambda p: np.save(p, np.ones(400)), "not integer token ids"),
+             ("cube.pt", lambda p: torch.save(torch.ones(2, 2, 2, dtype=torch.long), p), "3-D tensor"),
+             ("junk.pt", lambda p: p.write_bytes(b"not a tensor"), "cannot be read as token ids")]
+    for name, write, needle in cases:
+        write(docs / name)
+        assert main(["eval", str(checkpoint), "--plan", str(plan), "--documents", str(docs / name), "--quiet"]) == 2
+        one_error_line(capsys, f"--documents {docs / name}", needle)
+    assert main(["eval", str(checkpoint), "--plan", str(plan), "--documents", str(docs), "--quiet"]) == 2
+    one_error_line(capsys, f"--documents {docs} is a folder")
+
+
+def test_ctrl_c_is_one_line_and_exit_130(checkpoint, documents, tmp_path, capsys, monkeypatch):
+    out = tmp_path / "p.json"
+
+    def interrupted_profile(model, docs, *, out, **kwargs):
+        Profile.partial(loops=LOOPS, layers=LAYERS, kv_heads=2, head_dim=32).to_json(out)  # saved after a batch
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("loopkv.planning.profiler.profile", interrupted_profile)
+    assert main(["profile", str(checkpoint), "--documents", *documents, "--out", str(out), "--quiet"]) == 130
+    lines = [line for line in capsys.readouterr().err.strip().splitlines() if not line.startswith("Loading weights")]
+    assert lines == [f"loopkv profile: interrupted; the partial profile is saved in {out}: rerun with --resume to "
+                     "continue it"]
+
+
+def test_output_paths_are_checked_before_the_work(checkpoint, documents, tmp_path, capsys, no_work):
+    plan = tmp_path / "plan.json"
+    Plan.uniform(loops=LOOPS, layers=LAYERS).to_json(plan)
+    missing = tmp_path / "missing"
+    assert main(["eval", str(checkpoint), "--plan", str(plan), "--json", str(missing / "x.json")]) == 2
+    one_error_line(capsys, f"--json {missing / 'x.json'}", f"the folder {missing} does not exist", "create it")
+    assert main(["profile", str(checkpoint), "--documents", *documents, "--out", str(missing / "p.json")]) == 2
+    one_error_line(capsys, f"--out {missing / 'p.json'}", "does not exist")
+    assert main(["profile", str(checkpoint), "--out", str(tmp_path)]) == 2
+    one_error_line(capsys, f"--out {tmp_path} is a folder", "profile.json")
+    prof = tmp_path / "prof.json"
+    small_profile().to_json(prof)
+    assert main(["plan", str(prof), "--preset", "r", "--out", str(missing / "plan.json")]) == 2
+    one_error_line(capsys, "does not exist")
+    assert main(["show", str(plan), "--png", str(missing / "heat")]) == 2
+    one_error_line(capsys, f"--png {missing / 'heat.png'}", "does not exist")
+
+
+def test_show_png_prints_the_path_it_wrote(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    Plan.uniform(loops=LOOPS, layers=LAYERS).to_json("plan.json")
+    assert main(["show", "plan.json", "--png", "heat"]) == 0
+    assert capsys.readouterr().out.strip().endswith("wrote heat.png")
+    assert (tmp_path / "heat.png").stat().st_size > 0
+    assert not (tmp_path / "heat").exists()
