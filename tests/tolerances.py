@@ -15,8 +15,8 @@ ATTN_BF16_RTOL = 1e-2
 # whole-model logits, fp32, cache path vs recomputation without cache (different summation orders).
 LOGITS_FP32_ATOL = 1e-4
 LOGITS_FP32_RTOL = 1e-4
-# The CUDA-core reader's "k16" (K's field work in packed fp16, loopkv/ops/triton_far.py): each query-scale factor and each
-# product rounds to fp16 (2**-11 relative), and a lane's products of 16 channels per half (INT4: 4 words x 4
+# The CUDA-core reader's "k16" (K's field work in packed fp16, loopkv/ops/triton_far.py): each query-scale factor
+# and each product rounds to fp16 (2**-11 relative), and a lane's products of 16 channels per half (INT4: 4 words x 4
 # pairs; INT2: 2 words x 8 pairs, at head_dim 128) are summed in fp16 before fp32. Under the interpreter, with fp32
 # inputs (random keys with per-channel spread, queries of std 2): relative L2 error of the output 5.4-7.3e-4 in the
 # test's cases and up to 1.9e-3 over other seeds (the fp32 reader: 2.5-3.3e-7), max abs up to 6.5e-3. The tier:
