@@ -170,7 +170,7 @@ class LoopKVCache(Cache):
     """The paged bit-plane cache of a looped transformer; one :class:`LoopKVCell` per cell.
 
     Args:
-        plan: a :class:`loopkv.Plan` (one option per cell, V precision ``tau``).
+        plan: a :class:`loopkv.Plan` (one option per cell, V precision ``tau``, one value or one per loop).
         config: the model config (Ouro: ``total_ut_steps``, ``num_hidden_layers``, heads, ``head_dim``).
         max_batch_size: rows preallocated; a batch may be smaller.
         max_cache_len: tokens per row (prompt + generated), preallocated.
@@ -212,7 +212,7 @@ class LoopKVCache(Cache):
         self.device = device
         self.kv_heads, self.head_dim = kv_heads, head_dim
         self.q_heads = config.num_attention_heads
-        self.tau = float(plan.tau)
+        self.taus = tuple(float(t) for t in plan.taus)  # V precision threshold per loop (inf: off)
 
         # shapes first (meta), then each stacked buffer allocated once
         dims = dict(batch=max_batch_size, heads=kv_heads, head_dim=head_dim, max_cache_len=max_cache_len,
@@ -367,15 +367,16 @@ class LoopKVCache(Cache):
                            win_v=st.win_v[:batch], lengths=st.lengths[:batch],
                            page_table=st.page_table[:batch], **pool)
 
-    def _tau(self, st: CellStorage) -> float:
-        return self.tau if st.read_bits == 4 else math.inf
+    def _tau(self, layer_idx: int, st: CellStorage) -> float:
+        """The V precision threshold cell ``layer_idx`` reads with: its loop's, for INT4 pages only."""
+        return self.taus[layer_idx // self.layout.layers] if st.read_bits == 4 else math.inf
 
     def read_cell(self, layer_idx: int, query: Tensor, *, scale: float) -> Tensor:
         """Attention of cell ``layer_idx`` over what it holds, writing nothing: query [B, Hq, D] -> [B, Hq, D]."""
         st = self._rows(layer_idx, query.shape[0])
         return torch.ops.loopkv.cell_attention(
             query, st.sink_k, st.sink_v, st.win_k, st.win_v, st.lengths, st.page_table, *st.pool(),
-            st.read_bits, self._tau(st), scale,
+            st.read_bits, self._tau(layer_idx, st), scale,
         )
 
     def decode_cell(self, layer_idx: int, query: Tensor, k: Tensor, v: Tensor, *, scale: float) -> Tensor:
@@ -385,7 +386,7 @@ class LoopKVCache(Cache):
         st = self._rows(layer_idx, B)
         out = torch.ops.loopkv.token_attention_(
             query, k, v, st.sink_k, st.sink_v, st.win_k, st.win_v, st.lengths, st.page_table, *st.pool(),
-            st.read_bits, self._tau(st), scale,
+            st.read_bits, self._tau(layer_idx, st), scale,
         )
         if torch.compiler.is_compiling():  # a compiled step reads every cell: the last read advances them all
             if layer_idx == len(self.layers) - 1:
@@ -514,7 +515,7 @@ class LoopKVCache(Cache):
         warmup(batch_size=self.max_batch_size, kv_heads=self.kv_heads, q_heads=q_heads,
                head_dim=self.head_dim, max_pages=storages[0].page_table.shape[1], dtype=self.dtype,
                read_bits=tuple(sorted({s.read_bits for s in storages})),
-               own_bits=tuple(sorted({s.own_bits for s in storages})), tau=self.tau, device=self.device)
+               own_bits=tuple(sorted({s.own_bits for s in storages})), tau=min(self.taus), device=self.device)
         for batch in sorted({1, self.max_batch_size}):
             query = torch.zeros(batch, q_heads, self.head_dim, dtype=self.dtype, device=self.device)
             token = torch.zeros(batch, self.kv_heads, 1, self.head_dim, dtype=self.dtype, device=self.device)
@@ -524,7 +525,7 @@ class LoopKVCache(Cache):
                 st = self._rows(idx, batch)
                 torch.ops.loopkv.token_attention_(
                     query, token, token, *scratch, torch.zeros_like(st.lengths), st.page_table, *st.pool(),
-                    st.read_bits, self._tau(st), self.head_dim**-0.5,
+                    st.read_bits, self._tau(idx, st), self.head_dim**-0.5,
                 )
             # on scratch lengths from 0: counts a token, encodes no page
             self._advance(batch, torch.zeros_like(self._stacks.own["lengths"]), self._groups)

@@ -44,8 +44,9 @@ def _run(plan, lens, steps, *, check_every=25, cell=0, max_len=None, seed=0):
         kd, vd = torch.randn(len(lens), 2, 1, D, generator=g), torch.randn(len(lens), 2, 1, D, generator=g)
         outs = [decode(cache, c, q, kd, vd, SCALE) for c in range(plan.loops * plan.layers)]
         if step % check_every == check_every - 1 or step == steps - 1:  # after the step: every cell holds its token
-            ref, _ = attention64(cache, cell, q[:, :, 0], SCALE, plan.tau)
-            torch.testing.assert_close(outs[cell].double(), ref, atol=ATTN_FP32_ATOL, rtol=ATTN_FP32_RTOL)
+            for c in (cell,) if isinstance(cell, int) else cell:
+                ref, _ = attention64(cache, c, q[:, :, 0], SCALE, plan.tau_of(plan.layout.cell(c)))
+                torch.testing.assert_close(outs[c].double(), ref, atol=ATTN_FP32_ATOL, rtol=ATTN_FP32_RTOL)
     return cache
 
 
@@ -56,6 +57,16 @@ def test_decode_matches_float64_recompute(option, tau):
     plan = loopkv.Plan.uniform(loops=1, layers=1, option=option, tau=tau)
     cache = _run(plan, lens=[1, 33, 300], steps=60)
     assert cache.storage(0).lengths.tolist() == [61, 93, 360]
+
+
+def test_each_loop_reads_at_its_own_tau():
+    """A plan with V precision per loop (off in loop 0, tau = 0 in loop 1, so cold tokens exist): each cell's
+    decode equals the float64 read at its own loop's threshold (at tau = 0 most history is cold, so reading loop 1 at
+    loop 0's threshold would fail)."""
+    plan = loopkv.Plan.uniform(loops=2, layers=1, option="int4", tau=(math.inf, 0.0))
+    assert plan.taus == (math.inf, 0.0)
+    cache = _run(plan, lens=[300, 400], steps=30, check_every=10, cell=(0, 1))
+    assert cache.taus == (math.inf, 0.0)
 
 
 def test_shared_cell_reads_final_loop_pages():

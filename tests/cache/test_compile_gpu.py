@@ -132,7 +132,7 @@ def test_warmup_compiles_every_reader_variant_a_decode_step_uses():
             st = cache._rows(idx, batch)
             scratch = [torch.zeros_like(t) for t in (st.sink_k, st.sink_v, st.win_k, st.win_v)]
             out = torch.ops.loopkv.token_attention_(query, token, token, *scratch, torch.zeros_like(st.lengths),
-                                                    st.page_table, *st.pool(), st.read_bits, cache._tau(st),
+                                                    st.page_table, *st.pool(), st.read_bits, cache._tau(idx, st),
                                                     128**-0.5)
             assert out.shape == query.shape
     torch.cuda.synchronize()
