@@ -234,6 +234,9 @@ class LoopKVCache(Cache):
         self._unread: set[int] = set()  # cells updated whose "loopkv" read has not yet written the token
         self._read: set[int] = set()  # cells whose read wrote the step's token, not yet counted by advance_
         self._read_batch = 0
+        # left pads of each row's prompt: transformers counts positions as a dense cache holds them (pads included),
+        # so the host-side length of a row is its tokens plus its pads (get_seq_length)
+        self._pads = torch.zeros(max_batch_size, dtype=torch.int64)
         # Every tensor a step can mutate must be a static address, the empty placeholders included: one unmarked
         # input makes CUDA-graph trees skip the whole step.
         for t in [*self._stacks.tensors(), *(t for g in self._groups for t in g[1:]), self._no_pool]:
@@ -290,9 +293,13 @@ class LoopKVCache(Cache):
         return (LoopKVHandle(self, layer_idx, key_states, value_states),) * 2
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        """Tokens held by the longest row (padded prompt length + generated), as transformers counts."""
+        """Positions held, as transformers counts them for a dense cache: the padded prompt length + generated tokens
+        (each row stores only its own tokens; its left pads are added back here). While compiling or capturing, the
+        longest row's tokens as a 0-d tensor (no host sync; the decode step's masks do not depend on it)."""
         if not _no_host_sync(self.device):
             self.flush()
+            held = self.layers[layer_idx].storage.lengths.cpu().long()
+            return int((held + self._pads).max()) if held.any() else 0
         if torch.compiler.is_compiling():
             # the lengths stack's slice, not the cell's view: a compiled step must not lift two inputs that share
             # memory. AOTAutograd merges such inputs into a "synthetic base", and its metadata then forgets which
@@ -312,6 +319,7 @@ class LoopKVCache(Cache):
             layer.reset()
         self._unread.clear()
         self._read.clear()
+        self._pads.zero_()
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Beam search: gather rows exactly (codes, scales and exact parts; nothing is re-quantized)."""
@@ -331,6 +339,7 @@ class LoopKVCache(Cache):
                     rows[:B].copy_(rows.index_select(0, idx))
                 else:
                     t[:B].copy_(t.index_select(0, idx))
+        self._pads[:B] = self._pads.index_select(0, idx.cpu())
 
     def crop(self, max_length: int) -> None:
         raise NotImplementedError(
@@ -406,8 +415,15 @@ class LoopKVCache(Cache):
         query [B, Hq, S, D], k, v [B, H, S, D] -> [B, S, Hq, D]. Refused whole, before anything is written, if a
         row would pass ``max_cache_len``."""
         self.flush()
-        S = k.shape[2]
-        held = int(self._rows(layer_idx, k.shape[0]).lengths.max())
+        B, S = k.shape[0], k.shape[2]
+        lengths = self._rows(layer_idx, B).lengths.cpu()
+        if not lengths.all():
+            empty = lengths.eq(0).nonzero().flatten().tolist()
+            raise ValueError(
+                f"rows {empty} of this {B}-row batch hold no tokens while the others hold a conversation: the batch "
+                "does not match the one that filled the cache (e.g. num_return_sequences or a larger batch on a "
+                "later turn). Continue with the same rows, or cache.reset() and send the whole conversation")
+        held = int(lengths.max())
         if held + S > self.max_cache_len:
             raise ValueError(f"{S} more tokens on a row holding {held} exceed max_cache_len={self.max_cache_len}; "
                              "build the LoopKVCache with a larger max_cache_len")
@@ -490,6 +506,8 @@ class LoopKVCache(Cache):
                 st.win_k[b, :, slots] = kb[:, start:]
                 st.win_v[b, :, slots] = vb[:, start:]
             st.lengths[b] = n
+            if layer_idx == 0:
+                self._pads[b] = p
         if page_ids:
             torch.ops.loopkv.write_pages_(torch.cat(page_k).contiguous(), torch.cat(page_v).contiguous(),
                                           torch.cat(page_ids), *st.pool(), st.own_bits)

@@ -262,3 +262,49 @@ def test_constructor_arguments_are_checked_before_anything_is_allocated(model):
         loopkv.LoopKVCache(plan, max_batch_size=1, max_cache_len=10, dtype="int8", **kw)
     with pytest.raises(ValueError, match=r"needs [0-9.]+ GiB on cpu, which has [0-9.]+ GiB free"):
         loopkv.LoopKVCache(plan, max_batch_size=64, max_cache_len=10**9, **kw)
+
+
+def test_a_second_turn_on_left_padded_rows_equals_a_fresh_generate(model):
+    """Every row left-padded, then a second ``generate`` on history + new tokens: the cache counts positions as a
+    dense cache does (pads included), so transformers feeds only the new tokens and the result equals one generate
+    over the whole conversation on a fresh cache."""
+    plan = loopkv.Plan.uniform(loops=LOOPS, layers=LAYERS, option="bf16")
+    g = torch.Generator().manual_seed(11)
+    ids = torch.randint(3, 97, (2, 30), generator=g)
+    mask = torch.ones(2, 30, dtype=torch.long)
+    mask[0, :3], mask[1, :5] = 0, 0  # every row padded
+    ids = ids.masked_fill(mask == 0, 0)
+    cache = _cache(model, plan, 2, 80)
+    first, _ = _generate(model, ids, 8, cache, mask)
+    assert cache.get_seq_length() == 30 + 7  # as the dense cache counts: padded prompt + generated tokens fed back
+    turn = torch.cat([ids, first, torch.randint(3, 97, (2, 6), generator=g)], dim=1)
+    turn_mask = torch.cat([mask, torch.ones(2, 14, dtype=torch.long)], dim=1)
+    tokens, logits = _generate(model, turn, 8, cache, turn_mask)
+    fresh_tokens, fresh_logits = _generate(model, turn, 8, _cache(model, plan, 2, 80), turn_mask)
+    assert torch.equal(tokens, fresh_tokens)
+    torch.testing.assert_close(logits, fresh_logits, atol=LOGITS_FP32_ATOL, rtol=LOGITS_FP32_RTOL)
+
+
+def test_a_later_turn_with_rows_the_cache_never_held_is_refused(model):
+    """``num_return_sequences=2`` on a cache that holds one row's conversation would decode row 1 without its
+    history; it is refused before anything is written, and the cache still continues the row it holds."""
+    plan = loopkv.Plan.uniform(loops=LOOPS, layers=LAYERS, option="bf16")
+    cache = _cache(model, plan, 2, 120)
+    ids = torch.randint(3, 97, (1, 40), generator=torch.Generator().manual_seed(12))
+    first, _ = _generate(model, ids, 5, cache)
+    turn = torch.cat([ids, first, torch.randint(3, 97, (1, 6))], dim=1)
+    with pytest.raises(ValueError, match=r"rows \[1\] of this 2-row batch hold no tokens"):
+        model.generate(turn, past_key_values=cache, max_new_tokens=4, do_sample=True, num_return_sequences=2,
+                       pad_token_id=0)
+    assert cache.get_seq_length() == 44
+    _generate(model, turn, 4, cache)  # the same row continues
+    assert cache.get_seq_length() == 51 + 3  # the turn (40 + 5 + 6 tokens) and 3 of the 4 generated
+
+
+def test_a_continuation_past_max_cache_len_is_refused_before_it_writes(model):
+    """Several tokens on a non-empty cache that would pass max_cache_len are refused whole: nothing is dropped."""
+    cache = _cache(model, loopkv.Plan.uniform(loops=LOOPS, layers=LAYERS), 1, 40)
+    model(input_ids=torch.randint(3, 97, (1, 30)), past_key_values=cache)
+    with pytest.raises(ValueError, match="exceed max_cache_len=40"):
+        model(input_ids=torch.randint(3, 97, (1, 300)), past_key_values=cache)
+    assert cache.get_seq_length() == 30
