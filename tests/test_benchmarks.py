@@ -1,8 +1,11 @@
-"""``benchmarks/bench_cell_attention.py --smoke`` and ``benchmarks/bench_quality.py --smoke`` end to end (CPU; the cell
-reader under Triton's interpreter where there is no GPU)."""
+"""Each benchmark's ``--smoke`` end to end: ``bench_cell_attention.py`` (CPU; the cell reader under Triton's
+interpreter where there is no GPU), ``bench_quality.py``, ``bench_decode.py`` with ``plot_decode.py``, and
+``bench_profile.py``."""
 
+import contextlib
 import datetime
 import importlib
+import io
 import json
 import math
 import pathlib
@@ -75,3 +78,115 @@ def test_bench_quality_smoke(tmp_path, capsys):
         assert all(0 < v <= 1 for v in values)
     lines = capsys.readouterr().out.strip().splitlines()
     assert [line.split()[0] for line in lines[-len(arms):]] == [name.split()[0] for name in arms]  # table last
+
+
+ARMS = ("bf16", "kivi4", "kivi4v", "loopkv-r", "loopkv-m")
+
+
+@pytest.fixture(scope="module")
+def decode_smoke(tmp_path_factory):
+    """(JSON path, parsed JSON, stdout) of one ``bench_decode.py --smoke`` run."""
+    path = tmp_path_factory.mktemp("bench") / "decode.json"
+    stdout = io.StringIO()
+    with contextlib.redirect_stdout(stdout):
+        _load("bench_decode").main(["--smoke", "--out", str(path)])
+    return path, json.loads(path.read_text()), stdout.getvalue()
+
+
+def test_bench_decode_smoke(decode_smoke):
+    path, result, stdout = decode_smoke
+    assert result["benchmark"] == "bench_decode"
+    assert result["command"] == f"python benchmarks/bench_decode.py --smoke --out {path}"
+    assert result["device"].startswith("cpu")
+    assert {"torch", "triton", "transformers", "loopkv"} <= set(result["versions"])
+    datetime.datetime.fromisoformat(result["date"])
+    assert result["complete"]
+    assert not result["errors"]
+    assert result["plans_kib_per_token_stored_read"]["loopkv-m"][0] < result["plans_kib_per_token_stored_read"][
+        "kivi4"][0]
+    for arm in ARMS:
+        fit = result["fits"][f"{arm}@448"]
+        assert fit["max_batch"] == min(result["kv_budget_bytes"] // fit["bytes_per_row"], 8)
+        rows = [r for r in result["rows"] if r["arm"] == arm]
+        assert sorted(r["batch"] for r in rows) == sorted({1, fit["max_batch"]})
+        for r in rows:
+            assert r["step_ms"] > 0
+            # tok_s is rounded to 0.1 and step_ms to 0.001 ms in the JSON: their rounding bounds the difference
+            rounding = 0.05 + r["tok_s"] * 0.0005 / r["step_ms"]
+            assert r["tok_s"] == pytest.approx(r["batch"] * 1000 / r["step_ms"], abs=rounding * 1.01)
+            assert r["cache_bytes"] == fit["bytes_per_row"] * r["batch"]
+            assert r["filled_to"] < r["tokens_after"] <= 448 + 64
+            if arm in ("bf16", "kivi4"):
+                assert r["hot_fraction"] is None
+            else:
+                assert 0 < r["hot_fraction"] < 1
+    assert result["captures"] == ["eager"]
+    assert {r["capture"] for r in result["rows"]} == {"eager"}
+    peaks = {s["arm"]: s for s in result["summary"]}
+    assert set(peaks) == set(ARMS)
+    assert peaks["bf16"]["x_bf16"] == 1.0
+    assert peaks["kivi4"]["x_kivi4"] == 1.0
+    assert peaks["bf16"]["peak_batch"] <= peaks["kivi4"]["peak_batch"] <= peaks["loopkv-m"]["peak_batch"]
+    for s in peaks.values():
+        assert s["x_bf16"] == pytest.approx(s["peak_tok_s"] / peaks["bf16"]["peak_tok_s"], abs=1e-3)
+    table = stdout.strip().splitlines()[-len(ARMS) - 1:]  # the table comes last
+    assert table[0].split()[:5] == ["capture", "arm", "ctx", "peak", "B"]
+    assert [line.split()[:2] for line in table[1:]] == [["eager", arm] for arm in ARMS]
+
+
+def test_plot_decode_smoke(decode_smoke, capsys):
+    path, result, _ = decode_smoke
+    png = pathlib.Path(_load("plot_decode").main(["--smoke", str(path)]))
+    assert png.stat().st_size > 10_000
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and "448" in line]
+    assert [line.split("|")[2].strip() for line in rows] == list(ARMS)
+    assert f"{result['summary'][-1]['peak_tok_s']:.1f}" in rows[-1]
+
+
+def test_bench_profile_smoke(tmp_path, capsys):
+    bench = _load("bench_profile")
+    out = tmp_path / "profile.json"
+    bench.main(["--smoke", "--out", str(out)])
+    result = json.loads(out.read_text())
+    assert result["benchmark"] == "bench_profile"
+    assert result["command"] == f"python benchmarks/bench_profile.py --smoke --out {out}"
+    assert {"torch", "transformers", "loopkv"} <= set(result["versions"])
+    datetime.datetime.fromisoformat(result["date"])
+    # the tiny model: 3 loops x 2 layers -> 4 cells x 3 options + 2 final cells x 2 options + KL_share
+    assert result["profile"]["evaluations"] == 4 * 3 + 2 * 2 + 1
+    assert list(result["arms"]) == ["tf32", "fp32", "fp32-rows"]
+    for arm in result["arms"].values():
+        assert arm["how"] == "extrapolated"
+        rows = arm["sampled"]
+        assert rows
+        per_unit = sum(r["seconds_per_doc"] for r in rows) / sum(r["units"] for r in rows)
+        assert arm["seconds_per_unit_per_doc"] == pytest.approx(per_unit)
+        full = result["profile"]["documents"] * (per_unit * arm["units_per_doc"] + arm["reference_seconds_per_doc"])
+        assert arm["full_profile_minutes"] == pytest.approx(full / 60)
+        assert arm["minutes_per_evaluation"] == pytest.approx(full / 60 / result["profile"]["evaluations"])
+    assert result["arms"]["fp32-rows"]["units_per_doc"] >= result["arms"]["fp32"]["units_per_doc"]
+    check = result["tf32_check"]
+    assert len(check["ouro_shape"]["jobs"]) == 2
+    assert check["small_model"]["damages"] == 16
+    assert result["summary"]["evaluations_per_profile"] == 17
+    assert "min/profile" in capsys.readouterr().out
+
+
+def test_profile_batches_and_cost_model_at_ouro_shape():
+    """The batches the H200 run extrapolates over: Ouro-1.4B's 265 evaluations in 34 batches of 8; the exact
+    prefix run once makes a batch of the final loop's cells cost little more than one row."""
+    bench = _load("bench_profile")
+    from loopkv.planning.profiler import _Runner
+
+    batches = bench.profile_batches(bench.ouro_config(False), 8)
+    assert sum(len(b) for b in batches) == 72 * 3 + 24 * 2 + 1
+    assert len(batches) == 34
+    run = _Runner(None, [], loops=4, layers=24, tau=float("inf"), share_source="int4", share_passes=2,
+                  prefill_len=320, first=320)
+    last_plain = batches[23]  # int4/int2 of final-loop cells 92..95
+    assert [run.first_cell(j) for j in last_plain][0] == 92
+    assert bench.cost_units(run, last_plain, share_prefix=True) == pytest.approx(92 / 96 + 8 * 4 / 96)
+    assert bench.cost_units(run, last_plain, share_prefix=False) == 8
+    assert bench.cost_units(run, batches[24], share_prefix=False) == 16  # share jobs: two passes
+    assert bench.sample(batches, 4) == [0, 23, 24, 33]
