@@ -8,10 +8,11 @@
     loopkv eval small --plan plan.json --profile profile.json    # KL through the real LoopKVCache
     loopkv demo
 
-MODEL is a local checkpoint directory (``OuroForCausalLM.from_pretrained``) or ``small`` (the small model
-loopkv ships). Documents default to seeded calibration documents for the byte-level small model
-(``loopkv.planning.profiler.calibration_documents``); ``--documents`` takes text files (tokenized with the
-model's tokenizer) or token-id files (``.pt`` / ``.npy``, [N] or [n, N]).
+MODEL is a local checkpoint directory (``OuroForCausalLM.from_pretrained``), a Hub id already in the local Hub
+cache (looked up offline, never downloaded) or ``small`` (the small model loopkv ships). Documents default to
+seeded calibration documents for the byte-level small model (``loopkv.planning.profiler.calibration_documents``);
+``--documents`` takes text files (tokenized with the model's tokenizer) or token-id files (``.pt`` / ``.npy``, [N]
+or [n, N]).
 
 ``import loopkv.cli`` imports only argparse: everything heavy loads inside the command that needs it.
 """
@@ -57,7 +58,8 @@ def _options(text: str) -> tuple[str, ...]:
 
 
 def _add_model(p: argparse.ArgumentParser, *, dtype_choice: bool) -> None:
-    p.add_argument("model", metavar="MODEL", help="a checkpoint directory, or 'small' for loopkv's small model")
+    p.add_argument("model", metavar="MODEL", help="a checkpoint directory, a Hub id in the local Hub cache "
+                   "(never downloaded), or 'small' for loopkv's small model")
     p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     if dtype_choice:
         p.add_argument("--dtype", default="float32", choices=DTYPES, help="activation dtype (default float32)")
@@ -152,7 +154,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 # ------------------------------------------------------------------------------------------- helpers
 def load_model(spec: str, *, device: str | None = None, dtype: str = "float32"):
-    """``small`` or a checkpoint directory -> an eval-mode model on ``device``."""
+    """``small``, a checkpoint directory, or a Hub id already in the local Hub cache (never downloaded) -> an
+    eval-mode model on ``device``."""
     import torch
 
     torch_dtype = getattr(torch, dtype)
@@ -161,12 +164,18 @@ def load_model(spec: str, *, device: str | None = None, dtype: str = "float32"):
         from loopkv.models.small import load_small
 
         return load_small(dtype=torch_dtype, device=device)
-    if not os.path.isdir(spec):
-        raise ValueError(f"MODEL {spec!r} is neither a checkpoint directory nor 'small'")
-    check_model_dir(spec)
-    from loopkv.models.ouro import OuroForCausalLM
+    from loopkv.models.checkpoints import CheckpointError, check_ouro_checkpoint, checkpoint_folder
 
-    model = OuroForCausalLM.from_pretrained(spec, dtype=torch_dtype, local_files_only=True)
+    try:
+        folder = checkpoint_folder(spec)
+        check_model_dir(folder)
+        check_ouro_checkpoint(folder)
+    except CheckpointError as err:
+        raise UserError(str(err)) from err
+    from loopkv.models.ouro import OuroForCausalLM, register_ouro
+
+    register_ouro()  # AutoConfig and AutoTokenizer know model_type "ouro" (a text --documents file's tokenizer)
+    model = OuroForCausalLM.from_pretrained(folder, dtype=torch_dtype, local_files_only=True)
     return model.to(device).eval()
 
 

@@ -20,6 +20,7 @@ forward accepts both names and returns the cache under the name the installed ve
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -400,6 +401,43 @@ def _check_capacity(cache: Any, generation_config: Any) -> None:
     )
 
 
+# The sequences each user cache's last `generate` returned (what the cache holds, bar the last token), by cache.
+_GENERATED: weakref.WeakKeyDictionary[Any, torch.Tensor] = weakref.WeakKeyDictionary()
+_FRESH_CACHE_FIX = (
+    "call cache.reset() (or pass a new cache) between unrelated requests; to continue the conversation, pass the "
+    "earlier output followed by the new tokens"
+)
+
+
+def _check_continues(cache: Any, input_ids: torch.Tensor | None) -> None:
+    """Refuse a ``generate`` whose ``input_ids`` do not continue what ``cache`` holds from its previous ``generate``.
+
+    transformers feeds only the input positions past ``cache.get_seq_length()``, so a new, unrelated prompt on a used
+    cache would silently be read as a continuation of the old conversation (or fail on a shape, if shorter). A cache
+    that is empty (new or ``reset()``), or that was filled outside ``generate``, is not checked. Rows beyond those of
+    the previous call are left to the cache (LoopKVCache refuses rows it never held)."""
+    if cache is None or input_ids is None:
+        return
+    before = _GENERATED.get(cache)
+    if before is None:
+        return
+    held = int(cache.get_seq_length())
+    if held == 0:
+        return
+    rows, n = min(input_ids.shape[0], before.shape[0]), min(held, before.shape[1])
+    if input_ids.shape[1] <= held:
+        raise ValueError(
+            f"this cache already holds {held} positions from an earlier generate and the new input has "
+            f"{input_ids.shape[1]}, so it does not continue them: a new prompt on a used cache; {_FRESH_CACHE_FIX}")
+    same = input_ids[:rows, :n].to(before.device) == before[:rows, :n]
+    if not bool(same.all()):
+        row, position = (~same).nonzero()[0].tolist()
+        raise ValueError(
+            f"this cache holds {held} positions from an earlier generate and the new input differs from them (row "
+            f"{row}, position {position}): a new, unrelated prompt on a used cache would be read as a continuation "
+            f"of the old one; {_FRESH_CACHE_FIX}")
+
+
 class OuroForCausalLM(OuroPreTrainedModel, GenerationMixin):
     """Ouro with its LM head. The default cache is :func:`dense_cache` (the exact reference)."""
 
@@ -496,15 +534,38 @@ class OuroForCausalLM(OuroPreTrainedModel, GenerationMixin):
 
     def generate(self, inputs: torch.Tensor | None = None, generation_config=None, **kwargs: Any):
         """``GenerationMixin.generate``; a request longer than the cache's capacity is refused before the
-        prefill (``_prepare_cache_for_generation``)."""
+        prefill (``_prepare_cache_for_generation``).
+
+        A cache passed in holds one conversation: ``cache.reset()`` between unrelated requests. A cache that a
+        previous ``generate`` filled is checked here: input that does not start with the positions it holds (a new,
+        unrelated prompt) is refused with that fix, before anything is written."""
         if _OUTPUT_CACHE_FIELD == "cache" and "past_key_values" in kwargs:
             # transformers >= ~5.2x renamed generate's cache argument; accept the old name without a warning
             kwargs["cache"] = _pick_cache(kwargs.pop("past_key_values"), kwargs.get("cache"))
-        return super().generate(inputs, generation_config=generation_config, **kwargs)
+        cache = kwargs.get("cache")
+        if cache is None:
+            cache = kwargs.get("past_key_values")
+        input_ids = inputs if inputs is not None else kwargs.get("input_ids")
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.is_floating_point():
+            input_ids = None  # embeddings or an encoder input: nothing to compare
+        _check_continues(cache, input_ids)
+        try:
+            out = super().generate(inputs, generation_config=generation_config, **kwargs)
+        except BaseException:
+            if cache is not None:
+                _GENERATED.pop(cache, None)  # partly written: what it holds is unknown
+            raise
+        if cache is not None:
+            sequences = out if isinstance(out, torch.Tensor) else getattr(out, "sequences", None)
+            if isinstance(sequences, torch.Tensor):
+                _GENERATED[cache] = sequences.detach().clone()
+        return out
 
 
 def register_ouro() -> None:
-    """Register ``model_type="ouro"`` with ``AutoConfig`` and ``AutoModelForCausalLM`` (idempotent)."""
+    """Register ``model_type="ouro"`` with ``AutoConfig`` and ``AutoModelForCausalLM`` (idempotent), so that
+    ``AutoModelForCausalLM.from_pretrained(folder_or_hub_id)`` and ``pipeline("text-generation", model=...)`` load
+    an Ouro checkpoint (``loopkv.models.register_ouro`` is this function)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     AutoConfig.register(OuroConfig.model_type, OuroConfig, exist_ok=True)

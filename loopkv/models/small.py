@@ -2,6 +2,9 @@
 
 ``load_small()`` loads the committed checkpoint in ``loopkv/models/small/`` offline; ``encode`` and
 ``decode`` are its byte tokenizer (ids 0..255 are bytes, then BOS/EOS/PAD; see loopkv.models.data).
+The same tokenizer ships in transformers' format beside the weights (``tokenizer.json``,
+``tokenizer_config.json``; :func:`load_tokenizer`, or ``AutoTokenizer.from_pretrained(SMALL_DIR)``), so that
+``pipeline("text-generation", model=str(SMALL_DIR))`` loads it after ``loopkv.models.register_ouro()``.
 
     >>> from loopkv.models.small import load_small, encode, decode
     >>> model = load_small()
@@ -18,9 +21,24 @@ import torch
 
 from loopkv.models.data import BOS, EOS, PAD, VOCAB_SIZE, decode_bytes, encode_bytes
 
-__all__ = ["BOS", "EOS", "PAD", "SMALL_DIR", "VOCAB_SIZE", "decode", "encode", "load_small"]
+__all__ = [
+    "BOS",
+    "EOS",
+    "PAD",
+    "SMALL_DIR",
+    "SPECIAL_TOKENS",
+    "VOCAB_SIZE",
+    "build_tokenizer",
+    "decode",
+    "encode",
+    "load_small",
+    "load_tokenizer",
+]
 
 SMALL_DIR = pathlib.Path(__file__).resolve().parent / "small"
+# the tokenizer's strings for the ids above the bytes; encode never produces the ids above PAD (unused, named so that
+# the tokenizer's vocabulary is the model's VOCAB_SIZE ids)
+SPECIAL_TOKENS = {"<bos>": BOS, "<eos>": EOS, "<pad>": PAD} | {f"<unused_{i}>": i for i in range(PAD + 1, VOCAB_SIZE)}
 
 
 def encode(text: str | bytes, *, bos: bool = True) -> torch.Tensor:
@@ -57,3 +75,57 @@ def load_small(
         str(SMALL_DIR), dtype=dtype, local_files_only=True, attn_implementation=attn_implementation
     )
     return model.to(device).eval()
+
+
+def _byte_chars() -> list[str]:
+    """The printable character that stands for each byte in a byte-level ``tokenizers`` vocabulary (GPT-2's
+    table, the one ``pre_tokenizers.ByteLevel`` maps bytes to): printable Latin-1 bytes stand for themselves,
+    the others for ``chr(256 + k)`` in byte order."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for byte in range(256):
+        if byte in keep:
+            chars[byte] = chr(byte)
+        else:
+            chars[byte] = chr(256 + extra)
+            extra += 1
+    return [chars[b] for b in range(256)]
+
+
+def build_tokenizer():
+    """The small model's byte tokenizer as a transformers tokenizer (the ``tokenizers`` library's model classes):
+    id ``b`` is byte ``b``, BOS is put first, text is never split on special-token strings, so its ids are
+    :func:`encode`'s; decoding skips the special and unused ids with ``skip_special_tokens=True``, as
+    :func:`decode` does. Left padding (LoopKVCache needs it), 4096 tokens (the training length).
+
+    The files in ``SMALL_DIR`` are ``build_tokenizer().save_pretrained(SMALL_DIR)``.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {char: byte for byte, char in enumerate(_byte_chars())}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))  # no merges: one token per byte
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens(list(SPECIAL_TOKENS))  # ids BOS.. in order, as SPECIAL_TOKENS lists them
+    backend.post_processor = processors.TemplateProcessing(
+        single="<bos> $A", pair="<bos> $A $B", special_tokens=[("<bos>", BOS)]
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>", padding_side="left",
+        model_max_length=4096, split_special_tokens=True, clean_up_tokenization_spaces=False,
+    )
+
+
+def load_tokenizer():
+    """The shipped tokenizer of the small model from ``SMALL_DIR`` (``AutoTokenizer``, offline). Registers Ouro with
+    transformers' Auto classes first (``register_ouro``), so that AutoTokenizer reads ``config.json`` as an Ouro one."""
+    from transformers import AutoTokenizer
+
+    from loopkv.models.ouro import register_ouro
+
+    if not (SMALL_DIR / "tokenizer.json").is_file():
+        raise FileNotFoundError(f"the small model's tokenizer is missing from {SMALL_DIR} (tokenizer.json); reinstall "
+                                "loopkv, or write it: build_tokenizer().save_pretrained(SMALL_DIR)")
+    register_ouro()
+    return AutoTokenizer.from_pretrained(str(SMALL_DIR), local_files_only=True)
