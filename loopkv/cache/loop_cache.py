@@ -23,147 +23,15 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import Cache
 
+from loopkv.cache import checks
+from loopkv.cache import layer as cell_layer
+from loopkv.cache.layer import LoopKVCell, LoopKVHandle
 from loopkv.cache.storage import OWN_FIELDS, POOL_FIELDS, CellStorage, allocate_cell, stack_cells
 from loopkv.cells import Cell, CellLayout
 from loopkv.format import PAGE, RING, SINK, capacity, check_head_dim, n_pages, stored_pages
 from loopkv.ops import cache_ops, cell_attention, step_ops  # noqa: F401  (registers torch.ops.loopkv.*)
-
-SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def _capturing(device: torch.device) -> bool:
-    """True while a CUDA graph is being captured on the current stream (no host syncs allowed then)."""
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-
-
-def _no_host_sync(device: torch.device) -> bool:
-    """While compiling or capturing a CUDA graph a host sync would break the graph: read no device value."""
-    return torch.compiler.is_compiling() or _capturing(device)
-
-
-class LoopKVHandle:
-    """What ``LoopKVCache.update`` returns in place of dense K/V: the cache, the cell and its new tokens
-    (k_new, v_new [B, H, S, D]). Only the ``"loopkv"`` attention function reads it."""
-
-    __slots__ = ("cache", "cell_index", "k_new", "v_new")
-    is_loopkv_handle = True
-
-    def __init__(self, cache: LoopKVCache, cell_index: int, k_new: Tensor, v_new: Tensor):
-        self.cache = cache
-        self.cell_index = cell_index
-        self.k_new = k_new
-        self.v_new = v_new
-
-    def __getattr__(self, name: str):
-        raise AttributeError(
-            f"a LoopKVCache returned a handle from update(), and this model's attention function asked it for "
-            f"{name!r}: only the 'loopkv' attention function reads it. Use a model whose attention dispatches to "
-            "it (loopkv.models.ouro does), or load the model with attn_implementation='loopkv' after "
-            "loopkv.register()"
-        )
-
-
-class LoopKVCell(CacheLayerMixin):
-    """One cell's transformers cache layer; its tensors are the named fields of :class:`CellStorage`."""
-
-    is_compileable = True
-    is_sliding = False
-    is_croppable = False
-
-    def __init__(self, storage: CellStorage, *, max_cache_len: int):
-        super().__init__()
-        self.storage = storage
-        self.max_cache_len = max_cache_len
-        self.is_initialized = True
-
-    def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
-        """Storage is preallocated at construction: nothing to do."""
-
-    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs):
-        raise RuntimeError("LoopKVCell is updated through LoopKVCache.update(k, v, layer_idx)")
-
-    def get_mask_sizes(self, query_length) -> tuple[int, int]:
-        q = query_length if isinstance(query_length, int) else int(query_length.shape[0])
-        # decode: a constant size (no recompiles); the loopkv kernel masks from device lengths
-        return (self.max_cache_len, 0) if q == 1 else (q, 0)
-
-    def get_seq_length(self) -> int:
-        """Tokens of the longest row; a 0-d tensor while compiling or capturing a CUDA graph (no host sync,
-        no graph break; transformers' mask helpers call this every step)."""
-        longest = self.storage.lengths.max()
-        if _no_host_sync(longest.device):
-            return longest
-        return int(longest)
-
-    def get_max_length(self) -> int:
-        return self.max_cache_len
-
-    def reset(self) -> None:
-        self.storage.lengths.zero_()
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        raise RuntimeError("reorder through LoopKVCache.reorder_cache")
-
-
-def _model_shape(config) -> tuple[int, int, int, int]:
-    """(loops, layers, kv_heads, head_dim) of an Ouro-style config."""
-    needed = ("total_ut_steps", "num_hidden_layers", "num_attention_heads")
-    missing = [a for a in needed if not hasattr(config, a)]
-    if missing:
-        raise ValueError(f"config lacks {missing}: LoopKVCache needs a looped model's config "
-                         "(e.g. OuroConfig)")
-    heads = config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    return config.total_ut_steps, config.num_hidden_layers, kv_heads, head_dim
-
-
-def _resolve_dtype(config, dtype) -> torch.dtype:
-    """``dtype`` (a torch.dtype or its name, e.g. ``"bfloat16"``), else the config's, else fp32."""
-    if dtype is None:
-        dtype = getattr(config, "dtype", None) or torch.float32
-    if isinstance(dtype, str):
-        dtype = getattr(torch, dtype.removeprefix("torch."), dtype)
-    if dtype not in SUPPORTED_DTYPES:
-        names = ", ".join(str(d).removeprefix("torch.") for d in SUPPORTED_DTYPES)
-        raise ValueError(f"dtype {dtype!r} is not supported: pass the model's activation dtype, one of {names}")
-    return dtype
-
-
-def _positive_int(name: str, value) -> int:
-    """``value`` as a positive Python int (numpy and torch integers too), or a ValueError naming ``name``."""
-    if isinstance(value, bool) or not hasattr(value, "__index__"):
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-    value = value.__index__()
-    if value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-    return value
-
-
-def _free_bytes(device: torch.device) -> int | None:
-    """Memory free for new tensors on ``device`` (CUDA: the driver's count; CPU: the OS's available memory)."""
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    if device.type == "cpu":
-        try:
-            with open("/proc/meminfo") as f:
-                info = dict(line.split(":", 1) for line in f)
-            return int(info["MemAvailable"].split()[0]) * 1024
-        except (OSError, KeyError, ValueError):
-            return None
-    return None
-
-
-def _check_fits(templates: list[CellStorage], device: torch.device) -> None:
-    """Refuse, before allocating, a cache larger than the memory free on ``device`` (its bytes counted from the
-    cells' shapes, each stacked buffer once)."""
-    needed = sum(math.prod(t.shape) * t.element_size() for st in templates for t in st.own_tensors().values())
-    free = _free_bytes(device)
-    if free is not None and needed > free:
-        raise ValueError(f"this LoopKVCache needs {needed / 2**30:.2f} GiB on {device}, which has {free / 2**30:.2f} "
-                         "GiB free: lower max_batch_size or max_cache_len, or plan fewer stored bytes per token")
 
 
 class LoopKVCache(Cache):
@@ -194,14 +62,14 @@ class LoopKVCache(Cache):
         if not isinstance(plan, Plan):
             raise ValueError(f"plan must be a loopkv.Plan (e.g. loopkv.Plan.uniform(loops=..., layers=...) or "
                              f"Plan.from_json(path)), got {type(plan).__name__}")
-        max_batch_size = _positive_int("max_batch_size", max_batch_size)
-        max_cache_len = _positive_int("max_cache_len", max_cache_len)
+        max_batch_size = checks.positive_int("max_batch_size", max_batch_size)
+        max_cache_len = checks.positive_int("max_cache_len", max_cache_len)
         register()
         plan.validate_for(config)
-        loops, layers, kv_heads, head_dim = _model_shape(config)
+        loops, layers, kv_heads, head_dim = checks.model_shape(config)
         if any(o != "bf16" for o in plan.options):
             check_head_dim(head_dim)
-        dtype = _resolve_dtype(config, dtype)
+        dtype = checks.resolve_dtype(config, dtype)
         device = torch.device(device if device is not None else "cuda" if torch.cuda.is_available() else "cpu")
 
         self.plan = plan
@@ -224,7 +92,7 @@ class LoopKVCache(Cache):
             source = storages.get(self.layout.source(cell)) if option == "share" else None
             storages[cell] = allocate_cell(option, source=source, **dims)
         ordered = [storages[c] for c in self.layout]
-        _check_fits(ordered, device)
+        checks.check_fits(ordered, device)
         self._stacks = stack_cells(ordered, device)  # the cells' fields become views of the stacks
         cells = [LoopKVCell(st, max_cache_len=max_cache_len) for st in ordered]
         super().__init__(layers=cells)
@@ -234,6 +102,7 @@ class LoopKVCache(Cache):
         self._unread: set[int] = set()  # cells updated whose "loopkv" read has not yet written the token
         self._read: set[int] = set()  # cells whose read wrote the step's token, not yet counted by advance_
         self._read_batch = 0
+        self._uncodable: dict[int, Tensor] = {}  # eager decode: per quantized cell, whether its token is uncodable
         # left pads of each row's prompt: transformers counts positions as a dense cache holds them (pads included),
         # so the host-side length of a row is its tokens plus its pads (get_seq_length)
         self._pads = torch.zeros(max_batch_size, dtype=torch.int64)
@@ -277,7 +146,7 @@ class LoopKVCache(Cache):
                 f"K/V are {key_states.dtype} on {key_states.device}, the cache was built for {self.dtype} on "
                 f"{self.device}: pass dtype=/device= to LoopKVCache matching the model"
             )
-        if S == 1 and not _no_host_sync(self.device):
+        if S == 1 and not cell_layer._no_host_sync(self.device):
             if layer_idx in self._unread:
                 raise RuntimeError(
                     f"cell {layer_idx} was updated again before the 'loopkv' attention function read its previous "
@@ -296,7 +165,7 @@ class LoopKVCache(Cache):
         """Positions held, as transformers counts them for a dense cache: the padded prompt length + generated tokens
         (each row stores only its own tokens; its left pads are added back here). While compiling or capturing, the
         longest row's tokens as a 0-d tensor (no host sync; the decode step's masks do not depend on it)."""
-        if not _no_host_sync(self.device):
+        if not cell_layer._no_host_sync(self.device):
             self.flush()
             held = self.layers[layer_idx].storage.lengths.cpu().long()
             return int((held + self._pads).max()) if held.any() else 0
@@ -319,11 +188,27 @@ class LoopKVCache(Cache):
             layer.reset()
         self._unread.clear()
         self._read.clear()
+        self._uncodable.clear()
         self._pads.zero_()
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        """Beam search: gather rows exactly (codes, scales and exact parts; nothing is re-quantized)."""
+        """Beam search: gather rows exactly (codes, scales and exact parts; nothing is re-quantized). The batch becomes
+        ``len(beam_idx)`` rows; rows after it are emptied, as a dense cache drops them."""
         self.flush()
+        # Refused before anything moves: index_select's own errors ("index out of range in self", a size mismatch)
+        # did not name the problem, a float index was truncated silently, and an index of a row outside the batch
+        # (empty, or left over from a larger batch) was gathered silently where a dense cache raises.
+        if not isinstance(beam_idx, Tensor) or beam_idx.dim() != 1 or beam_idx.dtype not in (
+                torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8):
+            raise ValueError(f"beam_idx must be a 1-D integer tensor of row indices, got {beam_idx!r}")
+        if not 1 <= beam_idx.shape[0] <= self.max_batch_size:
+            raise ValueError(f"beam_idx selects {beam_idx.shape[0]} rows; this LoopKVCache holds 1 to "
+                             f"max_batch_size={self.max_batch_size}")
+        held = self.layers[0].storage.lengths.cpu()  # an empty cache: any row (nothing moves)
+        bad = [i for i in beam_idx.tolist() if not (0 <= i < self.max_batch_size and (held[i] > 0 or not held.any()))]
+        if bad:
+            raise ValueError(f"beam_idx {bad} are not rows of the batch this LoopKVCache holds (rows "
+                             f"{held.nonzero().flatten().tolist()}): reorder only rows of that batch")
         idx = beam_idx.to(self.device).long()
         B = idx.shape[0]
         for layer in self.layers:
@@ -340,6 +225,9 @@ class LoopKVCache(Cache):
                 else:
                     t[:B].copy_(t.index_select(0, idx))
         self._pads[:B] = self._pads.index_select(0, idx.cpu())
+        for layer in self.layers:  # rows after the new batch are no longer part of it
+            layer.storage.lengths[B:].zero_()
+        self._pads[B:] = 0
 
     def crop(self, max_length: int) -> None:
         raise NotImplementedError(
@@ -403,6 +291,8 @@ class LoopKVCache(Cache):
             return out
         if self._read and B != self._read_batch:
             raise ValueError(f"cells of one decode step were read with {self._read_batch} and {B} rows")
+        if st.own_bits in (4, 2):  # checked on the device; the step's count (flush) reads it once
+            self._uncodable[layer_idx] = (checks.uncodable(k) | checks.uncodable(v)).any()
         self._unread.discard(layer_idx)
         self._read.add(layer_idx)
         self._read_batch = B
@@ -445,6 +335,12 @@ class LoopKVCache(Cache):
             return
         cells = sorted(self._read)
         self._read.clear()
+        if self._uncodable:
+            flags = torch.stack(list(self._uncodable.values())).cpu()
+            bad = [c for c, f in zip(self._uncodable, flags.tolist(), strict=True) if f]
+            self._uncodable.clear()
+            if bad:
+                raise checks.uncodable_error(bad)
         groups = self._groups
         if len(cells) < len(self.layers):  # some cells only (a caller driving cells one at a time): their pairs
             keep = set(cells)
@@ -484,6 +380,10 @@ class LoopKVCache(Cache):
         longest = S - min(pads)
         if longest > self.max_cache_len:
             raise ValueError(f"prompt of {longest} tokens exceeds max_cache_len={self.max_cache_len}")
+        if st.own_bits in (4, 2):
+            real = torch.arange(S, device=k.device)[None, :] >= pad.to(k.device)[:, None]  # [B, S]
+            if (real[:, None, :, None] & (checks.uncodable(k) | checks.uncodable(v))).any():
+                raise checks.uncodable_error([layer_idx])
         maxp = st.page_table.shape[1]
         page_k, page_v, page_ids = [], [], []
         for b, p in enumerate(pads):
@@ -551,7 +451,7 @@ class LoopKVCache(Cache):
 
     def storage(self, cell: Cell | int) -> CellStorage:
         """The cell's tensors (the tokens of a step in progress counted first: :meth:`flush`)."""
-        if not _no_host_sync(self.device):
+        if not cell_layer._no_host_sync(self.device):
             self.flush()
         idx = cell if isinstance(cell, int) else self.layout.flat_index(cell)
         return self.layers[idx].storage

@@ -218,3 +218,53 @@ def test_reset_reuses_the_same_tensors_and_forgets():
         outs.append([decode(cache, 0, s, s[:, :2], s[:, 2:], SCALE) for s in steps])
     for a, b in zip(*outs, strict=True):
         assert torch.equal(a, b)
+
+
+def test_values_the_codec_cannot_store_are_refused_not_saturated():
+    """K/V beyond fp16's range or non-finite would saturate the INT4 scales (1e5 decodes as 65508; Inf spoils its
+    group): a quantized cell refuses them, at prefill before anything is written, and in eager decode at the step's
+    count, naming the cell; a bf16 cell stores them exactly."""
+    cfg = tiny_config(loops=1, layers=2, head_dim=D)
+    plan = loopkv.Plan.from_grid([["int4", "bf16"]])
+    g = torch.Generator().manual_seed(9)
+    k, mask = left_pad([torch.randn(2, 40, D, generator=g)], 40)
+    v, _ = left_pad([torch.randn(2, 40, D, generator=g)], 40)
+    q = torch.randn(1, 4, 40, D, generator=g)
+    for bad in (1e5, math.inf, math.nan):
+        cache = loopkv.LoopKVCache(plan, config=cfg, max_batch_size=1, max_cache_len=100, device="cpu")
+        k_bad = k.clone()
+        k_bad[0, 1, 7, 3] = bad
+        prefill(cache, 1, q, k_bad, v, mask, SCALE)  # the bf16 cell holds it exactly
+        assert cache.storage(1).sink_k[0, 1, 7, 3].item() == bad or math.isnan(bad)
+        with pytest.raises(ValueError, match=r"cells \[0\] were given K/V values the INT4/INT2 codec cannot store"):
+            prefill(cache, 0, q, k_bad, v, mask, SCALE)
+        assert cache.storage(0).lengths.tolist() == [0]  # nothing written
+    cache = loopkv.LoopKVCache(plan, config=cfg, max_batch_size=1, max_cache_len=100, device="cpu")
+    for c in (0, 1):
+        prefill(cache, c, q, k, v, mask, SCALE)
+    token = torch.randn(1, 2, 1, D, generator=g)
+    token_bad = token.clone()
+    token_bad[0, 0, 0, 0] = -1e6
+    decode(cache, 0, q[:, :, :1], token_bad, token, SCALE)
+    with pytest.raises(ValueError, match=r"cells \[0\]"):
+        decode(cache, 1, q[:, :, :1], token, token, SCALE)  # the step's last cell counts the step
+    cache.reset()
+    for c in (0, 1):
+        prefill(cache, c, q, k, v, mask, SCALE)
+        decode(cache, c, q[:, :, :1], token, token, SCALE)  # after reset the cache works again
+    assert cache.get_seq_length() == 41
+
+
+def test_the_reference_read_follows_the_tokens_held_not_the_table(monkeypatch):
+    """A cache sized for 5,000 tokens holding 400: the CPU reference gathers the 3 pages a row holds, not the
+    table's 146 slots, so a step's cost follows the tokens held."""
+    from loopkv.ops import cell_attention as ca
+
+    gathered = []
+    real = ca._decode_pages
+    monkeypatch.setattr(ca, "_decode_pages", lambda *a: (gathered.append(a[7].shape), real(*a))[1])
+    plan = loopkv.Plan.uniform(loops=1, layers=1, option="int4")
+    cache = _run(plan, lens=[400], steps=1, max_len=5000)
+    assert cache.storage(0).page_table.shape[1] == (5001 - 288) // 32  # the table: 147 page slots per row
+    assert gathered
+    assert {s[1] for s in gathered} == {3}  # pages held: (401 - 288) // 32

@@ -177,7 +177,7 @@ def test_no_host_sync_while_a_cuda_graph_is_captured(model, monkeypatch):
     """Under capture (simulated: the capture query answers True) the cache neither syncs for its length
     (a 0-d tensor comes back, as while compiling) nor runs the eager overflow check; outside capture the
     length is an int and the check refuses a full row (a CUDA-graph capture fails on that int)."""
-    from loopkv.cache import loop_cache
+    from loopkv.cache import layer as loop_cache
 
     cache = _cache(model, loopkv.Plan.uniform(loops=LOOPS, layers=LAYERS), 1, 12)
     ids = torch.randint(3, 97, (1, 12))
