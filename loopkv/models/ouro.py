@@ -20,7 +20,6 @@ forward accepts both names and returns the cache under the name the installed ve
 from __future__ import annotations
 
 import dataclasses
-import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -34,6 +33,7 @@ from transformers.masking_utils import create_causal_mask, create_sliding_window
 from transformers.modeling_outputs import CausalLMOutputWithPast, ModelOutput
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
 
+from loopkv.models.generation_checks import GENERATED, check_capacity, check_continues
 from loopkv.models.ouro_config import OuroConfig, dense_cache, static_dense_cache
 
 __all__ = [
@@ -367,77 +367,6 @@ class OuroModel(OuroPreTrainedModel):
         )
 
 
-def _declared_max_cache_len(cache: Any) -> int | None:
-    """``cache.max_cache_len`` when the cache itself declares one (a LoopKVCache does); ``None`` for
-    transformers' base ``Cache``, whose deprecated ``max_cache_len`` property (5.17) is not a capacity."""
-    if "max_cache_len" in getattr(cache, "__dict__", {}):
-        value = cache.__dict__["max_cache_len"]
-    else:
-        for klass in type(cache).__mro__:
-            if klass is Cache:
-                return None
-            if "max_cache_len" in vars(klass):
-                break
-        else:
-            return None
-        value = cache.max_cache_len
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
-
-
-def _check_capacity(cache: Any, generation_config: Any) -> None:
-    """Refuse a ``generate`` request of more tokens than ``cache`` declares it holds. Called once transformers
-    has settled ``generation_config.max_length`` (prompt + new tokens: from ``max_new_tokens``, ``max_length``
-    or transformers' default), so every way of asking for a length is covered."""
-    limit = _declared_max_cache_len(cache)
-    total = generation_config.max_length
-    if limit is None or not isinstance(total, int) or total <= limit:
-        return
-    new = generation_config.max_new_tokens
-    what = (f"prompt length {total - new} + max_new_tokens {new} = {total} tokens" if new is not None
-            else f"max_length {total} tokens (the prompt and the new tokens)")
-    raise ValueError(
-        f"{what} exceeds the cache's max_cache_len {limit}; build the cache with a larger max_cache_len or "
-        "pass a smaller max_new_tokens"
-    )
-
-
-# The sequences each user cache's last `generate` returned (what the cache holds, bar the last token), by cache.
-_GENERATED: weakref.WeakKeyDictionary[Any, torch.Tensor] = weakref.WeakKeyDictionary()
-_FRESH_CACHE_FIX = (
-    "call cache.reset() (or pass a new cache) between unrelated requests; to continue the conversation, pass the "
-    "earlier output followed by the new tokens"
-)
-
-
-def _check_continues(cache: Any, input_ids: torch.Tensor | None) -> None:
-    """Refuse a ``generate`` whose ``input_ids`` do not continue what ``cache`` holds from its previous ``generate``.
-
-    transformers feeds only the input positions past ``cache.get_seq_length()``, so a new, unrelated prompt on a used
-    cache would silently be read as a continuation of the old conversation (or fail on a shape, if shorter). A cache
-    that is empty (new or ``reset()``), or that was filled outside ``generate``, is not checked. Rows beyond those of
-    the previous call are left to the cache (LoopKVCache refuses rows it never held)."""
-    if cache is None or input_ids is None:
-        return
-    before = _GENERATED.get(cache)
-    if before is None:
-        return
-    held = int(cache.get_seq_length())
-    if held == 0:
-        return
-    rows, n = min(input_ids.shape[0], before.shape[0]), min(held, before.shape[1])
-    if input_ids.shape[1] <= held:
-        raise ValueError(
-            f"this cache already holds {held} positions from an earlier generate and the new input has "
-            f"{input_ids.shape[1]}, so it does not continue them: a new prompt on a used cache; {_FRESH_CACHE_FIX}")
-    same = input_ids[:rows, :n].to(before.device) == before[:rows, :n]
-    if not bool(same.all()):
-        row, position = (~same).nonzero()[0].tolist()
-        raise ValueError(
-            f"this cache holds {held} positions from an earlier generate and the new input differs from them (row "
-            f"{row}, position {position}): a new, unrelated prompt on a used cache would be read as a continuation "
-            f"of the old one; {_FRESH_CACHE_FIX}")
-
-
 class OuroForCausalLM(OuroPreTrainedModel, GenerationMixin):
     """Ouro with its LM head. The default cache is :func:`dense_cache` (the exact reference)."""
 
@@ -514,10 +443,10 @@ class OuroForCausalLM(OuroPreTrainedModel, GenerationMixin):
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
         """Give ``generate`` a :func:`dense_cache` with ``T * L`` cells when the user passes no cache
         (transformers would build ``DynamicCache(config=...)`` with only ``L`` layers); refuse a request
-        longer than a user cache's declared capacity (:func:`_check_capacity`)."""
+        longer than a user cache's declared capacity (``check_capacity``)."""
         user_cache = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
         if user_cache is not None:
-            _check_capacity(user_cache, generation_config)
+            check_capacity(user_cache, generation_config)
         implementation = generation_config.cache_implementation
         builds_cache = user_cache is None and generation_config.use_cache is not False
         if builds_cache and implementation not in (None, "dynamic"):
@@ -548,17 +477,17 @@ class OuroForCausalLM(OuroPreTrainedModel, GenerationMixin):
         input_ids = inputs if inputs is not None else kwargs.get("input_ids")
         if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.is_floating_point():
             input_ids = None  # embeddings or an encoder input: nothing to compare
-        _check_continues(cache, input_ids)
+        check_continues(cache, input_ids)
         try:
             out = super().generate(inputs, generation_config=generation_config, **kwargs)
         except BaseException:
             if cache is not None:
-                _GENERATED.pop(cache, None)  # partly written: what it holds is unknown
+                GENERATED.pop(cache, None)  # partly written: what it holds is unknown
             raise
         if cache is not None:
             sequences = out if isinstance(out, torch.Tensor) else getattr(out, "sequences", None)
             if isinstance(sequences, torch.Tensor):
-                _GENERATED[cache] = sequences.detach().clone()
+                GENERATED[cache] = sequences.detach().clone()
         return out
 
 
