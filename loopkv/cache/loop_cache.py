@@ -155,9 +155,12 @@ class LoopKVCache(Cache):
             if layer_idx in self._read:  # a new step for this cell: count the tokens read so far first
                 self.flush()
             # one host check per step (cell 0; every cell holds as many tokens)
-            if layer_idx == 0 and int(self._rows(0, B).lengths.max()) >= self.max_cache_len:
-                raise ValueError(f"a row already holds max_cache_len={self.max_cache_len} tokens; build the "
-                                 "LoopKVCache with a larger max_cache_len")
+            if layer_idx == 0:
+                lengths = self.layers[0].storage.lengths.cpu()
+                if int(lengths[:B].max()) >= self.max_cache_len:
+                    raise ValueError(f"a row already holds max_cache_len={self.max_cache_len} tokens; build the "
+                                     "LoopKVCache with a larger max_cache_len")
+                self._check_rows_beyond(lengths, B)
             self._unread.add(layer_idx)
         return (LoopKVHandle(self, layer_idx, key_states, value_states),) * 2
 
@@ -306,6 +309,7 @@ class LoopKVCache(Cache):
         row would pass ``max_cache_len``."""
         self.flush()
         B, S = k.shape[0], k.shape[2]
+        self._check_rows_beyond(self.layers[layer_idx].storage.lengths.cpu(), B)
         lengths = self._rows(layer_idx, B).lengths.cpu()
         if not lengths.all():
             empty = lengths.eq(0).nonzero().flatten().tolist()
@@ -324,6 +328,17 @@ class LoopKVCache(Cache):
                                          scale=scale))
             self.flush()
         return torch.stack(outs, dim=1)
+
+    @staticmethod
+    def _check_rows_beyond(lengths: Tensor, batch: int) -> None:
+        """Refuse a step of ``batch`` rows while rows past it still hold a conversation (they would be left behind
+        silently; a dense cache raises on the batch mismatch)."""
+        beyond = lengths[batch:].nonzero().flatten()
+        if len(beyond):
+            raise ValueError(
+                f"this step has {batch} rows but rows {(beyond + batch).tolist()} of the cache still hold tokens: "
+                "drop rows with cache.reorder_cache(indices) (which empties the rows it leaves out), or "
+                "cache.reset() before a request with fewer rows")
 
     def flush(self) -> None:
         """Eagerly: count the tokens that reads have written since the last count (``advance_``).

@@ -308,3 +308,22 @@ def test_a_continuation_past_max_cache_len_is_refused_before_it_writes(model):
     with pytest.raises(ValueError, match="exceed max_cache_len=40"):
         model(input_ids=torch.randint(3, 97, (1, 300)), past_key_values=cache)
     assert cache.get_seq_length() == 30
+
+
+def test_a_step_with_fewer_rows_than_the_cache_holds_is_refused(model):
+    """Rows past the step's batch that still hold tokens would be left behind silently (a dense cache raises on the
+    mismatch): a decode step or a continuation of fewer rows is refused, before anything is written, until
+    ``reorder_cache`` drops the rows (emptying them) or ``reset()``."""
+    cache = _cache(model, loopkv.Plan.uniform(loops=LOOPS, layers=LAYERS, option="int4"), 2, 60)
+    ids = torch.randint(3, 97, (2, 20), generator=torch.Generator().manual_seed(13))
+    model(input_ids=ids, past_key_values=cache)
+    pos = torch.full((1, 1), 20)
+    with pytest.raises(ValueError, match=r"this step has 1 rows but rows \[1\] of the cache still hold tokens"):
+        model(input_ids=ids[:1, :1], position_ids=pos, past_key_values=cache)
+    with pytest.raises(ValueError, match=r"rows \[1\] of the cache still hold tokens"):
+        model(input_ids=ids[:1, :3], past_key_values=cache)
+    assert cache.storage(0).lengths.tolist() == [20, 20]
+    cache.reorder_cache(torch.tensor([0]))
+    assert cache.storage(0).lengths.tolist() == [20, 0]
+    model(input_ids=ids[:1, :1], position_ids=pos, past_key_values=cache)
+    assert cache.get_seq_length() == 21
