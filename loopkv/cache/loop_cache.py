@@ -309,8 +309,9 @@ class LoopKVCache(Cache):
         row would pass ``max_cache_len``."""
         self.flush()
         B, S = k.shape[0], k.shape[2]
-        self._check_rows_beyond(self.layers[layer_idx].storage.lengths.cpu(), B)
-        lengths = self._rows(layer_idx, B).lengths.cpu()
+        held_by_row = self.layers[layer_idx].storage.lengths.cpu()
+        self._check_rows_beyond(held_by_row, B)
+        lengths = held_by_row[:B]
         if not lengths.all():
             empty = lengths.eq(0).nonzero().flatten().tolist()
             raise ValueError(

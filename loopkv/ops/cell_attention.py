@@ -74,8 +74,12 @@ def cell_attention_reference(
     win_ok = torch.remainder(r[None, :] - (ws - SINK)[:, None], RING) < count[:, None]  # [B, RING]
     s_win = scores(win_k).masked_fill(~win_ok[:, None, None, :], -math.inf)
 
-    # only the page slots some row holds: the cost follows the tokens held, not the table's width (max_cache_len)
-    maxp = min(page_table.shape[1], int(npg.max())) if B else 0
+    # on the CPU, only the page slots some row holds: the cost follows the tokens held, not the table's width
+    # (max_cache_len). Elsewhere (ROCm, older GPUs, float64 checks) the whole table: reading its maximum would be a
+    # host sync, which a CUDA-graph capture forbids
+    maxp = page_table.shape[1]
+    if q.device.type == "cpu" and B:
+        maxp = min(maxp, int(npg.max()))
     parts_s, parts_v = [s_sink, s_win], [sink_v.to(acc), win_v.to(acc)]
     if maxp > 0 and bits != 0:
         phys = page_table[:, :maxp].long()  # [B, P]
