@@ -333,7 +333,7 @@ def hot_fraction(model, cache, step) -> float | None:
     """Share of row 0's history tokens whose V low plane a V-precision read fetches (paper §3.3), over the first
     ``HOT_CELLS`` INT4 cells, on the queries of one eager ``step``: hot for at least one query head of the group by
     ``loopkv.format.cold_threshold``. None for caches without V precision."""
-    if not isinstance(cache, loopkv.LoopKVCache) or math.isinf(cache.plan.tau):
+    if not isinstance(cache, loopkv.LoopKVCache) or not cache.plan.v_precision:
         return None
     cells = [i for i, o in enumerate(cache.plan.options) if o == "int4"][:HOT_CELLS]
     queries = {}
@@ -366,7 +366,8 @@ def hot_fraction(model, cache, step) -> float | None:
         s = torch.einsum("hgd,phtd->phgt", qh, k) * scale
         s_sink = torch.einsum("hgd,htd->hgt", qh, st.sink_k[0].float()) * scale
         m_ref = torch.maximum(s_sink.amax(-1)[None], s.amax(-1))  # [P, H, g]
-        hot_tok = (s >= fmt.cold_threshold(m_ref, cache.plan.tau)[..., None]).any(dim=2)  # [P, H, PAGE]
+        tau = cache.plan.taus[cell // cache.plan.layers]  # the cell's loop's threshold (inf: every token hot)
+        hot_tok = (s >= fmt.cold_threshold(m_ref, tau)[..., None]).any(dim=2)  # [P, H, PAGE]
         hot += int(hot_tok.sum())
         total += hot_tok.numel()
     return round(hot / total, 4) if total else None
