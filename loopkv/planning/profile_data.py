@@ -39,6 +39,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import operator
 import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
@@ -90,6 +91,15 @@ def config_shape(config: Any) -> tuple[int, int, int, int]:
     return tuple(int(v) for v in vals)  # type: ignore[return-value]
 
 
+def _is_int(value: Any) -> bool:
+    """An integer, numpy's included, but not a bool (JSON ``true`` loads as True, which equals 1)."""
+    try:
+        operator.index(value)
+    except TypeError:
+        return False
+    return not isinstance(value, bool)
+
+
 def _check_value(name: str, value: float) -> float:
     value = float(value)
     if not math.isfinite(value) or value < 0.0:
@@ -128,8 +138,10 @@ class Profile:
 
     def __post_init__(self) -> None:
         for name in ("loops", "layers", "kv_heads", "head_dim"):
-            if int(getattr(self, name)) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+            value = getattr(self, name)
+            if not _is_int(value) or value < 1:
+                raise ValueError(f"Profile.{name} must be an int >= 1, got {value!r}")
+            object.__setattr__(self, name, int(value))
         if self.loops < 2:
             raise ValueError(f"loops must be >= 2 (a final loop plus at least one planned loop), got {self.loops}")
         options, final_options = tuple(self.options), tuple(self.final_options)
@@ -401,7 +413,7 @@ class Profile:
         if not isinstance(obj, Mapping) or obj.get("_type") != PROFILE_TYPE:
             got = obj.get("_type") if isinstance(obj, Mapping) else type(obj).__name__
             raise ValueError(f"not a loopkv profile: _type is {got!r}, expected {PROFILE_TYPE!r}")
-        if obj.get("_version") != PROFILE_VERSION:
+        if not _is_int(obj.get("_version")) or obj.get("_version") != PROFILE_VERSION:  # JSON true equals 1
             raise ValueError(
                 f"profile _version {obj.get('_version')!r} is not supported (this loopkv reads version "
                 f"{PROFILE_VERSION}); re-profile, or upgrade loopkv"
@@ -409,6 +421,12 @@ class Profile:
         d = obj.get("_data")
         if not isinstance(d, Mapping):
             raise ValueError("profile file has no '_data' object")
+        for name in ("loops", "layers", "kv_heads", "head_dim"):
+            if name in d and (not _is_int(d[name]) or d[name] < 1):
+                raise ValueError(
+                    f"profile file '{name}' must be an integer >= 1 (a JSON number, not a string or true), "
+                    f"got {d[name]!r}; fix the file or re-profile"
+                )
         try:
             return cls._from_data(d)
         except (KeyError, TypeError) as err:
@@ -419,7 +437,7 @@ class Profile:
 
     @classmethod
     def _from_data(cls, d: Mapping[str, Any]) -> Profile:
-        loops, layers = int(d["loops"]), int(d["layers"])
+        loops, layers = d["loops"], d["layers"]
         options, final_options = tuple(d["options"]), tuple(d.get("final_options", ()))
         damage: dict[DamageKey, float] = {}
         per_doc: dict[DamageKey, tuple[float, ...]] = {}
@@ -435,8 +453,8 @@ class Profile:
         return cls(
             loops=loops,
             layers=layers,
-            kv_heads=int(d["kv_heads"]),
-            head_dim=int(d["head_dim"]),
+            kv_heads=d["kv_heads"],
+            head_dim=d["head_dim"],
             options=options,
             final_options=final_options,
             damage=damage,

@@ -114,6 +114,32 @@ def test_schema_errors(envelope, match):
         Profile.from_dict(envelope)
 
 
+@pytest.mark.parametrize(
+    ("field", "value", "match"),
+    [
+        ("_version", True, "_version True is not supported"),
+        ("_version", 1.0, "_version 1.0 is not supported"),
+        ("loops", "3", "'loops' must be an integer >= 1"),
+        ("layers", 2.0, "'layers' must be an integer >= 1"),
+        ("kv_heads", True, "'kv_heads' must be an integer >= 1"),
+        ("head_dim", 0, "'head_dim' must be an integer >= 1"),
+    ],
+)
+def test_json_types_refused(field, value, match):
+    """Values Python would coerce (JSON true == 1, "3" through int()) are refused, as the Plan JSON refuses them."""
+    envelope = Profile.from_arrays(loops=3, layers=2, kv_heads=1, head_dim=32,
+                                   damage={"int4": [[0.1, 0.2], [0.3, 0.4]]}).to_dict()
+    Profile.from_dict(envelope)  # the unmodified file loads
+    (envelope if field.startswith("_") else envelope["_data"])[field] = value
+    with pytest.raises(ValueError, match=match):
+        Profile.from_dict(envelope)
+
+
+def test_constructor_refuses_non_int_shape():
+    with pytest.raises(ValueError, match=r"Profile.loops must be an int >= 1, got '3'"):
+        Profile.partial(loops="3", layers=1, kv_heads=1, head_dim=32)
+
+
 @pytest.mark.parametrize("value", [-1e-6, math.nan, math.inf])
 def test_bad_damage_values(value):
     p = Profile.partial(loops=2, layers=1, kv_heads=1, head_dim=32)
