@@ -19,6 +19,7 @@ registered as ``"loopkv"`` (``loopkv/cache/attention.py``) reads and writes the 
 from __future__ import annotations
 
 import math
+import sys
 from typing import Any
 
 import torch
@@ -126,6 +127,20 @@ class LoopKVCache(Cache):
     @property
     def max_cache_len(self) -> int:
         return self._max_cache_len
+
+    @property
+    def _is_user_defined(self) -> bool:
+        return self.__dict__.get("_user_defined", False)
+
+    @_is_user_defined.setter
+    def _is_user_defined(self, value: bool) -> None:
+        """transformers' ``generate`` sets this on a cache passed in, before its prefill: there a request longer than
+        ``max_cache_len`` is refused, for every model (:func:`loopkv.models.generation_checks.check_from_generate`)."""
+        from loopkv.models.generation_checks import check_from_generate
+
+        self.__dict__["_user_defined"] = value
+        if value:
+            check_from_generate(self, sys._getframe(1))
 
     # ---- the transformers Cache API -------------------------------------------------------------
     def update(self, key_states: Tensor, value_states: Tensor, layer_idx: int, *args: Any, **kwargs: Any):

@@ -1,9 +1,11 @@
-"""What Ouro's ``generate`` checks about a cache passed in, before anything is written: that the request fits the
-cache's declared capacity, and that the input continues what a previous ``generate`` left in the cache."""
+"""What ``generate`` checks about a cache passed in, before anything is written: that the request fits the cache's
+declared capacity (every model's ``generate``: :func:`check_from_generate`; Ouro's also in its own override), and that
+the input continues what a previous ``generate`` left in the cache (Ouro's ``generate``)."""
 
 from __future__ import annotations
 
 import weakref
+from types import FrameType
 from typing import Any
 
 import torch
@@ -42,6 +44,26 @@ def check_capacity(cache: Any, generation_config: Any) -> None:
         f"{what} exceeds the cache's max_cache_len {limit}; build the cache with a larger max_cache_len or "
         "pass a smaller max_new_tokens"
     )
+
+
+# The one call transformers' generate (5.17 to 5.24) makes on a cache passed in before its prefill is
+# `cache._is_user_defined = True`, inside this method, once `generation_config.max_length` is settled.
+GENERATE_MARKS_CACHE_IN = "_prepare_cache_for_generation"
+
+
+def check_from_generate(cache: Any, caller: FrameType | None) -> None:
+    """Called when ``caller`` marks ``cache`` as user-defined: inside transformers' ``generate``, refuse a request
+    longer than the cache holds (:func:`check_capacity`) before any model forward.
+
+    transformers hands a user cache no length before generating (no ``max_cache_len`` check, no hook with the
+    generation config), so this reads ``generation_config`` from the marking call, generate's own
+    ``_prepare_cache_for_generation``. From any other caller (or a transformers that no longer marks the cache
+    there), nothing is checked here and the cache refuses the first forward that would pass ``max_cache_len``."""
+    if caller is None or caller.f_code.co_name != GENERATE_MARKS_CACHE_IN:
+        return
+    generation_config = caller.f_locals.get("generation_config")
+    if generation_config is not None:
+        check_capacity(cache, generation_config)
 
 
 # The sequences each user cache's last `generate` returned (what the cache holds, bar the last token), by cache.

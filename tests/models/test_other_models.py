@@ -206,3 +206,35 @@ def test_without_loopkv_attention_the_error_says_what_to_do(checkpoint, implemen
         model.generate(ids, attention_mask=mask, **{CACHE: loopkv_cache(model.config, 16, 1)}, max_new_tokens=2,
                        do_sample=False, pad_token_id=0)
     assert "attn_implementation='loopkv'" in str(info.value)
+
+
+@pytest.mark.parametrize("length", [dict(max_new_tokens=7), dict(max_length=16)], ids=["max_new_tokens", "max_length"])
+def test_plain_generate_refuses_a_request_past_max_cache_len_before_any_forward(checkpoint, length):
+    """transformers' own ``generate`` (this model has no override) refuses prompt + new tokens beyond the cache's
+    ``max_cache_len`` before the prefill: no forward runs and nothing is written (unchecked, the prefill and five
+    decode steps would run before the cache refuses the step past its capacity). A request that fits exactly then
+    runs on the same cache."""
+    loopkv.register()
+    model = ToyLoopedForCausalLM.from_pretrained(checkpoint, dtype=torch.float32, attn_implementation="loopkv").eval()
+    ids, mask = left_padded_prompts([9, 6])
+    cache = loopkv_cache(model.config, ids.shape[1] + 5, 2)
+    forwards = []
+    model.register_forward_pre_hook(lambda module, args: forwards.append(1))
+    kwargs = dict(attention_mask=mask, do_sample=False, pad_token_id=0, eos_token_id=None)
+    with pytest.raises(ValueError, match="16 tokens.* exceeds the cache's max_cache_len 14; build the cache with a "
+                                         "larger max_cache_len"):
+        model.generate(ids, **{CACHE: cache}, **length, **kwargs)
+    assert not forwards
+    assert all(not cache.storage(cell).lengths.any() for cell in range(LOOPS * LAYERS))
+    out = model.generate(ids, **{CACHE: cache}, max_new_tokens=5, **kwargs)
+    assert out.shape == (2, ids.shape[1] + 5)
+    assert len(forwards) == 5
+
+
+def test_setting_the_user_defined_mark_outside_generate_checks_nothing(checkpoint):
+    """Only generate's own marking of the cache carries a length; a cache marked anywhere else is left to the forward
+    checks (the flag still reads back as transformers expects)."""
+    cache = loopkv_cache(ToyLoopedConfig(), 8, 1)
+    assert cache._is_user_defined is False
+    cache._is_user_defined = True
+    assert cache._is_user_defined is True
