@@ -256,6 +256,15 @@ def test_bf16_plan_follows_the_dense_cache_on_window_boundaries(model):
     assert not script.values
 
 
+def test_bf16_plan_after_reset_a_smaller_batch_holds_only_its_own_positions(model):
+    """``reset`` forgets every row's left pads: after a request whose third row was padded by 295 positions, a
+    one-row request of 20 tokens holds 20 positions, as the dense cache does (pads kept from the old request would
+    make ``get_seq_length`` 295, and transformers would then feed the new request's tokens from the wrong place)."""
+    script = _Script(3, [300, 300, 5], "reset", 1, [20], "decode", 2)
+    _bf16_ops(model, script, seed=0, max_len=400, n_ops=4)
+    assert not script.values
+
+
 # ---- INT4 plan, cells driven directly, vs float64 reads ---------------------------------------------------
 def _expected_kv(k: torch.Tensor, v: torch.Tensor):
     """One row of one cell from its exact tokens k, v [H, n, D]: float64 (K, V, V of a cold token, is_history [n]),
