@@ -1,6 +1,6 @@
 """Each benchmark's ``--smoke`` end to end: ``bench_cell_attention.py`` (CPU; the cell reader under Triton's
-interpreter where there is no GPU), ``bench_quality.py``, ``bench_decode.py`` with ``plot_decode.py``, and
-``bench_profile.py``."""
+interpreter where there is no GPU), ``bench_quality.py``, ``bench_decode.py`` with ``plot_decode.py``,
+``bench_profile.py`` and ``bench_soak.py``."""
 
 import contextlib
 import datetime
@@ -190,3 +190,27 @@ def test_profile_batches_and_cost_model_at_ouro_shape():
     assert bench.cost_units(run, last_plain, share_prefix=False) == 8
     assert bench.cost_units(run, batches[24], share_prefix=False) == 16  # share jobs: two passes
     assert bench.sample(batches, 4) == [0, 23, 24, 33]
+
+
+def test_bench_soak_smoke(tmp_path, capsys):
+    """The soak's CPU path (Dynamo with the eager backend): three requests at batch 2, 1, 2 with a reset before each;
+    the compile hook saw one graph per batch size in the warm-up and none after; every sampled step, the steps where
+    a row reaches page 0's or page 1's quantization included, equals an eager step on a copy of the cache."""
+    out = tmp_path / "soak.json"
+    _load("bench_soak").main(["--smoke", "--out", str(out)])
+    result = json.loads(out.read_text())
+    _check_run_info(result, "bench_soak", out)
+    summary, requests = result["summary"], result["requests"]
+    assert summary["passed"], summary["failures"]
+    assert [(r["batch"], r["warmup"]) for r in requests] == [(2, True), (1, True), (2, False)]
+    assert summary["events_warmup"]["compiles"] == summary["events_warmup"]["unique_graphs"] == 2
+    assert set(summary["recompiles_after_warmup"].values()) == {0}
+    assert summary["decode_steps"] == 120
+    assert summary["lengths_as_expected"]
+    reached = {h + 1 for r in requests for c in r["checks"] for h in c["held"]}
+    assert {319, 320, 351, 352} <= reached
+    assert summary["checks"] >= 10
+    assert summary["checks_not_close"] == summary["tokens_differ"] == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[-5].split()[:3] == ["req", "B", "prompts"]  # the table comes last
+    assert lines[-1].endswith("PASSED")
