@@ -7,7 +7,8 @@ positions advanced on the device) until the request's share of ``--steps`` is do
 many times. The batch size changes between requests. What is recorded and must hold:
 
 * **recompiles**: Dynamo compiles and CUDA-graph recordings (``torch._dynamo.callback_handler``, and the counters
-  ``unique_graphs`` / ``cudagraph_skips``) after the warm-up, the first request of each batch size: none.
+  ``unique_graphs`` / ``cudagraph_skips``) after the warm-up, the first request of each batch size: none; and no
+  CUDA-graph skip at all.
 * **memory**: ``torch.cuda.memory_allocated()`` at the start (after ``reset``) and the end of every request: after
   the warm-up, the same number every time.
 * **compiled = eager**: on sampled steps (every ``--check-every`` steps, and each step at which a row reaches 319,
@@ -95,7 +96,7 @@ class CompileEvents:
         self.compiles = 0
         self.recordings = 0
 
-    def __call__(self, args) -> None:
+    def __call__(self, args=None) -> None:
         trigger = getattr(getattr(args, "callback_trigger", None), "name", "DYNAMO")
         if trigger == "CUDAGRAPH_RECORDING":
             self.recordings += 1
@@ -200,6 +201,8 @@ def summarize(rows: list[dict], warm_at: int, after_warmup: dict | None, end: di
         failures.append("no request ran after the warm-up (more --steps or fewer batch sizes)")
     elif any(recompiles.values()):
         failures.append(f"compiled again after the warm-up: {recompiles}")
+    if end["cudagraph_skips"]:
+        failures.append(f"CUDA graphs skipped {end['cudagraph_skips']} times (the step ran without its graph)")
     if summary["allocated_growth"]:
         failures.append(f"memory_allocated moved by {summary['allocated_growth']} bytes after the warm-up")
     if summary["checks_not_close"] or summary["tokens_differ"]:
