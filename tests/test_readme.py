@@ -14,20 +14,21 @@ import pytest
 import torch
 
 README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
-FENCE = re.compile(r"^```python(?P<info>[^\n]*)\n(?P<code>.*?)^```\s*$", re.DOTALL | re.MULTILINE)
+FENCE = re.compile(r"^```(?P<lang>py\w*)(?P<info>[^\n]*)\n(?P<code>.*?)^```[ \t]*$", re.DOTALL | re.MULTILINE)
 SKIP = re.compile(r"^\s+skip:\s*(?P<reason>\S.*)$")
 
 
 def python_blocks(text: str) -> list[tuple[int, str, str | None]]:
     """(line, code, skip reason or None) of each ```` ```python ```` block of ``text``; a fence with any other info
-    than ``skip: <reason>`` is an error, so that a typo cannot skip a block silently."""
+    than ``skip: <reason>``, or another name for Python (``py``, ``python3``), is an error, so that a typo cannot
+    skip a block silently."""
     blocks = []
     for m in FENCE.finditer(text):
         line = text.count("\n", 0, m.start()) + 1
         info = m.group("info")
         skip = SKIP.match(info)
-        if info.strip() and not skip:
-            raise ValueError(f"README.md line {line}: fence info {info.strip()!r}; use ```python or "
+        if m.group("lang") != "python" or (info.strip() and not skip):
+            raise ValueError(f"README.md line {line}: fence {m.group('lang') + info!r}; use ```python or "
                              "```python skip: <reason>")
         blocks.append((line, m.group("code"), skip.group("reason") if skip else None))
     return blocks
@@ -40,6 +41,8 @@ def test_the_fence_rule_finds_blocks_and_reasons():
         python_blocks("a\n```python skip\nx = 1\n```\n")  # no reason: refused, not skipped
     with pytest.raises(ValueError, match="line 1"):
         python_blocks("```python gpu\nx = 1\n```\n")
+    with pytest.raises(ValueError, match="line 1"):
+        python_blocks("```py\nx = 1\n```\n")
 
 
 def test_readme_python_runs_on_the_cpu(tmp_path, monkeypatch):
