@@ -10,10 +10,11 @@ everything else exact (paper §2.3).
 Each measurement is one teacher-forced forward per document in which the perturbed cell attends as
 the served cache does (:mod:`loopkv.planning.simulate`: sink and window exact, a page quantized once
 it has left the window, a ``share`` cell reading the final loop's quantized pages). ``batch_cells``
-measurements share one forward, one batch row each; the cells before the batch's first perturbed cell
-are exact in every row, so they run once, on one row, and the rows start from that hidden state
-(:func:`loopkv.planning.simulate.forward`, ``expand_from``). Jobs are ordered by their first perturbed
-cell, so a batch's rows start close together. Everything is deterministic: the jobs are cut into batches
+measurements share one forward, one batch row each. A row is exact up to its perturbed cell, so the
+exact pass of each document (run once, for the reference logits) keeps the hidden state entering the first
+cell of every loop, and a batch resumes from there: one exact row up to the first perturbed cell, each row
+joining at its own (:mod:`loopkv.planning.resume`). Jobs are ordered by their first perturbed cell, so a
+batch's rows start close together. Everything is deterministic: the jobs are cut into batches
 from the full, fixed job list, so a resumed run recomputes exactly the batches an uninterrupted one
 would (with the same ``batch_cells``) and gets the same numbers.
 
@@ -39,6 +40,7 @@ from torch import Tensor
 from loopkv.cells import Cell
 from loopkv.format import QUANTIZED, check_head_dim
 from loopkv.planning.profile_data import FINAL_PROFILE_OPTIONS, PROFILE_OPTIONS, Profile
+from loopkv.planning.resume import Entry, checkpoint_cells, entry_for
 from loopkv.planning.simulate import (
     FIRST_HISTORY,
     SimState,
@@ -366,28 +368,39 @@ def _progress(total: int, *, enabled: bool):
 
 
 class _Runner:
-    """Measures batches of jobs over every document; caches each document's exact reference.
+    """Measures batches of jobs over every document; caches each document's exact pass.
 
-    share_prefix: run the cells before a batch's first perturbed cell once, on one row (the default); False
-    runs every row from the first cell (the comparison ``benchmarks/bench_profile.py`` times)."""
+    start: how a batch's rows start. "resume" (the default): from the exact pass's hidden state at the last
+    checkpoint (one per ``checkpoint_every`` cells, default one per loop) before the first row's cell, each row
+    joining at its own first perturbed cell (:mod:`loopkv.planning.resume`); "prefix": the cells before the
+    batch's first perturbed cell on one row, then every row from there; "rows": every row from the first cell.
+    All three compute the same numbers (up to round-off); ``benchmarks/bench_profile.py`` times them."""
+
+    STARTS = ("resume", "prefix", "rows")
 
     def __init__(self, model, docs, *, loops, layers, tau, share_source, share_passes, prefill_len, first,
-                 share_prefix: bool = True) -> None:
-        self.model, self.docs, self.share_prefix = model, docs, share_prefix
+                 start: str = "resume", checkpoint_every: int | None = None) -> None:
+        if start not in self.STARTS:
+            raise ValueError(f"start must be one of {self.STARTS}, got {start!r}")
+        self.model, self.docs, self.start = model, docs, start
         self.loops, self.layers = loops, layers
         self.tau, self.share_source, self.share_passes = tau, share_source, share_passes
         self.final = frozenset((loops - 1) * layers + layer for layer in range(layers))
         self.prefill_len, self.first = prefill_len, first
-        self._refs: dict[int, tuple[Tensor, dict]] = {}
+        keep = checkpoint_cells(loops, layers, every=checkpoint_every) if start == "resume" else ()
+        self.checkpoints = tuple(c for c in keep if c > 0)  # cell 0's input is the embedding: nothing to keep
+        self._refs: dict[int, tuple[Tensor, dict, dict]] = {}
 
     def _reference(self, d: int):
-        """(exact logits [P, V], exact final-loop K/V per layer) of document ``d``."""
+        """(exact logits [P, V], exact final-loop K/V per layer, {checkpoint cell: entering hidden [1, N, H]})
+        of document ``d``."""
         if d not in self._refs:
             ids = self.docs[d].to(self.model.device)[None]
             state = SimState(rows=[{}], prefill_len=self.prefill_len, layers=self.layers, sources={},
                              capture=self.final)
-            logits = forward(self.model, ids, state, logits_from=self.first)
-            self._refs[d] = (logits[0], final_sources(state.captured, loops=self.loops, layers=self.layers))
+            logits = forward(self.model, ids, state, logits_from=self.first, keep_hidden=self.checkpoints)
+            sources = final_sources(state.captured, loops=self.loops, layers=self.layers)
+            self._refs[d] = (logits[0], sources, dict(state.hidden))
         return self._refs[d]
 
     def first_cell(self, job) -> int:
@@ -402,32 +415,40 @@ class _Runner:
         cell, option = job
         return {cell.loop * L + cell.layer: served_for(option, source_option=self.share_source, tau=self.tau)}
 
+    def _entry(self, starts: list[int], checkpoints: dict):
+        if self.start == "rows":
+            return None
+        if self.start == "prefix":
+            return Entry(starts=(starts[0],) * len(starts))
+        return entry_for(starts, checkpoints)
+
     def measure(self, batch, bar) -> list[tuple[float, list[float]]]:
         """Per job: (KL pooled over all counted positions, [mean KL per document])."""
-        specs = [self._spec(job) for job in batch]
+        order = sorted(range(len(batch)), key=lambda i: self.first_cell(batch[i]))  # rows in the order they join
+        specs = [self._spec(batch[i]) for i in order]
+        starts = [min(spec) for spec in specs]
         sums = [0.0] * len(batch)
         per_doc: list[list[float]] = [[] for _ in batch]
         total = 0
-        start = min(min(spec) for spec in specs)
+        shares = any(s.share for spec in specs for s in spec.values())
+        passes = self.share_passes if shares else 1
         for d, doc in enumerate(self.docs):
-            ref, sources = self._reference(d)
+            ref, sources, checkpoints = self._reference(d)
             ids = doc.to(self.model.device)[None]
-            if not self.share_prefix:
+            entry = self._entry(starts, checkpoints)
+            if entry is None:
                 ids = ids.expand(len(batch), -1)
-            shares = any(s.share for spec in specs for s in spec.values())
-            passes = self.share_passes if shares else 1
             for k in range(passes):
                 capture = self.final if k + 1 < passes else frozenset()
                 state = SimState(rows=specs, prefill_len=self.prefill_len, layers=self.layers, sources=sources,
                                  capture=capture)
-                logits = forward(self.model, ids, state, logits_from=self.first,
-                                 expand_from=start if self.share_prefix else None)
+                logits = forward(self.model, ids, state, logits_from=self.first, entry=entry)
                 if capture:  # the next pass reads each row's own perturbed final loop
                     sources = final_sources(state.captured, loops=self.loops, layers=self.layers)
-            kl = kl_per_position(ref, logits)  # [R, P]
+            kl = kl_per_position(ref, logits)  # [R, P], rows in join order
             total += kl.shape[1]
-            for r in range(len(batch)):
-                sums[r] += float(kl[r].sum())
-                per_doc[r].append(float(kl[r].mean()))
+            for r, i in enumerate(order):
+                sums[i] += float(kl[r].sum())
+                per_doc[i].append(float(kl[r].mean()))
             bar.update(len(batch) / len(self.docs))
         return [(s / total, p) for s, p in zip(sums, per_doc, strict=True)]

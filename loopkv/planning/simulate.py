@@ -43,6 +43,7 @@ from torch import Tensor
 
 from loopkv.format import BITS, PAGE, SINK, WINDOW, cold_threshold, n_pages
 from loopkv.ops import codec
+from loopkv.planning.resume import Entry, cell_inputs
 
 ATTN_NAME = "loopkv_served"
 # The first length at which a history page is read (page 0 from length 320 on): KL and agreement are
@@ -213,7 +214,8 @@ class SimState:
     """One simulated forward: which rows serve which cells, the share sources, what to capture.
 
     rows: one RowSpec per batch row. sources: ``{layer: (k, v)}`` share sources, each [R or 1, H, N, D].
-    capture: cell indices whose K/V to record into ``captured`` (``{cell: (k, v)}``, [R, H, N, D]).
+    capture: cell indices whose K/V to record into ``captured`` (``{cell: (k, v)}``, [R, H, N, D]; with an
+    :class:`~loopkv.planning.resume.Entry`, the rows present at that cell).
     """
 
     rows: Sequence[RowSpec]
@@ -225,6 +227,7 @@ class SimState:
 
     def __post_init__(self) -> None:
         self.captured: dict[int, tuple[Tensor, Tensor]] = {}
+        self.hidden: dict[int, Tensor] = {}  # cell -> the hidden state entering it, [1, N, H] (forward's keep_hidden)
 
 
 def _sim_cache(state: SimState, num_cells: int):
@@ -321,55 +324,32 @@ def forward(
     state: SimState,
     *,
     logits_from: int,
-    expand_from: int | None = None,
+    entry: Entry | None = None,
+    keep_hidden: Sequence[int] = (),
 ) -> Tensor:
     """One simulated forward of ``ids`` [R, N] (call inside :func:`served_attention_enabled`).
 
-    expand_from: with ``ids`` [1, N] and ``R = len(state.rows)`` rows, run the cells before flat index
-        ``expand_from`` once, on one row, and copy that row's hidden state to the ``R`` rows at the input of
-        cell ``expand_from``. Exact when no row serves a cell before ``expand_from`` (they all compute the
-        exact prefix then): the rows share the prefix's work instead of each repeating it.
+    entry: with ``ids`` [1, N], the rows start as one exact carrier row and join at ``entry.starts``, the
+        cells before ``entry.at`` skipped (:mod:`loopkv.planning.resume`). Exact when no row serves a cell
+        before the cell it joins at; ``state.rows`` are then in the order they join.
+    keep_hidden: cells whose entering hidden state (last row, ``[1, N, H]``) is stored in ``state.hidden``.
     Returns the logits of positions ``logits_from .. N-1``: [R, N - logits_from, V] (model dtype).
     """
     loops, layers = check_model(model)
     cache = _sim_cache(state, loops * layers)
     keep = ids.shape[1] - logits_from
-    if expand_from is None:
+    if entry is not None:
+        late = [(r, min(spec)) for r, (spec, start) in enumerate(zip(state.rows, entry.starts, strict=True))
+                if spec and min(spec) < start]
+        if ids.shape[0] != 1 or late or (state.capture and min(state.capture) < entry.at):
+            raise ValueError(
+                f"entry needs ids of one row (got {ids.shape[0]}), rows that serve no cell before the cell they "
+                f"join at (rows serving earlier: {late}) and no captured cell before entry.at={entry.at}"
+            )
+    elif not keep_hidden:
         return model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=keep).logits
-    served = [cell for spec in state.rows for cell in spec]
-    if ids.shape[0] != 1 or (served and min(served) < expand_from):
-        raise ValueError(
-            f"expand_from={expand_from} needs ids of one row and no row served before that cell (first served "
-            f"cell: {min(served) if served else None}, ids rows: {ids.shape[0]})"
-        )
-    with _rows_expanded(model, expand_from, len(state.rows)):
+    with cell_inputs(model, entry=entry, keep=keep_hidden, kept=state.hidden):
         return model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=keep).logits
-
-
-@contextlib.contextmanager
-def _rows_expanded(model, at_cell: int, rows: int) -> Iterator[None]:
-    """Forward pre-hooks on the decoder layers (called once per cell, in cell order): the hidden state that
-    enters cell ``at_cell`` is repeated to ``rows`` rows."""
-    layer_modules = getattr(getattr(model, "model", None), "layers", None)
-    if layer_modules is None:
-        raise ValueError("expand_from needs a model whose decoder layers are model.model.layers (Ouro's layout)")
-    calls = [0]
-
-    def hook(module, args, kwargs):
-        cell = kwargs.get("cell_index", calls[0])
-        calls[0] += 1
-        if cell != at_cell:
-            return None
-        hidden = args[0] if args else kwargs["hidden_states"]
-        hidden = hidden.expand(rows, *hidden.shape[1:]).contiguous()
-        return ((hidden, *args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": hidden})
-
-    handles = [m.register_forward_pre_hook(hook, with_kwargs=True) for m in layer_modules]
-    try:
-        yield
-    finally:
-        for h in handles:
-            h.remove()
 
 
 def final_sources(captured: Mapping[int, tuple[Tensor, Tensor]], *, loops: int, layers: int):
