@@ -58,7 +58,8 @@ def check_from_generate(cache: Any, caller: FrameType | None) -> None:
     transformers hands a user cache no length before generating (no ``max_cache_len`` check, no hook with the
     generation config), so this reads ``generation_config`` from the marking call, generate's own
     ``_prepare_cache_for_generation``. From any other caller (or a transformers that no longer marks the cache
-    there), nothing is checked here and the cache refuses the first forward that would pass ``max_cache_len``."""
+    there: ``tests/models/test_other_models.py`` then fails), nothing is checked here and the cache refuses the first
+    forward that would pass ``max_cache_len``."""
     if caller is None or caller.f_code.co_name != GENERATE_MARKS_CACHE_IN:
         return
     generation_config = caller.f_locals.get("generation_config")
