@@ -234,17 +234,19 @@ def _check(q: Tensor, sink_k: Tensor, bits: int) -> None:
     _, Hq, D = q.shape
     if Hq % sink_k.shape[1]:
         raise ValueError(f"q has {Hq} heads, not a multiple of the cache's {sink_k.shape[1]} KV heads")
-    if D % GROUP or D < 64:
-        raise ValueError(f"head_dim={D}: the Triton reader needs a multiple of {GROUP} that is >= 64")
 
 
 def _launch_config(q: Tensor, storage: tuple[Tensor, ...], bits: int) -> triton_config.Launch | None:
     """The table's launch for this call, or None where the reference runs instead: float64 queries (tests'
-    re-computations), non-contiguous storage, ROCm (the kernels use inline PTX), a GPU the table has no entry for."""
+    re-computations), non-contiguous storage, ROCm (the kernels use inline PTX), a GPU the table has no entry for, a
+    cell shape the kernels do not serve (``triton_config.serves``; warned once per shape)."""
     if q.dtype == torch.float64 or not all(t.is_contiguous() for t in storage) or torch.version.hip:
         return None
-    G = q.shape[1] // storage[0].shape[1]
-    return triton_config.launch_config(triton_config._capability(q.device), bits, G, q.dtype == torch.float32,
+    G, D = q.shape[1] // storage[0].shape[1], q.shape[2]
+    if not triton_config.serves(D, G):
+        triton_config.warn_reference(D, G)
+        return None
+    return triton_config.launch_config(triton_config._capability(q.device), bits, G, D, q.dtype == torch.float32,
                                        q.shape[0] * storage[0].shape[1])
 
 

@@ -8,9 +8,11 @@ cell (16 KV heads x 128, one query head per KV head, bf16; INT4, INT4 with V pre
 ones that ran the measurement; ``--readers`` names that script's reader arms.
 
 Keys: the GPU's capability; ``bits`` of the history pages (16: exact BF16 pages, 4 / 2: codes, 0: no history);
-query heads per KV head; the inputs' dtype (fp32 asks for fp32 products: "fp32"; bf16 and fp16: "16-bit"); B x KV
-heads; and the page table's width for the split count. head_dim is not a key: no measurement has split on it (the
-readers were timed at 128; tests/ops/test_sm90_compile.py compiles 96, 128 and 256 for sm_90).
+query heads per KV head; head_dim (up to 128, where every timing was made, or wider); the inputs' dtype (fp32 asks
+for fp32 products: "fp32"; bf16 and fp16: "16-bit"); B x KV heads; and the page table's width for the split count.
+The rows for head_dim above 128 and for more than four query heads per KV head were chosen statically (registers and
+spills of the sm_90 build, ``tests/ops/sm90_compile_check.py``), not timed. The kernels serve ``HEAD_DIMS`` x
+``GROUPS``, the shapes the tests check against float64 references; a call outside them runs the PyTorch reference.
 
 Built into the CUDA-core reader (``triton_far``), not switchable, each chosen by a measurement at B = 32 x 16K:
 
@@ -31,6 +33,7 @@ tensor-core reader makes fp16 code operands as subnormals: 0.98 vs 1.12 ms for t
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -50,6 +53,34 @@ CHUNK_COEF = 0.002
 KERNEL_OPTIONS = {"enable_fp_fusion": True}
 # 32-bit history offsets address pools of fewer elements than this; larger pools take 64-bit offsets
 INT32_OFFSET_LIMIT = 2**31
+
+
+# The shapes the kernels serve: head_dim a multiple of the codec's group from 64 to 256 (a head_dim that is not a power
+# of two, 96, 160, ..., is padded to the next one with masked loads: docs/kernels.md) and 1-8 query heads per KV head
+# (query heads padded to a power of two). tl.dot needs 16 columns, which head_dim 32 does not give
+HEAD_DIMS = range(64, 257, 32)
+GROUPS = range(1, 9)
+NARROW, WIDE = range(64, 129, 32), range(160, 257, 32)  # head_dims the timings were made at (128), and wider ones
+
+
+def serves(head_dim: int, group: int) -> bool:
+    """Whether the kernels serve this cell shape (``group``: query heads per KV head); others run the reference."""
+    return head_dim in HEAD_DIMS and group in GROUPS
+
+
+_WARNED: set[tuple[int, int]] = set()
+
+
+def warn_reference(head_dim: int, group: int) -> None:
+    """Warn, once per shape, that a cell the kernels do not serve runs the PyTorch reference instead."""
+    if (head_dim, group) in _WARNED:
+        return
+    _WARNED.add((head_dim, group))
+    warnings.warn(
+        f"loopkv: the Triton kernels serve head_dim {HEAD_DIMS.start}-{HEAD_DIMS.stop - 1} in steps of "
+        f"{HEAD_DIMS.step} and {GROUPS.start}-{GROUPS.stop - 1} query heads per KV head; head_dim={head_dim} with "
+        f"{group} query heads per KV head runs the PyTorch reference instead (the same results, much slower)",
+        stacklevel=3)
 
 
 @dataclass(frozen=True)
@@ -77,6 +108,7 @@ class Entry:
     capability: tuple[int, int]  # the lowest GPU capability (sm_80: bf16 MMA, cvt.rn.f16x2.f32)
     bits: tuple[int, ...]
     groups: range  # query heads per KV head
+    head_dims: range
     inputs: str  # "16-bit", "fp32" or "any"
     rows_heads: int  # from this many rows x KV heads on
     launch: Launch
@@ -84,46 +116,70 @@ class Entry:
 
 
 SM80 = (8, 0)
-ANY, ONE, TWO, MANY = range(1, 1 << 16), range(1, 2), range(2, 3), range(3, 1 << 16)
+ANY, ONE, TWO, MANY = GROUPS, range(1, 2), range(2, 3), range(3, GROUPS.stop)
+FEW_MANY, MOST = range(3, 5), range(5, GROUPS.stop)  # 3-4 and 5-8 query heads per KV head
 # The CUDA-core reader: one warp, 32-slot near programs (64 slots ran 18-38% slower under the register cap, 16 level:
 # --readers nb16,nb64), and the minimum chunk (measured with this reader only). The other readers keep 64-slot near
 # programs (with tensor cores 32 slots ran 8% faster at one query head per KV head, where the CUDA-core reader now
-# runs: --readers dot,dot_n32; larger groups not timed) and an even split.
+# runs: --readers dot,dot_n32; larger groups not timed) and an even split. Above head_dim 128 it runs two warps: each
+# thread then holds what it holds at 128 on one warp (a word tile's lanes, V's 16 field accumulators)
 CC = {"reader": "cc", "num_warps": 1, "num_stages": 1, "near_block": 32, "chunk_coef": CHUNK_COEF}
+CC2 = {**CC, "num_warps": 2}
 # The first entry that matches a call is its launch.
 TABLE = (
-    Entry(SM80, (16, 0), ANY, "any", 0, Launch("exact", 4, 2, 64),
+    Entry(SM80, (16, 0), ANY, HEAD_DIMS, "any", 0, Launch("exact", 4, 2, 64),
           "exact K and V tiles on tensor cores: the first kernel's config, not re-tuned since the code readers took "
-          "over (--full times it: arm loopkv_bf16)"),
-    Entry(SM80, (4, 2), ANY, "fp32", 0, Launch("dot", 4, 1, 64),
+          "over (--full times it: arm loopkv_bf16); at 256 x 8 query heads 205 registers, no spill (static)"),
+    Entry(SM80, (4, 2), ANY, NARROW, "fp32", 0, Launch("dot", 4, 1, 64),
           "fp32 products: one warp spills 8-9 KB per thread at head_dim 128, four warps 16-24 B (static, sm_90; "
           "tests/ops/sm90_compile_check.py), not timed"),
-    Entry(SM80, (4,), ONE, "16-bit", 0, Launch(**CC, maxnreg=128),
+    Entry(SM80, (4, 2), ANY, WIDE, "fp32", 0, Launch("dot", 8, 1, 64),
+          "fp32 products at head_dim 256: four warps spill 9 KB per thread at 4 query heads, eight FP32_WIDE_SPILL "
+          "(static); a correctness path (fp32 caches, float checks), not timed"),
+    Entry(SM80, (4,), ONE, NARROW, "16-bit", 0, Launch(**CC, maxnreg=128),
           "capped at 128 registers (16 programs per SM, not 11): INT4 0.437 vs 0.601 ms; 112-152 all slower "
           "(--readers r112,r120,r128,r136,r144,r152)"),
-    Entry(SM80, (4,), TWO, "16-bit", 0, Launch(**CC),
+    Entry(SM80, (4,), TWO, NARROW, "16-bit", 0, Launch(**CC),
           "uncapped: two query heads need 255 registers, the cap would put 152 spill operations in the page loop "
           "(static, sm_90), not timed"),
-    Entry(SM80, (2,), ONE, "16-bit", 64, Launch(**CC, maxnreg=128, i32=True),
+    Entry(SM80, (2,), ONE, NARROW, "16-bit", 64, Launch(**CC, maxnreg=128, i32=True),
           "INT2 capped from B x H = 64: 0.399 vs 0.472 ms at B = 32, 0.123 vs 0.134 at B = 8; 32-bit offsets: 0.349 "
           "vs 0.396 (--quick --readers t8_r128, then --readers l2,i32_l2)"),
-    Entry(SM80, (2,), range(1, 3), "16-bit", 0, Launch(**CC, i32=True),
+    Entry(SM80, (2,), range(1, 3), NARROW, "16-bit", 0, Launch(**CC, i32=True),
           "INT2 uncapped below B x H = 64: the cap cost 0.001 ms at B = 1 x 8K (0.022 vs 0.021; --quick --readers "
           "t8_r128); INT4 keeps 64-bit offsets: 0.459 vs 0.437 ms with 32-bit ones (--readers i32)"),
-    Entry(SM80, (4, 2), MANY, "16-bit", 0, Launch("dot", 1, 3, 64),
+    Entry(SM80, (4, 2), FEW_MANY, NARROW, "16-bit", 0, Launch("dot", 1, 3, 64),
           "tensor cores, whose 16-row tiles larger groups fill; one warp 1.21 ms vs two 1.86 and four 3.35, three "
           "stages 15% faster than one (at one query head per KV head, before the CUDA-core reader)"),
+    Entry(SM80, (4, 2), MOST, NARROW, "16-bit", 0, Launch("dot", 2, 3, 64),
+          "5-8 query heads: two warps, no spill at 64 and 128, 60 B at 96; one warp spills 84-916 B (static), not "
+          "timed"),
+    Entry(SM80, (4,), ONE, WIDE, "16-bit", 0, Launch(**CC2, maxnreg=128),
+          "head_dim 160-256, one query head: two warps under the cap spill 44 B, one warp 2 KB (static), not timed"),
+    Entry(SM80, (2,), ONE, WIDE, "16-bit", 0, Launch(**CC2, maxnreg=128, i32=True),
+          "INT2 as INT4 above, with INT2's 32-bit offsets: 44 B of spill under the cap (static), not timed"),
+    Entry(SM80, (4,), TWO, WIDE, "16-bit", 0, Launch(**CC2),
+          "head_dim 160-256, two query heads: two warps uncapped, 240 registers, no spill (one warp: 255 and 532 B; "
+          "static), as 128 runs on one warp; not timed"),
+    Entry(SM80, (2,), TWO, WIDE, "16-bit", 0, Launch(**CC2, i32=True),
+          "INT2 as INT4 above, with INT2's 32-bit offsets (static), not timed"),
+    Entry(SM80, (4, 2), FEW_MANY, WIDE, "16-bit", 0, Launch("dot", 4, 3, 64),
+          "Dory's cell (4 query heads x 256): four warps spill 296 B, one warp 6.9 KB (static); the CUDA-core reader "
+          "(no spill at 4-8 warps) does 4x the field work per byte there: timed against it by --cells dory"),
+    Entry(SM80, (4, 2), MOST, WIDE, "16-bit", 0, Launch("dot", 8, 3, 64),
+          "5-8 query heads at 256: eight warps spill 132-204 B, four 604 B, one 62 KB (static), not timed"),
 )
 
 
-def launch_config(capability: tuple[int, int] | None, bits: int, group: int, exact: bool,
+def launch_config(capability: tuple[int, int] | None, bits: int, group: int, head_dim: int, exact: bool,
                   rows_heads: int) -> Launch | None:
-    """The launch of the first ``TABLE`` entry matching the call, or None (no Triton kernel for this GPU: the
-    launcher runs the reference). ``capability`` None: Triton's interpreter (CPU tensors), which runs every entry."""
+    """The launch of the first ``TABLE`` entry matching the call, or None (no Triton kernel for this GPU or this
+    shape: the launcher runs the reference). ``capability`` None: Triton's interpreter (CPU tensors), which runs every
+    entry."""
     inputs = "fp32" if exact else "16-bit"
     for e in TABLE:
         if ((capability is None or capability >= e.capability) and bits in e.bits and group in e.groups
-                and e.inputs in ("any", inputs) and rows_heads >= e.rows_heads):
+                and head_dim in e.head_dims and e.inputs in ("any", inputs) and rows_heads >= e.rows_heads):
             return e.launch
     return None
 

@@ -26,7 +26,7 @@ from torch import Tensor
 from loopkv.format import GROUP, PAGE, QUANTIZE_LENGTH, RING, SINK, WINDOW, capacity
 from loopkv.ops.cache_ops import write_pages_reference
 from loopkv.ops.codec import EPS, FP16_MAX
-from loopkv.ops.triton_config import KERNEL_OPTIONS
+from loopkv.ops.triton_config import HEAD_DIMS, KERNEL_OPTIONS
 from loopkv.ops.triton_counters import counters
 
 # The kernels spell these constants out (Triton wants literals); fail loudly if the format moves.
@@ -247,7 +247,8 @@ def write_pages(
 ) -> None:
     """Triton ``write_pages_``: encode ``k, v`` [n, H, PAGE, D] into physical ``pages`` (int [n]).
 
-    Pool tensors are the cache's contiguous storage; non-contiguous ones fall back to the reference.
+    Pool tensors are the cache's contiguous storage; non-contiguous ones, and a head_dim the kernels do not serve
+    (``triton_config.HEAD_DIMS``), fall back to the reference.
     """
     _check_bits(bits, (16, 4, 2))
     n, H, P, D = k.shape
@@ -255,7 +256,7 @@ def write_pages(
         raise ValueError(f"k and v must be [n, H, {PAGE}, D] alike, got {tuple(k.shape)}, {tuple(v.shape)}")
     if n == 0:
         return
-    if not _all_contiguous(k_pages, k_scale, k_zero, v_hi, v_lo, v_scale, v_zero):
+    if not _all_contiguous(k_pages, k_scale, k_zero, v_hi, v_lo, v_scale, v_zero) or D not in HEAD_DIMS:
         write_pages_reference(k, v, pages, k_pages, k_scale, k_zero, v_hi, v_lo, v_scale, v_zero, bits)
         return
     _write_pages_kernel[(n, H, 2)](
@@ -280,7 +281,8 @@ def advance(
     batch: int, max_batch: int, heads: int, head_dim: int, max_pages: int, bits: int, *, num_warps: int = 4,
 ) -> None:
     """Triton ``advance_`` (``loopkv/ops/step_ops.py``): one launch for every (cell, pool) pair listed, predicated per
-    row on the device. The stacks are 2-D and row-contiguous (``CellStacks``); others run the reference."""
+    row on the device. The stacks are 2-D and row-contiguous (``CellStacks``); others, and a head_dim the kernels do
+    not serve (``triton_config.HEAD_DIMS``), run the reference."""
     from loopkv.ops.step_ops import advance_stacks_reference, check_advance_args
 
     check_advance_args(cells, pools, batch, max_batch, bits)
@@ -289,7 +291,7 @@ def advance(
         return
     stacks = (lengths, win_k, win_v, page_table, k_pages, k_scale, k_zero, v_hi, v_lo, v_scale, v_zero)
     if not all(t.numel() == 0 or (t.dim() == 2 and t.stride(1) == 1) for t in stacks) or cells.stride(0) != 1 \
-            or pools.stride(0) != 1 or win_k.stride(0) != win_v.stride(0):
+            or pools.stride(0) != 1 or win_k.stride(0) != win_v.stride(0) or head_dim not in HEAD_DIMS:
         advance_stacks_reference(cells, pools, lengths, win_k, win_v, page_table, k_pages, k_scale, k_zero, v_hi,
                                  v_lo, v_scale, v_zero, batch, max_batch, heads, head_dim, max_pages, bits)
         return

@@ -14,6 +14,7 @@ products in fp16 pairs: its own tier, ``ATTN_K16_*``.
 import dataclasses
 import math
 import os
+import warnings
 
 import pytest
 import torch
@@ -87,7 +88,7 @@ def reference64(q, st, bits, tau, scale):
 
 def reads_k16(q, bits, group):
     """Whether the table gives this call the CUDA-core reader, whose K products are summed in fp16 pairs."""
-    launch = triton_config.launch_config(None, bits, group, q.dtype == torch.float32, 1)
+    launch = triton_config.launch_config(None, bits, group, q.shape[2], q.dtype == torch.float32, 1)
     return launch.reader == "cc"
 
 
@@ -122,6 +123,8 @@ CASES = [  # bits, tau, query heads per KV head, head_dim, dtype: every entry of
     (16, INF, 2, 64, torch.float32),  # BF16 pages
     (16, INF, 1, 64, torch.bfloat16),
     (0, INF, 2, 64, torch.bfloat16),  # no history
+    (4, 2.0, 8, 256, torch.bfloat16),  # eight query heads at 256: the eight-warp tensor-core row
+    (2, INF, 2, 256, torch.float16),  # the two-warp CUDA-core reader at 256
 ]
 
 
@@ -137,6 +140,58 @@ def test_matches_reference(bits, tau, group, head_dim, dtype):
     out = ta.cell_attention(q, *st, bits, tau, scale)
     assert_close_to_reference(out, q, st, bits, tau, scale)
     assert torch.equal(out[0], torch.zeros_like(out[0]))  # length 0 -> zeros
+
+
+# head_dim (64, 96 padded to 128, 128, 256) x query heads per KV head (1, 2, 4, 8) x page kind (INT4, INT4 with V
+# precision, INT2, BF16 pages). The default set runs the cases of a Latin square (every pair of head_dim, group and kind
+# once, so every row of triton_config.TABLE) that CASES above does not already cover (head_dim 96 or 256, or eight
+# query heads), Huginn's and Dory's cells (INT4 at 96 x 1 and 256 x 4) and fp32 at 256 once; the whole product is slow.
+SHAPE_DIMS, SHAPE_GROUPS = (64, 96, 128, 256), (1, 2, 4, 8)
+SHAPE_KINDS = ((4, INF), (4, 2.0), (2, INF), (16, INF))  # tau 2: some tokens cold, some hot
+MODEL_CELLS = ((4, INF, 1, 96), (4, 2.0, 4, 256))  # Huginn-0125, Dory-4B (bits, tau, group, head_dim)
+
+
+def shape_cases():
+    for k, (bits, tau) in enumerate(SHAPE_KINDS):
+        for d, head_dim in enumerate(SHAPE_DIMS):
+            for g, group in enumerate(SHAPE_GROUPS):
+                fast = (g == (k + d) % len(SHAPE_GROUPS) and (head_dim in (96, 256) or group == 8)
+                        or (bits, tau, group, head_dim) in MODEL_CELLS)
+                yield pytest.param(bits, tau, group, head_dim, torch.bfloat16, marks=() if fast else pytest.mark.slow)
+    for group in SHAPE_GROUPS:  # fp32 inputs: the four-warp (128) and eight-warp (256) tensor-core rows
+        for bits, tau in ((4, 2.0), (2, INF)):
+            fast = (group, bits) == (1, 4)
+            yield pytest.param(bits, tau, group, 256, torch.float32, marks=() if fast else pytest.mark.slow)
+
+
+@interpret
+@pytest.mark.interpret
+@pytest.mark.parametrize(("bits", "tau", "group", "head_dim", "dtype"), list(shape_cases()))
+def test_every_served_shape_reads_and_writes_like_the_reference(bits, tau, group, head_dim, dtype):
+    """A cell of every shape the kernels serve, read through a share-style page table (pages out of order, two rows
+    on the same physical pages, a pool larger than the rows need): ``cell_attention`` within its tier of the float64
+    reference; ``token_attention_`` writes the token bit for bit as the reference does (into the sink, the ring, not
+    at capacity) and reads within its tier of the float64 reference of the appended state. One KV head (the
+    interpreter's time is per program); ``test_matches_reference`` reads two at 256 x 8."""
+    maxp, heads = 3, 1
+    lengths = [17, 288 + 32 * 2 + 5, capacity(maxp)]
+    table = torch.tensor([[6, 2, 0], [6, 2, 4], [1, 5, 3]])
+    st = make_cell(3, heads, head_dim, maxp, bits, lengths, dtype=dtype, pool_pages=7, page_table=table,
+                   seed=head_dim + group)
+    g = torch.Generator().manual_seed(bits + group)
+    q = (2 * torch.randn(3, heads * group, head_dim, generator=g)).to(dtype)
+    kn, vn = (torch.randn(3, heads, 1, head_dim, generator=g).to(dtype) for _ in range(2))
+    scale = head_dim**-0.5
+    assert triton_config.serves(head_dim, group)
+    assert_close_to_reference(ta.cell_attention(q, *st, bits, tau, scale), q, st, bits, tau, scale)
+    want_st = [t.clone() for t in st]
+    token_attention_reference(q, kn, vn, *want_st, bits, tau, scale)
+    got = ta.token_attention(q, kn, vn, *st, bits, tau, scale)
+    for i, (a, b) in enumerate(zip(st, want_st, strict=True)):
+        assert torch.equal(a, b), i
+    appended = [t.clone() for t in want_st]
+    appended[4] += (appended[4] < capacity(maxp)).int()
+    assert_close_to_reference(got, q, appended, bits, tau, scale)
 
 
 TOKEN_CASES = [  # bits, tau, query heads per KV head, dtype
@@ -308,10 +363,33 @@ def test_reference_fallbacks_and_argument_errors(monkeypatch):
         ta.cell_attention(q, *st, 8, INF, 0.125)
     with pytest.raises(ValueError, match="not a multiple"):
         ta.cell_attention(torch.randn(2, 3, 64), *st, 4, INF, 0.125)
-    with pytest.raises(ValueError, match="head_dim=32"):
-        ta.cell_attention(torch.randn(2, 2, 32), *make_cell(2, 2, 32, 2, 4, [5, 5]), 4, INF, 0.125)
     with pytest.raises(ValueError, match="one token per row"):
         ta.token_attention(q, kn[:1], kn[:1], *st, 4, INF, 0.125)
+
+
+@interpret
+@pytest.mark.interpret
+@pytest.mark.parametrize(("bits", "group", "head_dim"), [(4, 1, 32), (16, 1, 80), (2, 16, 64), (4, 2, 288)])
+def test_shapes_the_kernels_do_not_serve_run_the_reference(bits, group, head_dim, monkeypatch):
+    """head_dim 32 (tl.dot needs 16 columns), one that is not a multiple of 32 (a bf16 plan's), more than 8 query
+    heads per KV head and head_dim above 256: the read and the token path are the reference's, bit for bit, with one
+    warning per shape that says what the kernels serve."""
+    monkeypatch.setattr(triton_config, "_WARNED", set())
+    assert not triton_config.serves(head_dim, group)
+    lengths = [288 + 32 + 3, 5]
+    st = make_cell(2, 2, head_dim, 2, bits, lengths, seed=9)
+    q = torch.randn(2, 2 * group, head_dim)
+    with pytest.warns(UserWarning, match=f"head_dim={head_dim} with {group} query heads per KV head runs the PyTorch "
+                                         "reference"):
+        out = ta.cell_attention(q, *st, bits, 14.0, 0.125)
+    assert torch.equal(out, cell_attention_reference(q, *st, bits, 14.0, 0.125))
+    kn = torch.randn(2, 2, 1, head_dim)
+    got, ref = [t.clone() for t in st], [t.clone() for t in st]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # warned once per shape
+        assert torch.equal(ta.token_attention(q, kn, kn, *got, bits, 14.0, 0.125),
+                           token_attention_reference(q, kn, kn, *ref, bits, 14.0, 0.125))
+    assert all(torch.equal(a, b) for a, b in zip(got, ref, strict=True))
 
 
 @interpret
