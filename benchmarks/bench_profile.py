@@ -7,28 +7,34 @@ and int2, and KL_share: 265 evaluations (one evaluation = one (cell, option) mea
 into batches of ``--batch-cells`` rows exactly as ``loopkv.planning.profile`` cuts them.
 
 What is measured and what is extrapolated. A sample of the profile's own batches (``--sample-batches``, spread
-evenly over the batches without and with ``share`` jobs) is timed on ``--measure-docs`` documents of the full
-length, with the document's exact reference forward timed apart. The full profile's time is extrapolated:
+evenly over the batches without and with ``share`` jobs; 0 takes every batch) is timed on ``--measure-docs``
+documents of the full length, with the document's exact forward (reference logits, share sources, checkpoints)
+timed apart. The full profile's time is extrapolated, and the JSON says so (``"how": "extrapolated"``, and the
+measured fraction of the work) unless every batch ran on every document (``"how": "measured"``):
 
 * over documents, linearly: each document is its own forward, so a batch's time is the sum of its documents';
-* over batches, by a cost model fitted on the sampled ones: a batch of ``R`` rows whose first perturbed cell is
-  ``c`` (of ``T*L``) and that runs ``p`` passes (2 for ``share`` jobs) costs ``p * (c/TL + R * (1 - c/TL))``
-  model-forward units with the exact prefix run once on one row, ``p * R`` without; seconds per unit is the
-  sampled batches' total time over their total units. The plain mean time per sampled batch times the number of
-  batches is reported beside it.
+* over batches, by a cost model fitted on the sampled ones. A batch runs ``p`` passes (2 with ``share`` jobs)
+  over rows whose first perturbed cells are ``c_1 <= ... <= c_R`` (of ``TL = T*L``); in model-forward units it
+  costs ``p * R`` when every row runs from the first cell (``rows``), ``p * (c_1 + R * (TL - c_1)) / TL`` with
+  the exact prefix run once on one row (``prefix``), and ``p * ((c_R - a) + sum(TL - c_r)) / TL`` resumed from
+  the exact pass's checkpoint ``a`` with each row joining at its own cell (``resume``, the profiler's way). Seconds
+  per unit is the sampled batches' total time over their total units; each sampled batch also records the time
+  the fit predicts for it. The plain mean time per sampled batch times the number of batches is reported beside.
 
-Arms (``--arms``): ``fp32-rows`` (every row runs the whole model: the profiler before prefix sharing), ``fp32``
-(the exact prefix once per batch, on one row, then the rows), ``tf32`` (the same with TF32 matmuls). The TF32
-check compares damages measured in fp32 and TF32 against their noise floor: on this model (random weights: its
-KLs say little about a trained model's) and on loopkv's trained small model, whose whole profile is taken both
-ways on ``--small-docs`` documents; a damage is "within the noise floor" when the two differ by less than its
-standard error over documents.
+Arms (``--arms``): ``fp32-rows``, ``fp32-prefix`` (the profiler before it resumed from the exact pass), ``fp32``
+(resumed) and ``tf32`` (resumed, TF32 matmuls). The TF32 check compares damages measured in fp32 and TF32 against
+their noise floor: on this model (random weights: its KLs say little about a trained model's; ``--tf32-docs``
+documents, the standard error over them when there are two or more) and on loopkv's trained small model, whose
+whole profile is taken both ways on ``--small-docs`` documents; a damage is "within the noise floor" when the two
+differ by less than its standard error over documents.
 
-    python benchmarks/bench_profile.py --out benchmarks/results/profile.json        # H200: 7-8 minutes
+    python benchmarks/bench_profile.py --out benchmarks/results/profile.json        # H200: 5-7 minutes
 
 Order: the first arm (``tf32``), the TF32 checks, the other arms. ``--budget-s`` (390) bounds the run: past it no
 further batch is sampled (each arm keeps at least one) and the remaining checks are skipped, and the JSON is
-written after every step, so a run cut short keeps what it measured.
+written after every step, so a run cut short keeps what it measured. Memory: the run's peak, and the profile's
+projected peak at ``--docs`` documents (the profiler keeps every document's exact pass: logits, share sources,
+checkpoints).
 
 ``--smoke`` runs a tiny model on the CPU in seconds and checks the script; it measures nothing.
 """
@@ -46,9 +52,10 @@ from run_info import RESULTS, run_info, write_json
 from loopkv.planning.profile_data import Profile
 
 SEED = 0
-ARMS = {"fp32-rows": (False, False), "fp32": (True, False), "tf32": (True, True)}  # (share_prefix, tf32)
+ARMS = {"fp32-rows": ("rows", False), "fp32-prefix": ("prefix", False), "fp32": ("resume", False),
+        "tf32": ("resume", True)}  # (how rows start, TF32)
 SMOKE = {"docs": 2, "doc_len": 352, "measure_docs": 1, "sample_batches": 2, "small_docs": 1, "small_len": 352,
-         "tf32_jobs": 2}
+         "tf32_jobs": 2, "tf32_docs": 2}
 
 
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -57,22 +64,21 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--docs", type=int, default=16, help="documents of the profile being extrapolated to")
     p.add_argument("--doc-len", type=int, default=8192, help="tokens per document")
     p.add_argument("--measure-docs", type=int, default=1, help="documents each sampled batch is timed on")
-    p.add_argument("--sample-batches", type=int, default=4, help="batches of the profile timed per arm")
+    p.add_argument("--sample-batches", type=int, default=4, help="batches of the profile timed per arm (0: all)")
     p.add_argument("--batch-cells", type=int, default=8, help="measurements per forward (the profiler's default)")
-    p.add_argument("--arms", default="tf32,fp32,fp32-rows", help=f"comma-separated, from {','.join(ARMS)}")
+    p.add_argument("--arms", default="tf32,fp32,fp32-prefix", help=f"comma-separated, from {','.join(ARMS)}")
     p.add_argument("--budget-s", type=float, default=390.0,
                    help="stop sampling batches (each arm keeps at least one) and skip the remaining checks once "
                         "this many seconds have passed; the JSON is written after every arm")
-    p.add_argument("--tf32-jobs", type=int, default=3, help="jobs whose damage is compared in fp32 and TF32")
+    p.add_argument("--tf32-jobs", type=int, default=3, help="jobs whose damage is compared in fp32 and TF32 (0: skip)")
+    p.add_argument("--tf32-docs", type=int, default=2, help="documents of that comparison (2+: a noise floor)")
     p.add_argument("--small-docs", type=int, default=4, help="documents of the small model's TF32 check (0: skip)")
     p.add_argument("--small-len", type=int, default=1024, help="tokens per document of the small model's check")
     p.add_argument("--smoke", action="store_true", help="a tiny model on the CPU: checks the script")
     p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/profile.json)")
+    if p.parse_args(argv).smoke:  # the smoke sizes, unless given on the command line
+        p.set_defaults(**SMOKE, device="cpu")
     args = p.parse_args(argv)
-    if args.smoke:
-        for key, value in SMOKE.items():
-            setattr(args, key, value)
-        args.device = "cpu"
     bad = [a for a in args.arms.split(",") if a not in ARMS]
     if bad:
         p.error(f"--arms: unknown arm(s) {bad}; choose from {list(ARMS)}")
@@ -100,14 +106,14 @@ def build(config, device):
     return model.float().eval()
 
 
-def runner(model, docs, *, share_prefix: bool):
+def runner(model, docs, *, start: str):
     from loopkv.planning.profiler import _Runner
     from loopkv.planning.simulate import FIRST_HISTORY
 
     c = model.config
     return _Runner(model, docs, loops=c.total_ut_steps, layers=c.num_hidden_layers, tau=math.inf,
                    share_source="int4", share_passes=2, prefill_len=FIRST_HISTORY, first=FIRST_HISTORY,
-                   share_prefix=share_prefix)
+                   start=start)
 
 
 def profile_batches(config, batch_cells: int) -> list[list]:
@@ -120,18 +126,25 @@ def profile_batches(config, batch_cells: int) -> list[list]:
     return [jobs[i : i + batch_cells] for i in range(0, len(jobs), batch_cells)]
 
 
-def cost_units(run, batch, *, share_prefix: bool) -> float:
+def cost_units(run, batch, *, start: str) -> float:
     """Model-forward units of a batch per document (module docstring)."""
+    from loopkv.planning.resume import checkpoint_cells
+
     cells = run.loops * run.layers
     passes = run.share_passes if any(s.share for job in batch for s in run._spec(job).values()) else 1
-    if not share_prefix:
+    starts = sorted(run.first_cell(job) for job in batch)
+    if start == "rows":
         return passes * len(batch)
-    frac = min(run.first_cell(job) for job in batch) / cells
-    return passes * (frac + len(batch) * (1 - frac))
+    if start == "prefix":
+        return passes * (starts[0] + len(batch) * (cells - starts[0])) / cells
+    at = max(c for c in checkpoint_cells(run.loops, run.layers) if c <= starts[0])
+    return passes * ((starts[-1] - at) + sum(cells - c for c in starts)) / cells
 
 
 def sample(batches: list, k: int) -> list[int]:
-    """``k`` batch indices spread evenly over the batches without and with share jobs (half each)."""
+    """``k`` batch indices spread evenly over the batches without and with share jobs (half each); all for 0."""
+    if k == 0:
+        return list(range(len(batches)))
     plain = [i for i, b in enumerate(batches) if all(j != "kl_share" and j[1] != "share" for j in b)]
     shared = [i for i in range(len(batches)) if i not in plain]
     picks = []
@@ -152,70 +165,90 @@ def _bar():
     return tqdm(disable=True)
 
 
-def time_arm(model, docs, batches, picks, *, share_prefix: bool, tf32: bool, device, n_docs: int,
+def time_arm(model, docs, batches, picks, *, start: str, tf32: bool, device, n_docs: int,
              deadline: float = math.inf) -> dict:
-    """One arm: the reference forward per document and the sampled batches (those begun before ``deadline``,
-    at least one), timed; the full profile extrapolated."""
+    """One arm: the exact pass per document and the sampled batches (those begun before ``deadline``, at least
+    one), timed; the full profile extrapolated (or measured, when every batch ran on every document)."""
     from loopkv.planning.profiler import tf32_matmuls
     from loopkv.planning.simulate import served_attention_enabled
 
-    run = runner(model, docs, share_prefix=share_prefix)
-    if torch.device(device).type == "cuda":
+    run = runner(model, docs, start=start)
+    cuda = torch.device(device).type == "cuda"
+    if cuda:
         torch.cuda.reset_peak_memory_stats()
     with torch.no_grad(), tf32_matmuls(tf32), served_attention_enabled(model):
         _sync(device)
-        start = time.perf_counter()
+        begin = time.perf_counter()
         for d in range(len(docs)):
             run._reference(d)
         _sync(device)
-        reference = (time.perf_counter() - start) / len(docs)
+        reference = (time.perf_counter() - begin) / len(docs)
         rows = []
         for i in picks:
             if rows and time.perf_counter() > deadline:
                 break
             _sync(device)
-            start = time.perf_counter()
+            begin = time.perf_counter()
             run.measure(batches[i], _bar())
             _sync(device)
             rows.append({"index": i, "jobs": [str(j) for j in batches[i]], "rows": len(batches[i]),
                          "first_cell": min(run.first_cell(j) for j in batches[i]),
-                         "units": cost_units(run, batches[i], share_prefix=share_prefix),
-                         "seconds_per_doc": (time.perf_counter() - start) / len(docs)})
+                         "units": cost_units(run, batches[i], start=start),
+                         "seconds_per_doc": (time.perf_counter() - begin) / len(docs)})
     per_unit = sum(r["seconds_per_doc"] for r in rows) / sum(r["units"] for r in rows)
-    total_units = sum(cost_units(run, b, share_prefix=share_prefix) for b in batches)
+    for r in rows:
+        r["fit_seconds_per_doc"] = per_unit * r["units"]
+    total_units = sum(cost_units(run, b, start=start) for b in batches)
     evaluations = sum(len(b) for b in batches)
     full = n_docs * (per_unit * total_units + reference)
     mean = n_docs * (sum(r["seconds_per_doc"] for r in rows) / len(rows) * len(batches) + reference)
+    fraction = sum(r["units"] for r in rows) * len(docs) / (total_units * n_docs)
+    measured = len(rows) == len(batches) and len(docs) == n_docs
     return {
-        "share_prefix": share_prefix, "tf32": tf32, "reference_seconds_per_doc": reference, "sampled": rows,
+        "start": start, "tf32": tf32, "reference_seconds_per_doc": reference, "sampled": rows,
         "seconds_per_unit_per_doc": per_unit, "units_per_doc": total_units,
         "full_profile_minutes": full / 60, "full_profile_minutes_mean_batch": mean / 60,
-        "minutes_per_evaluation": full / 60 / evaluations, "how": "extrapolated",
-        "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if torch.device(device).type == "cuda" else None,
+        "minutes_per_evaluation": full / 60 / evaluations,
+        "how": "measured" if measured else "extrapolated", "measured_fraction_of_batch_work": fraction,
+        "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
+        "reference_gib_per_doc": _reference_bytes(run, len(docs)) / 2**30,
     }
 
 
+def _reference_bytes(run, n_docs: int) -> int:
+    """Bytes the runner keeps per document (exact logits, share sources, checkpoints), averaged over documents."""
+    total = 0
+    for logits, sources, checkpoints in run._refs.values():
+        total += logits.numel() * logits.element_size()
+        total += sum(t.numel() * t.element_size() for kv in sources.values() for t in kv)
+        total += sum(t.numel() * t.element_size() for t in checkpoints.values())
+    return total // max(n_docs, 1)
+
+
 def tf32_on_jobs(model, docs, jobs) -> dict:
-    """Damage of ``jobs`` in fp32 and TF32 on the same documents, and the exact model's own TF32 KL."""
+    """Damage of ``jobs`` in fp32 and TF32 on the same documents: the difference against the fp32 damage's standard
+    error over documents (with 2+ documents), and the exact model's own KL between its TF32 and fp32 logits."""
     from loopkv.planning.profiler import kl_per_position, tf32_matmuls
     from loopkv.planning.simulate import served_attention_enabled
 
-    out = {}
+    out, refs = {}, {}
     for name, tf32 in (("fp32", False), ("tf32", True)):
-        run = runner(model, docs, share_prefix=True)
+        run = runner(model, docs, start="resume")
         with torch.no_grad(), tf32_matmuls(tf32), served_attention_enabled(model):
-            values = run.measure(jobs, _bar())
-            out[name] = {str(j): {"damage": v[0], "per_document": v[1]} for j, v in zip(jobs, values, strict=True)}
-            out[name + "_reference"] = [run._reference(d)[0] for d in range(len(docs))]
-    floor = []
-    for ref32, ref_tf in zip(out.pop("fp32_reference"), out.pop("tf32_reference"), strict=True):
-        floor.append(float(kl_per_position(ref32, ref_tf[None])[0].mean()))
+            out[name] = dict(zip(map(str, jobs), run.measure(jobs, _bar()), strict=True))
+            refs[name] = [run._reference(d)[0] for d in range(len(docs))]
+    floor = [float(kl_per_position(a, b[None])[0].mean()) for a, b in zip(refs["fp32"], refs["tf32"], strict=True)]
     rows = []
-    for key, a in out["fp32"].items():
-        b = out["tf32"][key]
-        rows.append({"job": key, "fp32": a["damage"], "tf32": b["damage"],
-                     "relative_difference": abs(b["damage"] - a["damage"]) / a["damage"] if a["damage"] else None})
-    return {"jobs": rows, "exact_model_kl_tf32_vs_fp32": sum(floor) / len(floor),
+    for key, (damage, per_doc) in out["fp32"].items():
+        other = out["tf32"][key][0]
+        se = float(torch.tensor(per_doc).std()) / math.sqrt(len(per_doc)) if len(per_doc) > 1 else None
+        rows.append({"job": key, "fp32": damage, "tf32": other,
+                     "relative_difference": abs(other - damage) / damage if damage else None,
+                     "standard_error": se, "difference_over_se": abs(other - damage) / se if se else None})
+    finite = [r["difference_over_se"] for r in rows if r["difference_over_se"] is not None]
+    return {"documents": len(docs), "doc_len": int(docs[0].numel()), "jobs": rows,
+            "within_noise_floor": sum(1 for r in finite if r < 1.0) if finite else None, "compared": len(finite),
+            "exact_model_kl_tf32_vs_fp32": sum(floor) / len(floor),
             "note": "random weights: near-uniform outputs, so these KLs say little about a trained model's"}
 
 
@@ -265,13 +298,14 @@ def main(argv: Sequence[str] | None = None) -> dict:
     config = ouro_config(args.smoke)
     model = build(config, device)
     gen = torch.Generator().manual_seed(SEED)
-    docs = [torch.randint(0, config.vocab_size, (args.doc_len,), generator=gen) for _ in range(args.measure_docs)]
+    docs = [torch.randint(0, config.vocab_size, (args.doc_len,), generator=gen)
+            for _ in range(max(args.measure_docs, args.tf32_docs))]
     batches = profile_batches(config, args.batch_cells)
     picks = sample(batches, args.sample_batches)
     from loopkv.planning.simulate import served_attention_enabled
 
     with torch.no_grad(), served_attention_enabled(model):  # warm up kernels and allocator on a short document
-        runner(model, [docs[0][:400]], share_prefix=True).measure(batches[0][:1], _bar())
+        runner(model, [docs[0][:400]], start="resume").measure(batches[0][:1], _bar())
     result = {
         **run_info(__file__, argv, device),
         "model": {"shape": "tiny (smoke)" if args.smoke else "Ouro-1.4B (random weights)",
@@ -280,15 +314,19 @@ def main(argv: Sequence[str] | None = None) -> dict:
         "profile": {"documents": args.docs, "doc_len": args.doc_len, "batch_cells": args.batch_cells,
                     "evaluations": sum(len(b) for b in batches), "batches": len(batches), "share_passes": 2},
         "measured": {"documents": args.measure_docs, "doc_len": args.doc_len, "batches": picks},
+        "memory_note": "projected_peak_gib: the largest arm's peak plus the exact passes of the documents not "
+                       "measured (the profiler keeps every document's)",
         "arms": {},
         "tf32_check": {},
-        "extrapolation": "full-profile times are extrapolated (module docstring): linear in documents, over batches "
-                         "by the cost model fitted on the sampled batches",
+        "extrapolation": "each arm's 'how' says whether its full-profile time is measured (every batch on every "
+                         "document) or extrapolated (module docstring): linearly in documents, over batches by the "
+                         "cost model fitted on the sampled batches ('fit_seconds_per_doc' beside each measured time)",
     }
     out = args.out or (RESULTS / "profile.json")
     everything = [j for b in batches for j in b]
     kinds = [next(j for j in everything if j != "kl_share" and j[1] == o) for o in ("int4", "int2", "share")]
-    checks = {"ouro_shape": lambda: tf32_on_jobs(model, docs, (kinds + ["kl_share"])[: args.tf32_jobs]),
+    tf32_jobs = (kinds + ["kl_share"])[: args.tf32_jobs]
+    checks = {"ouro_shape": lambda: tf32_on_jobs(model, docs[: max(args.tf32_docs, 1)], tf32_jobs),
               "small_model": lambda: _small_check(args, model, device)}
     if args.tf32_jobs == 0:  # asked for none
         checks.pop("ouro_shape")
@@ -298,11 +336,11 @@ def main(argv: Sequence[str] | None = None) -> dict:
             over = time.perf_counter() > deadline
             result["tf32_check"][step] = {"skipped": f"past --budget-s {args.budget_s:g}"} if over else checks[step]()
         else:
-            share_prefix, tf32 = ARMS[step]
-            arm = time_arm(model, docs, batches, picks, share_prefix=share_prefix, tf32=tf32, device=device,
+            start, tf32 = ARMS[step]
+            arm = time_arm(model, docs[: args.measure_docs], batches, picks, start=start, tf32=tf32, device=device,
                            n_docs=args.docs, deadline=deadline)
             result["arms"][step] = arm
-            print(f"{step}: {arm['full_profile_minutes']:.1f} min per profile (extrapolated from "
+            print(f"{step}: {arm['full_profile_minutes']:.1f} min per profile ({arm['how']}, from "
                   f"{len(arm['sampled'])} batches), {arm['minutes_per_evaluation'] * 60:.1f} s per evaluation",
                   flush=True)
         write_json(out, result)
@@ -316,9 +354,15 @@ def _summary(result: dict) -> dict:
     """Minutes per profile per arm (extrapolated), the fastest arm, and the issue's targets (60 and 20 minutes)."""
     minutes = {name: arm["full_profile_minutes"] for name, arm in result["arms"].items()}
     best = min(minutes, key=minutes.get) if minutes else None
-    return {"full_profile_minutes_extrapolated": minutes, "fastest_arm": best,
-            "evaluations_per_profile": result["profile"]["evaluations"],
+    peaks = [a["peak_memory_gib"] for a in result["arms"].values() if a["peak_memory_gib"] is not None]
+    extra_docs = result["profile"]["documents"] - result["measured"]["documents"]
+    per_doc = max((a["reference_gib_per_doc"] for a in result["arms"].values()), default=0.0)
+    return {"full_profile_minutes": minutes, "how": {n: a["how"] for n, a in result["arms"].items()},
+            "fastest_arm": best, "evaluations_per_profile": result["profile"]["evaluations"],
             "minutes_per_evaluation": {n: a["minutes_per_evaluation"] for n, a in result["arms"].items()},
+            "projected_peak_gib": max(peaks) + extra_docs * per_doc if peaks else None,
+            "tf32_within_noise_floor": {name: [c.get("within_noise_floor"), c.get("compared")]
+                                        for name, c in result["tf32_check"].items() if c and "skipped" not in c},
             "within_60_min": None if best is None else minutes[best] <= 60,
             "within_20_min": None if best is None else minutes[best] <= 20}
 
@@ -326,10 +370,14 @@ def _summary(result: dict) -> dict:
 def _print_table(result: dict) -> None:
     print(f"profile: {result['profile']['evaluations']} evaluations, {result['profile']['documents']} x "
           f"{result['profile']['doc_len']} tokens ({result['model']['shape']}, {result['device']})")
-    print(f"{'arm':<10} {'min/profile':>12} {'(mean-batch)':>12} {'s/evaluation':>13} {'ref s/doc':>10}")
+    print(f"{'arm':<12} {'min/profile':>12} {'(mean-batch)':>12} {'s/evaluation':>13} {'ref s/doc':>10}  how")
     for name, arm in result["arms"].items():
-        print(f"{name:<10} {arm['full_profile_minutes']:>12.1f} {arm['full_profile_minutes_mean_batch']:>12.1f} "
-              f"{arm['minutes_per_evaluation'] * 60:>13.2f} {arm['reference_seconds_per_doc']:>10.2f}")
+        print(f"{name:<12} {arm['full_profile_minutes']:>12.1f} {arm['full_profile_minutes_mean_batch']:>12.1f} "
+              f"{arm['minutes_per_evaluation'] * 60:>13.2f} {arm['reference_seconds_per_doc']:>10.2f}  {arm['how']}")
+    for name, check in result["tf32_check"].items():
+        if check and "skipped" not in check:
+            print(f"TF32 vs fp32 ({name}): {check['within_noise_floor']} of {check['compared']} damages within "
+                  "their noise floor (standard error over documents)")
 
 
 if __name__ == "__main__":

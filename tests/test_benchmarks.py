@@ -155,22 +155,40 @@ def test_bench_profile_smoke(tmp_path, capsys):
     datetime.datetime.fromisoformat(result["date"])
     # the tiny model: 3 loops x 2 layers -> 4 cells x 3 options + 2 final cells x 2 options + KL_share
     assert result["profile"]["evaluations"] == 4 * 3 + 2 * 2 + 1
-    assert list(result["arms"]) == ["tf32", "fp32", "fp32-rows"]
+    assert list(result["arms"]) == ["tf32", "fp32", "fp32-prefix"]
     for arm in result["arms"].values():
-        assert arm["how"] == "extrapolated"
+        assert arm["how"] == "extrapolated"  # 2 of the batches on 1 of the 2 documents
         rows = arm["sampled"]
         assert rows
         per_unit = sum(r["seconds_per_doc"] for r in rows) / sum(r["units"] for r in rows)
         assert arm["seconds_per_unit_per_doc"] == pytest.approx(per_unit)
+        assert [r["fit_seconds_per_doc"] for r in rows] == pytest.approx([per_unit * r["units"] for r in rows])
         full = result["profile"]["documents"] * (per_unit * arm["units_per_doc"] + arm["reference_seconds_per_doc"])
         assert arm["full_profile_minutes"] == pytest.approx(full / 60)
         assert arm["minutes_per_evaluation"] == pytest.approx(full / 60 / result["profile"]["evaluations"])
-    assert result["arms"]["fp32-rows"]["units_per_doc"] >= result["arms"]["fp32"]["units_per_doc"]
+        assert arm["measured_fraction_of_batch_work"] == pytest.approx(
+            sum(r["units"] for r in rows) / (2 * arm["units_per_doc"]))
+        # one 352-token document's exact pass: fp32 logits of positions 320.. and the final loop's K/V
+        assert arm["reference_gib_per_doc"] * 2**30 >= 4 * (32 * 97 + 2 * 2 * 352 * 32 * 2)
+    assert result["arms"]["fp32-prefix"]["units_per_doc"] > result["arms"]["fp32"]["units_per_doc"]
     check = result["tf32_check"]
     assert len(check["ouro_shape"]["jobs"]) == 2
+    assert check["ouro_shape"]["compared"] == 2  # two documents: a standard error per job
     assert check["small_model"]["damages"] == 16
     assert result["summary"]["evaluations_per_profile"] == 17
+    assert set(result["summary"]["tf32_within_noise_floor"]) == {"ouro_shape", "small_model"}
     assert "min/profile" in capsys.readouterr().out
+
+
+def test_bench_profile_measures_when_every_batch_runs_on_every_document(tmp_path):
+    bench = _load("bench_profile")
+    out = tmp_path / "profile.json"
+    result = bench.main(["--smoke", "--arms", "fp32", "--sample-batches", "0", "--docs", "1", "--tf32-jobs", "0",
+                         "--small-docs", "0", "--out", str(out)])
+    arm = result["arms"]["fp32"]
+    assert arm["how"] == "measured"
+    assert len(arm["sampled"]) == result["profile"]["batches"]
+    assert arm["measured_fraction_of_batch_work"] == pytest.approx(1.0)
 
 
 def test_profile_batches_and_cost_model_at_ouro_shape():
@@ -185,10 +203,20 @@ def test_profile_batches_and_cost_model_at_ouro_shape():
     run = _Runner(None, [], loops=4, layers=24, tau=float("inf"), share_source="int4", share_passes=2,
                   prefill_len=320, first=320)
     last_plain = batches[23]  # int4/int2 of final-loop cells 92..95
-    assert [run.first_cell(j) for j in last_plain][0] == 92
-    assert bench.cost_units(run, last_plain, share_prefix=True) == pytest.approx(92 / 96 + 8 * 4 / 96)
-    assert bench.cost_units(run, last_plain, share_prefix=False) == 8
-    assert bench.cost_units(run, batches[24], share_prefix=False) == 16  # share jobs: two passes
+    assert [run.first_cell(j) for j in last_plain] == [92, 92, 93, 93, 94, 94, 95, 95]
+    assert bench.cost_units(run, last_plain, start="prefix") == pytest.approx(92 / 96 + 8 * 4 / 96)
+    # resumed from loop 3's checkpoint (cell 72): the carrier runs cells 72..94, rows join at 92..95
+    assert bench.cost_units(run, last_plain, start="resume") == pytest.approx((95 - 72 + 2 * (4 + 3 + 2 + 1)) / 96)
+    assert bench.cost_units(run, last_plain, start="rows") == 8
+    assert bench.cost_units(run, batches[24], start="rows") == 16  # share jobs: two passes
+    totals = {s: sum(bench.cost_units(run, b, start=s) for b in batches) for s in ("rows", "prefix", "resume")}
+    # every evaluation's own cells, its passes included (the floor no schedule of rows goes below): 188.75 units
+    floor = sum((2 if j == "kl_share" or j[1] == "share" else 1) * (96 - run.first_cell(j)) / 96
+                for b in batches for j in b)
+    assert floor == pytest.approx(188.75)
+    assert totals["rows"] == 265 + 73  # 73 two-pass evaluations (72 shares and KL_share)
+    assert totals["prefix"] == pytest.approx(215.79, abs=0.01)  # the H200 run before resuming
+    assert floor < totals["resume"] < floor + 7 < totals["prefix"]
     assert bench.sample(batches, 4) == [0, 23, 24, 33]
 
 
