@@ -18,6 +18,7 @@ _LAZY = {
     "Plan": ("loopkv.planning.plan", "Plan"),
     "LoopKVCache": ("loopkv.cache.loop_cache", "LoopKVCache"),
     "register": ("loopkv.cache.attention", "register"),
+    "layer_devices": ("loopkv.cache.placement", "layer_devices"),
     "check_compile": ("loopkv.compile_check", "check_compile"),
     "planning": ("loopkv.planning", None),
     "ops": ("loopkv.ops", None),
@@ -29,6 +30,7 @@ __all__ = sorted(_LAZY) + ["__version__"]
 if TYPE_CHECKING:
     from loopkv.cache.attention import register as register
     from loopkv.cache.loop_cache import LoopKVCache as LoopKVCache
+    from loopkv.cache.placement import layer_devices as layer_devices
     from loopkv.cells import Cell as Cell
     from loopkv.cells import CellLayout as CellLayout
     from loopkv.compile_check import check_compile as check_compile

@@ -7,7 +7,7 @@ handles that ``LoopKVCache.update`` returned as ``key``/``value``:
   pages, window); the step's last cell counts the step (``LoopKVCache.decode_cell``);
 * prefill on an empty cell: writes the prompt into the cell (each row only its own tokens, padding
   read from the mask) and attends exactly over the prompt, like KIVI and the paper's engine;
-* several tokens on a non-empty cell: token by token through the decode ops (the served semantics).
+* several tokens on a non-empty cell: one pass with the served semantics (``loopkv/cache/continuation.py``).
 
 Anything that is not a handle goes to transformers' SDPA attention, so a model can mix caches.
 """

@@ -12,26 +12,27 @@ registered as ``"loopkv"`` (``loopkv/cache/attention.py``) reads and writes the 
 * Prefill (several tokens on an empty cell): the attention function knows the padding (from the mask) and writes
   the cell (:meth:`LoopKVCache.prefill_cell`): sink and window exact, the pages in between quantized in bulk
   (``write_pages_``); attention over the prompt itself is exact.
-* Several tokens on a non-empty cell go token by token through the decode ops: the served semantics, as if
-  those tokens had been decoded.
+* Several tokens on a non-empty cell (a later turn): one pass with the served semantics, each token reading what
+  decoding it would have (``loopkv/cache/continuation.py``).
 """
 
 from __future__ import annotations
 
 import math
 import sys
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import Tensor
 from transformers.cache_utils import Cache
 
-from loopkv.cache import checks
+from loopkv.cache import checks, placement
 from loopkv.cache import layer as cell_layer
 from loopkv.cache.layer import LoopKVCell, LoopKVHandle
-from loopkv.cache.storage import OWN_FIELDS, POOL_FIELDS, CellStorage, allocate_cell, stack_cells
+from loopkv.cache.storage import OWN_FIELDS, POOL_FIELDS, CellStorage, allocate_cell
 from loopkv.cells import Cell, CellLayout
-from loopkv.format import PAGE, RING, SINK, capacity, check_head_dim, n_pages, stored_pages
+from loopkv.format import PAGE, RING, SINK, WINDOW, capacity, check_head_dim, n_pages, stored_pages
 from loopkv.ops import cache_ops, cell_attention, step_ops  # noqa: F401  (registers torch.ops.loopkv.*)
 
 
@@ -44,7 +45,9 @@ class LoopKVCache(Cache):
         max_batch_size: rows preallocated; a batch may be smaller.
         max_cache_len: tokens per row (prompt + generated), preallocated.
         dtype: the model's activation dtype (exact sink/window/bf16 pages); default ``config.dtype`` or fp32.
-        device: where the storage lives; default CUDA if available, else CPU.
+        device: where the storage lives; default CUDA if available, else CPU. A model spread over devices
+            (``device_map``): ``{layer: device}`` for each physical layer (``loopkv.layer_devices(model)``),
+            and each cell lives with its layer (``loopkv/cache/placement.py``).
 
     The cells' tensors are slices of a few stacked buffers (:class:`~loopkv.cache.storage.CellStacks`), so a
     compiled step lifts a few tensors, not every cell's. A decode step must update and then read every cell once,
@@ -56,7 +59,7 @@ class LoopKVCache(Cache):
     attention_implementation = "loopkv"  # the name, in transformers' attention registry, of what reads the handles
 
     def __init__(self, plan, *, config, max_batch_size: int, max_cache_len: int,
-                 dtype: torch.dtype | None = None, device: torch.device | str | None = None):
+                 dtype: torch.dtype | None = None, device: torch.device | str | Mapping | None = None):
         from loopkv.cache.attention import register
         from loopkv.planning.plan import Plan
 
@@ -71,10 +74,11 @@ class LoopKVCache(Cache):
         if any(o != "bf16" for o in plan.options):
             check_head_dim(head_dim)
         dtype = checks.resolve_dtype(config, dtype)
-        device = torch.device(device if device is not None else "cuda" if torch.cuda.is_available() else "cpu")
+        self.layout = CellLayout(loops, layers)
+        devices = placement.cell_devices(device, self.layout)
+        device = devices[0]
 
         self.plan = plan
-        self.layout = CellLayout(loops, layers)
         self._max_batch_size = max_batch_size
         self._max_cache_len = max_cache_len
         self.dtype = dtype
@@ -93,12 +97,13 @@ class LoopKVCache(Cache):
             source = storages.get(self.layout.source(cell)) if option == "share" else None
             storages[cell] = allocate_cell(option, source=source, **dims)
         ordered = [storages[c] for c in self.layout]
-        checks.check_fits(ordered, device)
-        self._stacks = stack_cells(ordered, device)  # the cells' fields become views of the stacks
+        for d in dict.fromkeys(devices):
+            checks.check_fits([st for st, dd in zip(ordered, devices, strict=True) if dd == d], d)
+        self._devices = devices
+        self._shards = placement.build_shards(ordered, devices)  # the cells' fields become views of the stacks
+        self._shard_of = {i: (shard, j) for shard in self._shards for j, i in enumerate(shard.cells)}
         cells = [LoopKVCell(st, max_cache_len=max_cache_len) for st in ordered]
         super().__init__(layers=cells)
-        self._groups = self._advance_groups(ordered)
-        self._no_pool = torch.zeros(0, dtype=torch.int32, device=device)  # a share group's page table and pool
         # eager bookkeeping (none while compiling: a compiled step reads every cell, the last one advances)
         self._unread: set[int] = set()  # cells updated whose "loopkv" read has not yet written the token
         self._read: set[int] = set()  # cells whose read wrote the step's token, not yet counted by advance_
@@ -109,12 +114,12 @@ class LoopKVCache(Cache):
         self._pads = torch.zeros(max_batch_size, dtype=torch.int64)
         # Every tensor a step can mutate must be a static address, the empty placeholders included: one unmarked
         # input makes CUDA-graph trees skip the whole step.
-        for t in [*self._stacks.tensors(), *(t for g in self._groups for t in g[1:]), self._no_pool]:
+        for t in (t for shard in self._shards for t in shard.tensors()):
             torch._dynamo.mark_static_address(t)
         for layer in cells:  # the views too (a compiled step reads cell 0's lengths through get_seq_length)
             for t in layer.storage.own_tensors().values():
                 torch._dynamo.mark_static_address(t)
-        if device.type == "cuda":
+        if any(d.type == "cuda" for d in devices):
             from loopkv.ops.triton_register import register_triton_kernels
 
             register_triton_kernels()
@@ -156,10 +161,12 @@ class LoopKVCache(Cache):
         if (H, D) != (self.kv_heads, self.head_dim):
             raise ValueError(f"K/V of shape {tuple(key_states.shape)} do not match the cache's "
                              f"{self.kv_heads} KV heads x head_dim {self.head_dim}")
-        if key_states.dtype != self.dtype or key_states.device.type != self.device.type:
+        home = self._devices[layer_idx]
+        if key_states.dtype != self.dtype or not placement.same_device(key_states.device, home):
             raise ValueError(
-                f"K/V are {key_states.dtype} on {key_states.device}, the cache was built for {self.dtype} on "
-                f"{self.device}: pass dtype=/device= to LoopKVCache matching the model"
+                f"K/V of cell {layer_idx} are {key_states.dtype} on {key_states.device}, the cache was built for "
+                f"{self.dtype} on {home}: pass dtype=/device= to LoopKVCache matching the model (a model spread "
+                "over devices: device=loopkv.layer_devices(model))"
             )
         if S == 1 and not cell_layer._no_host_sync(self.device):
             if layer_idx in self._unread:
@@ -191,7 +198,8 @@ class LoopKVCache(Cache):
             # the lengths stack's slice, not the cell's view: a compiled step must not lift two inputs that share
             # memory. AOTAutograd merges such inputs into a "synthetic base", and its metadata then forgets which
             # inputs are static addresses, so CUDA-graph trees skip the step ("mutated inputs")
-            return self._stacks.own_slice("lengths", layer_idx).max()
+            shard, j = self._shard_of[layer_idx]
+            return shard.stacks.own_slice("lengths", j).max()
         return self.layers[layer_idx].get_seq_length()
 
     def get_max_length(self, layer_idx: int | None = None) -> int:
@@ -227,10 +235,10 @@ class LoopKVCache(Cache):
         if bad:
             raise ValueError(f"beam_idx {bad} are not rows of the batch this LoopKVCache holds (rows "
                              f"{held.nonzero().flatten().tolist()}): reorder only rows of that batch")
-        idx = beam_idx.to(self.device).long()
-        B = idx.shape[0]
+        B = beam_idx.shape[0]
         for layer in self.layers:
             st = layer.storage
+            idx = beam_idx.to(st.lengths.device).long()
             for name, t in st.own_tensors().items():
                 if name == "page_table":
                     continue
@@ -268,10 +276,11 @@ class LoopKVCache(Cache):
         Eagerly, the cell's own views (no per-call slicing on the host)."""
         st = self.layers[layer_idx].storage
         if torch.compiler.is_compiling():
-            stacks = self._stacks
-            bits, j = stacks.pool_of[layer_idx]
+            shard, i = self._shard_of[layer_idx]
+            stacks = shard.stacks
+            bits, j = stacks.pool_of[i]
             st = CellStorage(option=st.option, own_bits=st.own_bits, read_bits=st.read_bits,
-                             **{n: stacks.own_slice(n, layer_idx) for n in OWN_FIELDS},
+                             **{n: stacks.own_slice(n, i) for n in OWN_FIELDS},
                              **{n: stacks.pool_slice(bits, n, j) for n in ("page_table", *POOL_FIELDS)})
         if batch == self.max_batch_size:
             return st
@@ -305,7 +314,8 @@ class LoopKVCache(Cache):
         )
         if torch.compiler.is_compiling():  # a compiled step reads every cell: the last read advances them all
             if layer_idx == len(self.layers) - 1:
-                self._advance(B, self._stacks.own["lengths"], self._groups)
+                for shard in self._shards:
+                    self._advance(shard, B, shard.stacks.own["lengths"], shard.groups)
             return out
         if self._read and B != self._read_batch:
             raise ValueError(f"cells of one decode step were read with {self._read_batch} and {B} rows")
@@ -319,9 +329,12 @@ class LoopKVCache(Cache):
         return out
 
     def continue_cell(self, layer_idx: int, query: Tensor, k: Tensor, v: Tensor, *, scale: float) -> Tensor:
-        """Several tokens on a non-empty cell, one at a time through the decode ops (the served semantics).
-        query [B, Hq, S, D], k, v [B, H, S, D] -> [B, S, Hq, D]. Refused whole, before anything is written, if a
-        row would pass ``max_cache_len``."""
+        """Several tokens on a non-empty cell in one pass, with the served semantics (each token reads what decoding
+        it would have; ``loopkv/cache/continuation.py``). query [B, Hq, S, D], k, v [B, H, S, D] -> [B, S, Hq, D].
+        Refused whole, before anything is written, if a row would pass ``max_cache_len`` (or, for a ``share`` cell,
+        if the turn is longer than :meth:`continuation_limit`)."""
+        from loopkv.cache.continuation import continue_rows
+
         self.flush()
         B, S = k.shape[0], k.shape[2]
         held_by_row = self.layers[layer_idx].storage.lengths.cpu()
@@ -338,12 +351,14 @@ class LoopKVCache(Cache):
             raise ValueError(f"{S} more tokens on a row holding {held} exceed max_cache_len={self.max_cache_len}; "
                              "build the LoopKVCache with a larger max_cache_len")
         self._unread.discard(layer_idx)
-        outs = []
-        for i in range(S):
-            outs.append(self.decode_cell(layer_idx, query[:, :, i], k[:, :, i : i + 1], v[:, :, i : i + 1],
-                                         scale=scale))
-            self.flush()
-        return torch.stack(outs, dim=1)
+        return continue_rows(self, layer_idx, query, k, v, scale=scale)
+
+    @property
+    def continuation_limit(self) -> int | None:
+        """The most new tokens one forward may append to a non-empty cache, or ``None`` for no limit: a plan with
+        ``share`` cells takes at most ``WINDOW`` at a time (their pages come from the final loop, which runs after
+        them; ``loopkv/cache/continuation.py``). loopkv's Ouro splits longer turns itself."""
+        return WINDOW if "share" in self.plan.options else None
 
     @staticmethod
     def _check_rows_beyond(lengths: Tensor, batch: int) -> None:
@@ -372,35 +387,27 @@ class LoopKVCache(Cache):
             self._uncodable.clear()
             if bad:
                 raise checks.uncodable_error(bad)
-        groups = self._groups
-        if len(cells) < len(self.layers):  # some cells only (a caller driving cells one at a time): their pairs
-            keep = set(cells)
-            groups = []
-            for bits, c, p in self._groups:
-                pairs = [(i, j) for i, j in zip(c.tolist(), p.tolist(), strict=True) if i in keep]
-                if pairs:
-                    groups.append((bits, *(torch.tensor(x, dtype=torch.int32, device=self.device)
-                                           for x in zip(*pairs, strict=True))))
-        self._advance(self._read_batch, self._stacks.own["lengths"], groups)
+        for shard in self._shards:
+            groups = shard.groups
+            if len(cells) < len(self.layers):  # some cells only (a caller driving cells one at a time): their pairs
+                keep = {j for j, i in enumerate(shard.cells) if i in cells}
+                groups = []
+                for bits, c, p in shard.groups:
+                    pairs = [(i, j) for i, j in zip(c.tolist(), p.tolist(), strict=True) if i in keep]
+                    if pairs:
+                        groups.append((bits, *(torch.tensor(x, dtype=torch.int32, device=shard.device)
+                                               for x in zip(*pairs, strict=True))))
+            if groups:
+                self._advance(shard, self._read_batch, shard.stacks.own["lengths"], groups)
 
-    def _advance(self, batch: int, lengths: Tensor, groups: list) -> None:
-        own = self._stacks.own
+    def _advance(self, shard: placement.Shard, batch: int, lengths: Tensor, groups: list) -> None:
+        own = shard.stacks.own
         max_pages = self.layers[0].storage.page_table.shape[1]
         for bits, cells, pools in groups:
-            pool = self._stacks.pools[bits] if bits else {}
-            fields = [pool.get(n, self._no_pool) for n in ("page_table", *POOL_FIELDS)]
+            pool = shard.stacks.pools[bits] if bits else {}
+            fields = [pool.get(n, shard.no_pool) for n in ("page_table", *POOL_FIELDS)]
             torch.ops.loopkv.advance_(cells, pools, lengths, own["win_k"], own["win_v"], *fields, batch,
                                       self.max_batch_size, self.kv_heads, self.head_dim, max_pages, bits)
-
-    def _advance_groups(self, storages: list[CellStorage]) -> list[tuple[int, Tensor, Tensor]]:
-        """(bits, cells, pools) per kind of pool, and (0, share cells, zeros): what a step's ``advance_`` launches."""
-        groups = []
-        for bits in sorted({s.own_bits for s in storages}, reverse=True):
-            cells = [i for i, s in enumerate(storages) if s.own_bits == bits]
-            pools = [self._stacks.pool_of[i][1] for i in cells]
-            cells, pools = (torch.tensor(x, dtype=torch.int32, device=self.device) for x in (cells, pools))
-            groups.append((bits, cells, pools))  # separate tensors: a compiled step's inputs must not share memory
-        return groups
 
     def prefill_cell(self, layer_idx: int, k: Tensor, v: Tensor, pad: Tensor) -> None:
         """Write a left-padded prompt into an empty cell. k, v: [B, H, S, D]; pad: int [B] pads per row."""
@@ -453,32 +460,35 @@ class LoopKVCache(Cache):
         the cache): the reader's launch config depends on the rows read and on the pools' sizes. Between the two
         ends, a batch can still need one more binary where Triton specializes the split count differently.
         """
-        if self.device.type != "cuda":
+        if not any(d.type == "cuda" for d in self._devices):
             return
         from loopkv.ops.triton_register import register_triton_kernels, warmup
 
         if not register_triton_kernels():
             return
-        storages = [layer.storage for layer in self.layers]
         q_heads = q_heads or self.q_heads
-        warmup(batch_size=self.max_batch_size, kv_heads=self.kv_heads, q_heads=q_heads,
-               head_dim=self.head_dim, max_pages=storages[0].page_table.shape[1], dtype=self.dtype,
-               read_bits=tuple(sorted({s.read_bits for s in storages})),
-               own_bits=tuple(sorted({s.own_bits for s in storages})), tau=min(self.taus), device=self.device)
-        for batch in sorted({1, self.max_batch_size}):
-            query = torch.zeros(batch, q_heads, self.head_dim, dtype=self.dtype, device=self.device)
-            token = torch.zeros(batch, self.kv_heads, 1, self.head_dim, dtype=self.dtype, device=self.device)
-            st = self._rows(0, batch)
-            scratch = [torch.zeros_like(t) for t in (st.sink_k, st.sink_v, st.win_k, st.win_v)]
-            for idx in range(len(self.layers)):
-                st = self._rows(idx, batch)
-                torch.ops.loopkv.token_attention_(
-                    query, token, token, *scratch, torch.zeros_like(st.lengths), st.page_table, *st.pool(),
-                    st.read_bits, self._tau(idx, st), self.head_dim**-0.5,
-                )
-            # on scratch lengths from 0: counts a token, encodes no page
-            self._advance(batch, torch.zeros_like(self._stacks.own["lengths"]), self._groups)
-        torch.cuda.synchronize(self.device)
+        for shard in self._shards:
+            if shard.device.type != "cuda":
+                continue
+            storages = [self.layers[i].storage for i in shard.cells]
+            warmup(batch_size=self.max_batch_size, kv_heads=self.kv_heads, q_heads=q_heads,
+                   head_dim=self.head_dim, max_pages=storages[0].page_table.shape[1], dtype=self.dtype,
+                   read_bits=tuple(sorted({s.read_bits for s in storages})),
+                   own_bits=tuple(sorted({s.own_bits for s in storages})), tau=min(self.taus), device=shard.device)
+            for batch in sorted({1, self.max_batch_size}):
+                query = torch.zeros(batch, q_heads, self.head_dim, dtype=self.dtype, device=shard.device)
+                token = torch.zeros(batch, self.kv_heads, 1, self.head_dim, dtype=self.dtype, device=shard.device)
+                st = self._rows(shard.cells[0], batch)
+                scratch = [torch.zeros_like(t) for t in (st.sink_k, st.sink_v, st.win_k, st.win_v)]
+                for idx in shard.cells:
+                    st = self._rows(idx, batch)
+                    torch.ops.loopkv.token_attention_(
+                        query, token, token, *scratch, torch.zeros_like(st.lengths), st.page_table, *st.pool(),
+                        st.read_bits, self._tau(idx, st), self.head_dim**-0.5,
+                    )
+                # on scratch lengths from 0: counts a token, encodes no page
+                self._advance(shard, batch, torch.zeros_like(shard.stacks.own["lengths"]), shard.groups)
+            torch.cuda.synchronize(shard.device)
 
     def storage(self, cell: Cell | int) -> CellStorage:
         """The cell's tensors (the tokens of a step in progress counted first: :meth:`flush`)."""

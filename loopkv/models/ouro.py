@@ -332,6 +332,11 @@ class OuroModel(OuroPreTrainedModel):
                 past = cache.get_seq_length() if cache is not None else 0
                 position_ids = (torch.arange(q_len, device=inputs_embeds.device) + past).unsqueeze(0)
 
+        limit = getattr(cache, "continuation_limit", None)
+        if limit is not None and q_len > limit and not torch.compiler.is_compiling() and cache.get_seq_length():
+            return self._forward_in_pieces(limit, inputs_embeds, attention_mask, position_ids, cache, use_cache,
+                                           exit_at_step, **kwargs)
+
         if isinstance(attention_mask, dict):
             mask_by_type = attention_mask
         else:
@@ -365,6 +370,35 @@ class OuroModel(OuroPreTrainedModel):
             last_hidden_state=hidden_states if selected is None else selected,
             cache=cache if use_cache else None,
         )
+
+
+    def _forward_in_pieces(self, limit, inputs_embeds, attention_mask, position_ids, cache, use_cache,
+                           exit_at_step, **kwargs) -> OuroModelOutput:
+        """A later turn longer than the cache's ``continuation_limit`` (a LoopKVCache plan with ``share`` cells),
+        run as consecutive forwards of at most ``limit`` tokens: the same tokens, positions and mask columns."""
+        q_len = inputs_embeds.shape[1]
+        pieces = []
+        for start in range(0, q_len, limit):
+            end = min(q_len, start + limit)
+            pieces.append(self.forward(
+                inputs_embeds=inputs_embeds[:, start:end], attention_mask=_mask_piece(attention_mask, q_len, end,
+                                                                                      end - start),
+                position_ids=position_ids[..., start:end], cache=cache, use_cache=use_cache,
+                exit_at_step=exit_at_step, **kwargs,
+            ).last_hidden_state)
+        return OuroModelOutput(last_hidden_state=torch.cat(pieces, dim=1), cache=cache if use_cache else None)
+
+
+def _mask_piece(mask: Any, q_len: int, end: int, piece: int) -> Any:
+    """The mask of queries ``[end - piece, end)`` of a ``q_len``-token forward, over keys up to the piece's last."""
+    if mask is None:
+        return None
+    if isinstance(mask, dict):
+        return {name: _mask_piece(m, q_len, end, piece) for name, m in mask.items()}
+    keys = mask.shape[-1] - q_len + end  # the cache's columns, then the forward's up to ``end``
+    if mask.dim() == 2:
+        return mask[:, :keys]
+    return mask[..., end - piece:end, :keys]
 
 
 class OuroForCausalLM(OuroPreTrainedModel, GenerationMixin):

@@ -24,7 +24,8 @@ def test_cells_are_views_of_the_stacks_and_allocate_nothing_else():
     plan = _mixed_plan(3)
     cfg = tiny_config(loops=3, layers=3, head_dim=32)
     cache = loopkv.LoopKVCache(plan, config=cfg, max_batch_size=3, max_cache_len=700, device="cpu")
-    stacks = cache._stacks
+    (shard,) = cache._shards  # one device: one shard of stacks
+    stacks = shard.stacks
     slices = 0
     for idx, layer in enumerate(cache.layers):
         st = layer.storage
