@@ -1,5 +1,5 @@
 """Where a LoopKVCache's cells live: one device, or each physical layer's own (a model spread over GPUs with
-``device_map``), and the shards that follow from it (docs/design.md, "Placement").
+``device_map``), and the shards that follow from it (docs/design.md, D4a).
 
 A cell ``(t, l)`` lives where physical layer ``l`` runs, as transformers' static cache puts each layer where its
 K/V arrive; a ``share`` cell and its source (the final loop, same layer) are therefore always together. The cells of
