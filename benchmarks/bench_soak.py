@@ -18,8 +18,9 @@ many times. The batch size changes between requests. What is recorded and must h
 
 On CUDA: ``torch.compile(mode="reduce-overhead", fullgraph=True, dynamic=False)``, as ``generate``'s
 ``CompileConfig(fullgraph=True, mode="reduce-overhead")`` compiles the step, after ``cache.warmup()``. ``--smoke``:
-a tiny model on the CPU, ``backend="eager"`` (Dynamo's graph capture and guards, no Inductor, no CUDA graphs), a
-few hundred steps. The H200 run (about 3 minutes, compiles included)::
+a tiny model on the CPU, ``backend="eager"`` (Dynamo's graph capture and guards, no Inductor, no CUDA graphs;
+``--smoke --backend inductor`` compiles it with Inductor, about a minute), 120 steps. The H200 run (about 3 minutes,
+compiles included)::
 
     python benchmarks/bench_soak.py --out benchmarks/results/soak.json
 
@@ -222,6 +223,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--check-every", type=int, default=97, help="compare with eager every this many steps")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default=None, help="default: cuda if available")
+    p.add_argument("--backend", choices=("inductor", "eager"), default=None,
+                   help="torch.compile's backend: inductor (the default; with mode='reduce-overhead' on CUDA), or "
+                        "eager (Dynamo's capture and guards only; the default with --smoke)")
     p.add_argument("--smoke", action="store_true",
                    help="tiny model on the CPU, backend='eager', 3 requests of 40 steps at batch 2, 1, 2")
     p.add_argument("--out", default=str(RESULTS / "soak.json"))
@@ -270,7 +274,8 @@ def soak(args, argv) -> dict:
     events = CompileEvents()
     handler = torch._dynamo.callback_handler
     handler.register_start_callback(events)
-    options = dict(mode="reduce-overhead") if cuda else dict(backend="eager")
+    backend = args.backend or ("eager" if args.smoke else "inductor")
+    options = dict(backend=backend, **(dict(mode="reduce-overhead") if cuda and backend == "inductor" else {}))
     step = torch.compile(make_step(model, cache), fullgraph=True, dynamic=False, **options)
     gen = torch.Generator().manual_seed(args.seed + 1)
     first = {}  # the first request of each batch size; the warm-up ends with the last of them

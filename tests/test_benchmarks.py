@@ -220,14 +220,19 @@ def test_profile_batches_and_cost_model_at_ouro_shape():
     assert bench.sample(batches, 4) == [0, 23, 24, 33]
 
 
-def test_bench_soak_smoke(tmp_path, capsys):
-    """The soak's CPU path (Dynamo with the eager backend): three requests at batch 2, 1, 2 with a reset before each;
-    the compile hook saw one graph per batch size in the warm-up and none after; every sampled step, the steps where
-    a row reaches page 0's or page 1's quantization included, equals an eager step on a copy of the cache."""
+@pytest.mark.parametrize("backend", [pytest.param(None, id="eager"), pytest.param("inductor", marks=pytest.mark.slow)])
+def test_bench_soak_smoke(tmp_path, capsys, backend):
+    """The soak's CPU path (Dynamo with the eager backend; Inductor in the slow set): three requests at batch 2, 1, 2
+    with a reset before each; the compile hook saw one graph per batch size in the warm-up and none after; every
+    sampled step, the steps where a row reaches page 0's or page 1's quantization included, equals an eager step on
+    a copy of the cache."""
     out = tmp_path / "soak.json"
-    _load("bench_soak").main(["--smoke", "--out", str(out)])
+    extra = ["--backend", backend] if backend else []
+    _load("bench_soak").main(["--smoke", "--out", str(out), *extra])
     result = json.loads(out.read_text())
-    _check_run_info(result, "bench_soak", out)
+    assert result["compile"] == {"backend": backend or "eager"}
+    assert result["command"].endswith(" ".join(["", *extra]))
+    _check_run_info(dict(result, command=result["command"].removesuffix(" ".join(["", *extra]))), "bench_soak", out)
     summary, requests = result["summary"], result["requests"]
     assert summary["passed"], summary["failures"]
     assert [(r["batch"], r["warmup"]) for r in requests] == [(2, True), (1, True), (2, False)]
