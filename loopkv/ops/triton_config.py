@@ -134,8 +134,8 @@ TABLE = (
           "fp32 products: one warp spills 8-9 KB per thread at head_dim 128, four warps 16-24 B (static, sm_90; "
           "tests/ops/sm90_compile_check.py), not timed"),
     Entry(SM80, (4, 2), ANY, WIDE, "fp32", 0, Launch("dot", 8, 1, 64),
-          "fp32 products at head_dim 256: four warps spill 9 KB per thread at 4 query heads, eight FP32_WIDE_SPILL "
-          "(static); a correctness path (fp32 caches, float checks), not timed"),
+          "fp32 products at head_dim 256: eight warps spill 1.5, 5 and 9 KB per thread at 1, 4 and 8 query heads, "
+          "four warps 1.9 and 11 KB at 1 and 4 (static); a correctness path (fp32 caches), not timed"),
     Entry(SM80, (4,), ONE, NARROW, "16-bit", 0, Launch(**CC, maxnreg=128),
           "capped at 128 registers (16 programs per SM, not 11): INT4 0.437 vs 0.601 ms; 112-152 all slower "
           "(--readers r112,r120,r128,r136,r144,r152)"),
