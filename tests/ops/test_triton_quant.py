@@ -72,7 +72,8 @@ def assert_pools_equal(got: list, want: list) -> None:
 @interpret
 @pytest.mark.interpret
 @pytest.mark.parametrize("bits", [4, 2, 16])
-@pytest.mark.parametrize(("head_dim", "dtype"), [(64, torch.bfloat16), (96, torch.float32), (128, torch.float16)])
+@pytest.mark.parametrize(("head_dim", "dtype"), [(64, torch.bfloat16), (96, torch.float32), (128, torch.float16),
+                                                  (256, torch.bfloat16)])
 def test_write_pages_matches_reference(bits, head_dim, dtype):
     n, heads, pool_pages = 3, 2, 6
     k, v = page_values(n, heads, head_dim, dtype, bits=bits, seed=bits + head_dim)
@@ -164,6 +165,33 @@ def test_advance_matches_reference(bits):
 
 @interpret
 @pytest.mark.interpret
+@pytest.mark.parametrize("bits", [4, 2, 16])
+@pytest.mark.parametrize("head_dim", [96, 256])
+def test_advance_matches_reference_at_wide_and_padded_head_dims(bits, head_dim):
+    """Window exits at head_dim 96 (padded to 128 with masks) and 256, one KV head: the same bits as the reference."""
+    q = QUANTIZE_LENGTH
+    exits = run_advance(bits, [q - 1, q + 31, capacity(3), 0], 2, heads=1, head_dim=head_dim)
+    assert exits == 3
+
+
+@interpret
+@pytest.mark.interpret
+@pytest.mark.parametrize(("bits", "head_dim"), [(4, 32), (16, 32), (16, 80)])
+def test_head_dims_the_kernels_do_not_serve_run_the_reference(bits, head_dim):
+    """head_dim 32 and 80 (a bf16 plan's, not a multiple of 32): ``write_pages_`` and ``advance_`` run the
+    references, with the same results."""
+    k, v = page_values(2, 2, head_dim, torch.bfloat16, bits=bits)
+    got = make_pool(3, 2, head_dim, bits)
+    want = [t.clone() for t in got]
+    tq.write_pages(k, v, torch.tensor([2, 0]), *got, bits)
+    cache_ops.write_pages_reference(k, v, torch.tensor([2, 0]), *want, bits)
+    assert_pools_equal(got, want)
+    q = QUANTIZE_LENGTH
+    assert run_advance(bits, [q - 1, 5, 0], 1, heads=1, head_dim=head_dim) == 2
+
+
+@interpret
+@pytest.mark.interpret
 @pytest.mark.parametrize("programs", [1, 3])
 def test_advance_programs_per_row(programs, monkeypatch):
     """1 and 3 (not a divisor of 2 H) programs per row share a window exit's encode tasks; the row's counter is reset
@@ -179,8 +207,9 @@ def test_advance_programs_per_row(programs, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("bits", [4, 2, 16])
-def test_write_pages_gpu_matches_cpu_reference(bits):
-    n, heads, head_dim = 64, 16, 128
+@pytest.mark.parametrize(("heads", "head_dim"), [(16, 128), (4, 256), (55, 96)])  # Ouro, Dory, Huginn cells
+def test_write_pages_gpu_matches_cpu_reference(bits, heads, head_dim):
+    n = 64
     k, v = page_values(n, heads, head_dim, torch.bfloat16, bits=bits, seed=bits)
     pages = torch.randperm(2 * n)[:n]
     pool = make_pool(2 * n, heads, head_dim, bits)
@@ -193,9 +222,10 @@ def test_write_pages_gpu_matches_cpu_reference(bits):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("bits", [4, 2, 16, 0])
-def test_advance_gpu_matches_reference(bits):
-    """Ouro's cell shape (16 KV heads x 128), 8 rows crossing window exits at different steps, 40 steps."""
+@pytest.mark.parametrize(("heads", "head_dim"), [(16, 128), (4, 256), (55, 96)])  # Ouro, Dory, Huginn cells
+def test_advance_gpu_matches_reference(bits, heads, head_dim):
+    """A model's cell shape, 8 rows crossing window exits at different steps, 40 steps."""
     q = QUANTIZE_LENGTH
     maxp = 8
     lengths = [0, 31, q - 1, q + 31, q + 32 * 5 - 3, capacity(maxp), 1000 % capacity(maxp), 500]
-    run_advance(bits, lengths, 40, maxp=maxp, heads=16, head_dim=128, device="cuda")
+    run_advance(bits, lengths, 40, maxp=maxp, heads=heads, head_dim=head_dim, device="cuda")
