@@ -19,8 +19,7 @@ many times. The batch size changes between requests. What is recorded and must h
 On CUDA: ``torch.compile(mode="reduce-overhead", fullgraph=True, dynamic=False)``, as ``generate``'s
 ``CompileConfig(fullgraph=True, mode="reduce-overhead")`` compiles the step, after ``cache.warmup()``. ``--smoke``:
 a tiny model on the CPU, ``backend="eager"`` (Dynamo's graph capture and guards, no Inductor, no CUDA graphs;
-``--smoke --backend inductor`` compiles it with Inductor, about a minute), 120 steps. The H200 run (about 3 minutes,
-compiles included)::
+``--smoke --backend inductor`` compiles it with Inductor, about a minute), 120 steps. The GPU run::
 
     python benchmarks/bench_soak.py --out benchmarks/results/soak.json
 
