@@ -60,6 +60,25 @@ def test_tensor_core_reader_compiles_for_sm90():
     assert got["ftz_not_ex2"] == []
 
 
+@pytest.mark.parametrize(("bits", "group", "head_dim", "cc", "warps", "cap", "max_stack"), [
+    (4, 1, 256, True, 2, 128, 128),  # two warps under the cap: 64 B of stack (one warp: 1.4 KB)
+    (2, 2, 256, True, 2, None, 64),  # two warps uncapped: none (one warp: 256 B)
+    (4, 4, 256, False, 4, None, 512),  # Dory's cell: 304 B (one warp: 2.5 KB)
+    (4, 8, 128, False, 2, None, 64),  # eight query heads: none (one warp: 688 B)
+])
+def test_wide_and_large_group_rows_compile_for_sm90(bits, group, head_dim, cc, warps, cap, max_stack):
+    """The table's rows above head_dim 128 and past four query heads per KV head keep the stack small (Triton 3.9's
+    numbers in the comments; the bounds separate them from the one-warp launches); the CUDA-core reader keeps its
+    prefetch and its cap at two warps."""
+    got = compile_sm90(bits=bits, tau=None, batch=32, heads=4, group=group, head_dim=head_dim)
+    assert got["cc"] == cc
+    assert got["options"]["num_warps"] == warps
+    assert got["options"].get("maxnreg") == cap
+    assert got["stack"] is None or got["stack"] <= max_stack, got["stack"]
+    assert (got["prefetch_l2"] > 0) == cc
+    assert got["ftz_not_ex2"] == []
+
+
 def test_fp32_inputs_take_the_four_warp_tensor_core_reader_without_spilling():
     """fp32 inputs (``ieee`` products): with one warp the programs spilled 8-9 KB per thread at head_dim 128 (static,
     Triton 3.6); four warps and one stage keep it (nearly) off the stack: 16-24 B with Triton 3.6, up to 472 B with

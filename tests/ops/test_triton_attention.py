@@ -443,6 +443,17 @@ GPU_CASES = [  # bits, tau, heads, group, head_dim, dtype
     (4, 0.0, 16, 1, 128, torch.float32),
     (2, INF, 4, 4, 256, torch.float32),
     (16, INF, 8, 2, 64, torch.float32),
+    # every row of the table above head_dim 128 or past 4 query heads per KV head
+    (4, 14.0, 4, 1, 256, torch.bfloat16),  # two-warp CUDA-core reader, capped
+    (2, INF, 4, 1, 256, torch.bfloat16),
+    (4, 0.0, 4, 2, 256, torch.float16),  # two warps uncapped, V precision with cold tokens
+    (2, INF, 4, 2, 160, torch.bfloat16),  # padded to 256
+    (4, INF, 4, 8, 256, torch.bfloat16),  # eight-warp tensor-core reader
+    (2, INF, 2, 5, 224, torch.bfloat16),  # padded group and head_dim
+    (4, 14.0, 4, 8, 128, torch.bfloat16),  # two-warp tensor-core reader
+    (2, INF, 4, 6, 96, torch.float16),
+    (4, 14.0, 2, 8, 256, torch.float32),  # eight-warp fp32 products
+    (16, INF, 4, 8, 256, torch.bfloat16),
 ]
 
 
@@ -484,6 +495,30 @@ def test_gpu_cuda_core_reader_real_shape(bits, tau):
         out = ta.token_attention(q, kn, vn, *cell, bits, tau, head_dim**-0.5)
         cell[4] += (cell[4] < capacity(maxp)).int()
         assert_close_to_reference(out, q, cell, bits, tau, head_dim**-0.5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("bits", "tau"), [(4, INF), (4, 14.0), (2, INF), (16, INF)])
+@pytest.mark.parametrize(("heads", "group", "head_dim"), [(4, 4, 256), (55, 1, 96)])  # Dory-4B, Huginn-0125
+def test_gpu_model_cells_real_shape(bits, tau, heads, group, head_dim):
+    """Dory's cell (4 KV heads x 256, 4 query heads each) and Huginn's (55 x 96) at B = 8 x 16K, bf16, against a
+    float64 reference computed on the GPU, on the read and on the token path."""
+    batch = 8
+    maxp = n_pages(16384 + 1)
+    lengths = [16384, 16384 - 77, 5, 300, 16384 // 2 + 13, 16384, 320, 4000]
+    st = make_cell(batch, heads, head_dim, maxp, bits, lengths, dtype=torch.bfloat16, device="cuda", seed=3)
+    g = torch.Generator().manual_seed(head_dim)
+    q = (2 * torch.randn(batch, heads * group, head_dim, generator=g)).to(torch.bfloat16).cuda()
+    scale = head_dim**-0.5
+    assert_close_to_reference(ta.cell_attention(q, *st, bits, tau, scale), q, st, bits, tau, scale)
+    kn, vn = (torch.randn(batch, heads, 1, head_dim, generator=g).to(torch.bfloat16).cuda() for _ in range(2))
+    want_st = [t.clone() for t in st]
+    token_attention_reference(q, kn, vn, *want_st, bits, tau, scale)
+    out = ta.token_attention(q, kn, vn, *st, bits, tau, scale)
+    for a, b in zip(st, want_st, strict=True):
+        assert torch.equal(a, b)
+    st[4] += (st[4] < capacity(maxp)).int()
+    assert_close_to_reference(out, q, st, bits, tau, scale)
 
 
 def one_cell_stacks(cell):
