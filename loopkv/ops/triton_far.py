@@ -3,7 +3,8 @@ with 16-bit inputs (``triton_config.TABLE``; docs/kernels.md explains it, triton
 
 The tensor-core reader (``triton_dot``) pads one query head per KV head to 16-row MMA tiles, and at one query head
 per KV head ran latency-bound at 255 registers with spills. This reader does both products on CUDA cores, one warp
-per program, with every tensor indexed ``(query head g, token t, word w, field j)``:
+per program (two above head_dim 128: each thread then holds what it holds at 128 on one), with every tensor indexed
+``(query head g, token t, word w, field j)``:
 
 * Codes are read as int32 *words*, in their packed order: field ``j`` of word ``w`` of a token is channel
   ``(32 // bits) * w + j`` (K nibbles or crumbs), so the query is laid out to match and the output comes out in
