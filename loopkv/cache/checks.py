@@ -84,3 +84,10 @@ def check_fits(templates: list[CellStorage], device: torch.device) -> None:
     if free is not None and needed > free:
         raise ValueError(f"this LoopKVCache needs {needed / 2**30:.2f} GiB on {device}, which has {free / 2**30:.2f} "
                          "GiB free: lower max_batch_size or max_cache_len, or plan fewer stored bytes per token")
+
+
+def row_index(value, rows: int) -> int:
+    """``value`` as a row index in ``[0, rows)``, or a ValueError naming it."""
+    if isinstance(value, bool) or not hasattr(value, "__index__") or not 0 <= value.__index__() < rows:
+        raise ValueError(f"row {value!r} is not a row of this LoopKVCache (0 to {rows - 1})")
+    return value.__index__()

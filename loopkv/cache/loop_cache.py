@@ -30,9 +30,10 @@ from transformers.cache_utils import Cache
 from loopkv.cache import checks, placement
 from loopkv.cache import layer as cell_layer
 from loopkv.cache.layer import LoopKVCell, LoopKVHandle
+from loopkv.cache.paging import PagePool
 from loopkv.cache.storage import OWN_FIELDS, POOL_FIELDS, CellStorage, allocate_cell
 from loopkv.cells import Cell, CellLayout
-from loopkv.format import PAGE, RING, SINK, WINDOW, capacity, check_head_dim, n_pages, stored_pages
+from loopkv.format import PAGE, RING, SINK, WINDOW, capacity, check_head_dim, max_pages, n_pages, stored_pages
 from loopkv.ops import cache_ops, cell_attention, step_ops  # noqa: F401  (registers torch.ops.loopkv.*)
 
 
@@ -43,11 +44,14 @@ class LoopKVCache(Cache):
         plan: a :class:`loopkv.Plan` (one option per cell, V precision ``tau``, one value or one per loop).
         config: the model config (Ouro: ``total_ut_steps``, ``num_hidden_layers``, heads, ``head_dim``).
         max_batch_size: rows preallocated; a batch may be smaller.
-        max_cache_len: tokens per row (prompt + generated), preallocated.
+        max_cache_len: tokens per row (prompt + generated).
         dtype: the model's activation dtype (exact sink/window/bf16 pages); default ``config.dtype`` or fp32.
         device: where the storage lives; default CUDA if available, else CPU. A model spread over devices
             (``device_map``): ``{layer: device}`` for each physical layer (``loopkv.layer_devices(model)``),
             and each cell lives with its layer (``loopkv/cache/placement.py``).
+        pool_pages: ``None`` reserves every row's history pages for ``max_cache_len`` tokens; a number makes one
+            pool of that many pages, handed to rows as they grow and taken back by :meth:`release` / ``reset()``
+            (``loopkv/cache/paging.py``; ``paging.pool_pages_for`` sizes it from a memory budget). Eager only.
 
     The cells' tensors are slices of a few stacked buffers (:class:`~loopkv.cache.storage.CellStacks`), so a
     compiled step lifts a few tensors, not every cell's. A decode step must update and then read every cell once,
@@ -59,7 +63,8 @@ class LoopKVCache(Cache):
     attention_implementation = "loopkv"  # the name, in transformers' attention registry, of what reads the handles
 
     def __init__(self, plan, *, config, max_batch_size: int, max_cache_len: int,
-                 dtype: torch.dtype | None = None, device: torch.device | str | Mapping | None = None):
+                 dtype: torch.dtype | None = None, device: torch.device | str | Mapping | None = None,
+                 pool_pages: int | None = None):
         from loopkv.cache.attention import register
         from loopkv.planning.plan import Plan
 
@@ -68,6 +73,8 @@ class LoopKVCache(Cache):
                              f"Plan.from_json(path)), got {type(plan).__name__}")
         max_batch_size = checks.positive_int("max_batch_size", max_batch_size)
         max_cache_len = checks.positive_int("max_cache_len", max_cache_len)
+        if pool_pages is not None:
+            pool_pages = checks.positive_int("pool_pages", pool_pages)
         register()
         plan.validate_for(config)
         loops, layers, kv_heads, head_dim = checks.model_shape(config)
@@ -89,7 +96,7 @@ class LoopKVCache(Cache):
 
         # shapes first (meta), then each stacked buffer allocated once
         dims = dict(batch=max_batch_size, heads=kv_heads, head_dim=head_dim, max_cache_len=max_cache_len,
-                    dtype=dtype, device="meta")
+                    dtype=dtype, device="meta", pool_pages=pool_pages)
         storages: dict[Cell, CellStorage] = {}
         final = [c for c in self.layout if c.loop == self.layout.final_loop]
         for cell in final + [c for c in self.layout if c.loop != self.layout.final_loop]:
@@ -100,7 +107,9 @@ class LoopKVCache(Cache):
         for d in dict.fromkeys(devices):
             checks.check_fits([st for st, dd in zip(ordered, devices, strict=True) if dd == d], d)
         self._devices = devices
-        self._shards = placement.build_shards(ordered, devices)  # the cells' fields become views of the stacks
+        self._shards = placement.build_shards(ordered, devices, trash=pool_pages)  # fields become views of stacks
+        # a shared page pool (loopkv/cache/paging.py), or every row's pages reserved (None)
+        self._pool = None if pool_pages is None else PagePool(pool_pages, max_batch_size, max_pages(max_cache_len))
         self._shard_of = {i: (shard, j) for shard in self._shards for j, i in enumerate(shard.cells)}
         cells = [LoopKVCell(st, max_cache_len=max_cache_len) for st in ordered]
         super().__init__(layers=cells)
@@ -183,6 +192,7 @@ class LoopKVCache(Cache):
                     raise ValueError(f"a row already holds max_cache_len={self.max_cache_len} tokens; build the "
                                      "LoopKVCache with a larger max_cache_len")
                 self._check_rows_beyond(lengths, B)
+                self._ensure_pages({b: int(lengths[b]) + 1 for b in range(B)})
             self._unread.add(layer_idx)
         return (LoopKVHandle(self, layer_idx, key_states, value_states),) * 2
 
@@ -209,7 +219,10 @@ class LoopKVCache(Cache):
         return self.max_cache_len
 
     def reset(self) -> None:
-        """Forget every sequence, keeping the same tensors (and compiled graphs): lengths gate every read."""
+        """Forget every sequence, keeping the same tensors (and compiled graphs): lengths gate every read. A shared
+        pool gets every page back."""
+        if self._pool is not None:
+            self._free_pages(range(self.max_batch_size))
         for layer in self.layers:
             layer.reset()
         self._unread.clear()
@@ -220,6 +233,10 @@ class LoopKVCache(Cache):
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Beam search: gather rows exactly (codes, scales and exact parts; nothing is re-quantized). The batch becomes
         ``len(beam_idx)`` rows; rows after it are emptied, as a dense cache drops them."""
+        if self._pool is not None:
+            raise NotImplementedError(
+                "reorder_cache (beam search) copies rows' pages, and rows of a shared page pool would then share "
+                "pages they go on writing: use a LoopKVCache without pool_pages for beam search")
         self.flush()
         # Refused before anything moves: index_select's own errors ("index out of range in self", a size mismatch)
         # did not name the problem, a float index was truncated silently, and an index of a row outside the batch
@@ -313,6 +330,10 @@ class LoopKVCache(Cache):
             st.read_bits, self._tau(layer_idx, st), scale,
         )
         if torch.compiler.is_compiling():  # a compiled step reads every cell: the last read advances them all
+            if self._pool is not None:
+                raise NotImplementedError(
+                    "a shared page pool (pool_pages) hands pages out on the host between steps, which a compiled "
+                    "step cannot do: compile with a LoopKVCache without pool_pages")
             if layer_idx == len(self.layers) - 1:
                 for shard in self._shards:
                     self._advance(shard, B, shard.stacks.own["lengths"], shard.groups)
@@ -350,6 +371,7 @@ class LoopKVCache(Cache):
         if held + S > self.max_cache_len:
             raise ValueError(f"{S} more tokens on a row holding {held} exceed max_cache_len={self.max_cache_len}; "
                              "build the LoopKVCache with a larger max_cache_len")
+        self._ensure_pages({b: int(lengths[b]) + S for b in range(B)})
         self._unread.discard(layer_idx)
         return continue_rows(self, layer_idx, query, k, v, scale=scale)
 
@@ -418,6 +440,7 @@ class LoopKVCache(Cache):
         longest = S - min(pads)
         if longest > self.max_cache_len:
             raise ValueError(f"prompt of {longest} tokens exceeds max_cache_len={self.max_cache_len}")
+        self._ensure_pages({b: S - p for b, p in enumerate(pads)})
         if st.own_bits in (4, 2):
             real = torch.arange(S, device=k.device)[None, :] >= pad.to(k.device)[:, None]  # [B, S]
             if (real[:, None, :, None] & (checks.uncodable(k) | checks.uncodable(v))).any():
@@ -489,6 +512,51 @@ class LoopKVCache(Cache):
                 # on scratch lengths from 0: counts a token, encodes no page
                 self._advance(shard, batch, torch.zeros_like(shard.stacks.own["lengths"]), shard.groups)
             torch.cuda.synchronize(shard.device)
+
+    # ---- the shared page pool (loopkv/cache/paging.py) -------------------------------------------
+    @property
+    def pages_in_use(self) -> int:
+        """Physical pages held by rows: of the shared pool, or every row's reserved pages without one."""
+        if self._pool is None:
+            return self.max_batch_size * self.layers[0].storage.page_table.shape[1]
+        return self._pool.in_use
+
+    def release(self, rows) -> None:
+        """Forget rows (a finished request): their lengths become 0 in every cell and a shared pool gets their pages
+        back. The other rows are untouched."""
+        self.flush()
+        rows = [checks.row_index(r, self.max_batch_size) for r in rows]
+        if self._pool is not None:
+            self._free_pages(rows)
+        for layer in self.layers:
+            layer.storage.lengths[rows] = 0
+        self._pads[rows] = 0
+
+    def _ensure_pages(self, tokens: dict[int, int]) -> None:
+        """Before a write: give each row the pages that holding ``tokens[row]`` tokens stores (a shared pool only);
+        all or nothing (``PoolFull``)."""
+        if self._pool is None:
+            return
+        entries = self._pool.ensure({b: stored_pages(n) for b, n in tokens.items()})
+        if entries:
+            rows, logical, physical = zip(*entries, strict=True)
+            self._set_table(list(rows), list(logical), list(physical))
+
+    def _free_pages(self, rows) -> None:
+        for b in rows:
+            pages = self._pool.release(b)
+            if pages:
+                n = len(pages)
+                self._set_table([b] * n, list(range(n)), [self._pool.trash] * n)
+
+    def _set_table(self, rows: list[int], logical: list[int], physical: list[int]) -> None:
+        """Point (row, logical page) at ``physical`` in every own pool's page table (one stacked buffer per kind)."""
+        per_row = self.layers[0].storage.page_table.shape[1]
+        for shard in self._shards:
+            cols = torch.tensor([r * per_row + p for r, p in zip(rows, logical, strict=True)], device=shard.device)
+            vals = torch.tensor(physical, dtype=torch.int32, device=shard.device)
+            for fields in shard.stacks.pools.values():
+                fields["page_table"][:, cols] = vals
 
     def storage(self, cell: Cell | int) -> CellStorage:
         """The cell's tensors (the tokens of a step in progress counted first: :meth:`flush`)."""

@@ -70,9 +70,13 @@ def _pool(bits: int, n: int, heads: int, head_dim: int, dtype: torch.dtype, devi
 
 def allocate_cell(
     option: str, *, batch: int, heads: int, head_dim: int, max_cache_len: int, dtype: torch.dtype,
-    device, source: CellStorage | None = None,
+    device, source: CellStorage | None = None, pool_pages: int | None = None,
 ) -> CellStorage:
-    """Allocate one cell; a ``share`` cell takes ``source``'s page table and pool (its own sink/window)."""
+    """Allocate one cell; a ``share`` cell takes ``source``'s page table and pool (its own sink/window).
+
+    ``pool_pages``: ``None``, every row's pages reserved (``batch * max_pages(max_cache_len)``, the table the
+    identity); else a shared pool of that many pages plus the trash page (``loopkv/cache/paging.py``), the table
+    pointing at the trash page until pages are allocated."""
     exact = dict(dtype=dtype, device=device)
     own = dict(
         sink_k=torch.zeros(batch, heads, SINK, head_dim, **exact),
@@ -88,8 +92,11 @@ def allocate_cell(
         return CellStorage(option=option, own_bits=0, read_bits=source.own_bits, **own, **shared)
     bits = BITS[option]
     pages = max_pages(max_cache_len)
+    physical = batch * pages if pool_pages is None else pool_pages + 1
     table = torch.arange(batch * pages, dtype=torch.int32, device=device).view(batch, pages)
-    pool = _pool(bits, batch * pages, heads, head_dim, dtype, device)
+    if pool_pages is not None:
+        table.fill_(pool_pages)
+    pool = _pool(bits, physical, heads, head_dim, dtype, device)
     return CellStorage(option=option, own_bits=bits, read_bits=bits, page_table=table, **own, **pool)
 
 
@@ -147,13 +154,13 @@ def _slice(buf: Tensor, i: int, shape: tuple[int, ...]) -> Tensor:
     return buf[i, : math.prod(shape)].view(shape)
 
 
-def stack_cells(templates: list[CellStorage], device) -> CellStacks:
+def stack_cells(templates: list[CellStorage], device, *, trash: int | None = None) -> CellStacks:
     """Allocate the cells' tensors as stacked buffers on ``device`` and point every cell's fields at its slices.
 
     ``templates`` are the cells from :func:`allocate_cell` on the ``meta`` device (shapes and dtypes, no memory):
     each buffer is allocated once, so building the cache never holds two copies. Every tensor starts at zero except
-    the page tables, which map (row, logical page) to physical page ``row * P + page`` as ``allocate_cell``'s do.
-    ``share`` cells follow their source's pool."""
+    the page tables, which map (row, logical page) to physical page ``row * P + page`` as ``allocate_cell``'s do, or
+    all to the ``trash`` page of a shared pool. ``share`` cells follow their source's pool."""
     n = len(templates)
     shapes: dict = {}
     own = {}
@@ -177,6 +184,8 @@ def stack_cells(templates: list[CellStorage], device) -> CellStacks:
                 pools[bits][name] = _buffer(len(group), shapes[(bits, name)], t.dtype, device)
         rows, per_row = first.page_table.shape
         table = torch.arange(rows * per_row, dtype=torch.int32, device=device)
+        if trash is not None:
+            table.fill_(trash)
         pools[bits]["page_table"][:, : rows * per_row].copy_(table.expand(len(group), -1))
         for j, st in enumerate(group):
             where[id(st.k_pages)] = (bits, j)

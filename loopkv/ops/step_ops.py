@@ -80,7 +80,10 @@ def advance_stacks_reference(
     """``advance_reference`` of the first ``batch`` rows of every (cell, pool) pair, on the stacked tensors."""
     check_advance_args(cells, pools, batch, max_batch, bits)
     ring = (max_batch, heads, RING, head_dim)
-    shapes = pool_field_shapes(bits or 4, max_batch * max_pages, heads, head_dim)
+    # physical pages per pool: every row's (max_batch * max_pages) or a shared pool's; a stacked row is padded by
+    # less than one page, so the count is what fits
+    physical = k_pages.shape[-1] // math.prod(pool_field_shapes(bits, 1, heads, head_dim)["k_pages"]) if bits else 0
+    shapes = pool_field_shapes(bits or 4, physical, heads, head_dim)
     stacks = (k_pages, k_scale, k_zero, v_hi, v_lo, v_scale, v_zero)
     for c, j in zip(cells.tolist(), pools.tolist(), strict=True):
         wk, wv = (w[c, : math.prod(ring)].view(ring)[:batch] for w in (win_k, win_v))

@@ -1,0 +1,91 @@
+"""A shared page pool: history pages handed to rows as they need them, not reserved for ``max_cache_len``
+(docs/design.md, D8).
+
+With ``LoopKVCache(..., pool_pages=N)`` every pool of the cache has ``N`` physical pages plus one *trash* page, and
+a row's page-table entries point at the trash page until the row needs them. All cells of a row hold the same number
+of tokens, so one allocator serves every pool: page ``p`` of row ``b`` is the same physical page in each cell's own
+pool, and a ``share`` cell, which reads its source's table, allocates nothing. A row's pages are allocated on the
+host before the write that needs them (prefill, a later turn, the eager decode step's one host check, or
+:meth:`LoopKVCache.reserve` before a compiled step) and freed by :meth:`LoopKVCache.release` or ``reset()``.
+"""
+
+from __future__ import annotations
+
+import math
+
+from loopkv.format import BITS, RING, SINK, max_pages, page_bytes
+
+
+class PoolFull(ValueError):
+    """The pool has fewer free pages than a request needs; nothing was allocated."""
+
+
+class PagePool:
+    """Host-side allocator of ``pages`` physical pages for ``rows`` rows of at most ``per_row`` pages each.
+
+    ``trash`` (= ``pages``) is the index of the extra page that unallocated table entries point at. Pages are handed
+    out lowest index first, so runs are reproducible."""
+
+    def __init__(self, pages: int, rows: int, per_row: int):
+        self.pages, self.per_row, self.trash = pages, per_row, pages
+        self._free = list(range(pages - 1, -1, -1))  # a stack: pop() gives the lowest free page
+        self._held: list[list[int]] = [[] for _ in range(rows)]
+
+    @property
+    def in_use(self) -> int:
+        return self.pages - len(self._free)
+
+    def held(self, row: int) -> list[int]:
+        """The physical pages of ``row``, in logical order."""
+        return list(self._held[row])
+
+    def ensure(self, wanted: dict[int, int]) -> list[tuple[int, int, int]]:
+        """Give each row ``b`` at least ``wanted[b]`` pages (capped at ``per_row``); return the new
+        ``(row, logical page, physical page)`` entries. All or nothing: :class:`PoolFull` leaves the pool as it was."""
+        need = {b: min(n, self.per_row) - len(self._held[b]) for b, n in wanted.items()}
+        need = {b: n for b, n in need.items() if n > 0}
+        total = sum(need.values())
+        if total > len(self._free):
+            raise PoolFull(
+                f"the page pool has {len(self._free)} of {self.pages} pages free and this step needs {total} more "
+                f"(rows {sorted(need)}): release finished rows with cache.release(rows) or cache.reset(), or build "
+                "the LoopKVCache with more pool_pages (loopkv.cache.paging.pool_pages_for sizes it from a budget)")
+        entries = []
+        for b, n in sorted(need.items()):
+            for _ in range(n):
+                page = self._free.pop()
+                entries.append((b, len(self._held[b]), page))
+                self._held[b].append(page)
+        return entries
+
+    def release(self, row: int) -> list[int]:
+        """Free every page of ``row``; return them."""
+        pages, self._held[row] = self._held[row], []
+        self._free.extend(sorted(pages, reverse=True))
+        self._free.sort(reverse=True)
+        return pages
+
+
+def pool_pages_for(plan, config, *, budget_bytes: int, max_batch_size: int, dtype_bytes: int = 2) -> int:
+    """The ``pool_pages`` that fit a cache of ``plan`` for ``config``'s shape in ``budget_bytes``: the rows' exact
+    sink and window rings (every cell, ``max_batch_size`` rows) come first, the rest buys pages, each a page in every
+    own pool. Raises ValueError when the budget does not cover the rings and one page."""
+    from loopkv.cache.checks import model_shape
+
+    loops, layers, kv_heads, head_dim = model_shape(config)
+    cells = loops * layers
+    exact = max_batch_size * cells * 2 * (SINK + RING) * kv_heads * head_dim * dtype_bytes  # K and V
+    per_page = sum(page_bytes(BITS[o], kv_heads, head_dim, exact_bytes=dtype_bytes) for o in plan.options
+                   if o != "share")
+    pages = math.floor((budget_bytes - exact - per_page) / per_page) if per_page else 0  # one page is the trash page
+    if pages < 1:
+        raise ValueError(
+            f"a budget of {budget_bytes / 2**30:.3f} GiB does not cover {max_batch_size} rows' exact sink and window "
+            f"({exact / 2**30:.3f} GiB) and one page ({per_page / 2**20:.3f} MiB): raise the budget or lower "
+            "max_batch_size")
+    return pages
+
+
+def static_pages(max_batch_size: int, max_cache_len: int) -> int:
+    """Pages a cache without a shared pool reserves: every row's ``max_pages(max_cache_len)``."""
+    return max_batch_size * max_pages(max_cache_len)
