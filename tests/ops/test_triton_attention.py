@@ -531,7 +531,8 @@ def one_cell_stacks(cell):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(("bits", "tau"), [(4, 14.0), (2, INF)])
-def test_gpu_cuda_graph_decode_step(bits, tau):
+@pytest.mark.parametrize(("heads", "group", "head_dim"), [(16, 1, 128), (4, 4, 256), (55, 1, 96)])  # Ouro, Dory, Huginn
+def test_gpu_cuda_graph_decode_step(bits, tau, heads, group, head_dim):
     """The decode step through the registered ops (``token_attention_``, then ``advance_``), captured once and replayed
     across window exits: every replay's output and storage match the references run on a CPU mirror (counters
     reset by the kernels)."""
@@ -539,13 +540,14 @@ def test_gpu_cuda_graph_decode_step(bits, tau):
     from loopkv.ops.triton_register import register_triton_kernels
 
     assert register_triton_kernels()
-    batch, heads, head_dim, maxp = 4, 16, 128, 12
+    batch, maxp = 4, 12
     mirror = make_cell(batch, heads, head_dim, maxp, bits, [0, 300, 319, 288 + 32 * 8 + 30], dtype=torch.bfloat16,
                        seed=11)
     dev = [t.cuda() for t in mirror]
     idx = torch.zeros(1, dtype=torch.int32, device="cuda")
     k_new = torch.zeros(batch, heads, 1, head_dim, dtype=torch.bfloat16, device="cuda")
-    v_new, q = torch.zeros_like(k_new), torch.zeros(batch, heads, head_dim, dtype=torch.bfloat16, device="cuda")
+    v_new = torch.zeros_like(k_new)
+    q = torch.zeros(batch, heads * group, head_dim, dtype=torch.bfloat16, device="cuda")
     shape = (batch, batch, heads, head_dim, maxp, bits)
 
     def step(cell):
@@ -560,7 +562,7 @@ def test_gpu_cuda_graph_decode_step(bits, tau):
         out = step(dev)
     for _ in range(40):
         kn, vn = torch.randn(batch, heads, 1, head_dim), torch.randn(batch, heads, 1, head_dim)
-        qn = torch.randn(batch, heads, head_dim)
+        qn = torch.randn(batch, heads * group, head_dim)
         for dst, src in ((k_new, kn), (v_new, vn), (q, qn)):
             dst.copy_(src)
         graph.replay()
