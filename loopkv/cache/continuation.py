@@ -42,17 +42,21 @@ def share_limit(held: int, source_held: int) -> int:
     return s
 
 
-def continue_rows(cache, layer_idx: int, query: Tensor, k: Tensor, v: Tensor, *, scale: float) -> Tensor:
-    """Write ``k, v`` [B, H, S, D] after what the rows of cell ``layer_idx`` hold and attend ``query`` [B, Hq, S, D]
-    with the served semantics; returns [B, S, Hq, D]. The caller has checked the rows and the capacity."""
+def continue_rows(cache, layer_idx: int, query: Tensor, k: Tensor, v: Tensor, *, scale: float,
+                  rows: list[int] | None = None) -> Tensor:
+    """Write ``k, v`` [B, H, S, D] after what rows ``rows`` (default ``0 .. B-1``) of cell ``layer_idx`` hold and
+    attend ``query`` [B, Hq, S, D] with the served semantics; returns [B, S, Hq, D]. The caller has checked the rows
+    and the capacity and reserved the pages."""
     B, H, S, D = k.shape
-    st = cache._rows(layer_idx, B)
-    held = [int(x) for x in st.lengths.cpu().tolist()]
+    rows = list(range(B)) if rows is None else rows
+    st = cache._rows(layer_idx, cache.max_batch_size)
+    held = [int(st.lengths[r]) for r in rows]
     bits = st.read_bits
     source = None
     if st.own_bits == 0 and bits:
-        source = cache._rows(cache.layout.flat_index(cache.layout.source(cache.layout.cell(layer_idx))), B)
-        source_held = [int(x) for x in source.lengths.cpu().tolist()]
+        source = cache._rows(cache.layout.flat_index(cache.layout.source(cache.layout.cell(layer_idx))),
+                             cache.max_batch_size)
+        source_held = [int(source.lengths[r]) for r in rows]
         limits = [share_limit(h, sh) for h, sh in zip(held, source_held, strict=True)]
         if S > min(limits):
             raise ValueError(
@@ -67,27 +71,27 @@ def continue_rows(cache, layer_idx: int, query: Tensor, k: Tensor, v: Tensor, *,
             raise checks.uncodable_error([layer_idx])
 
     outs = []
-    for b in range(B):
-        h, end = held[b], held[b] + S
+    for i, b in enumerate(rows):
+        h, end = held[i], held[i] + S
         ws = SINK + PAGE * n_pages(h)  # first window position before the continuation
-        exact_k, exact_v = _exact_tail(st, b, h, ws, k[b], v[b])  # positions [ws, end), [H, end - ws, D]
+        exact_k, exact_v = _exact_tail(st, b, h, ws, k[i], v[i])  # positions [ws, end), [H, end - ws, D]
         for pos in range(h, min(end, SINK)):
-            st.sink_k[b, :, pos] = k[b, :, pos - h]
-            st.sink_v[b, :, pos] = v[b, :, pos - h]
+            st.sink_k[b, :, pos] = k[i, :, pos - h]
+            st.sink_v[b, :, pos] = v[i, :, pos - h]
         if st.own_bits:
             _write_pages(st, b, range(stored_pages(h), stored_pages(end)), ws, exact_k, exact_v, st.own_bits)
         elif source is not None:
-            sh = source_held[b]
+            sh = source_held[i]
             src_ws = SINK + PAGE * n_pages(sh)
-            src_k, src_v = _exact_tail(source, b, sh, src_ws, k[b, :, :0], v[b, :, :0])
+            src_k, src_v = _exact_tail(source, b, sh, src_ws, k[i, :, :0], v[i, :, :0])
             _write_pages(source, b, range(stored_pages(sh), n_pages(end)), src_ws, src_k, src_v, bits)
         first = max(h, SINK, end - RING)  # earlier positions' slots are overwritten within the continuation
         if end > first:
             slots = (torch.arange(first, end, device=k.device) - SINK) % RING
-            st.win_k[b, :, slots] = k[b, :, first - h:]
-            st.win_v[b, :, slots] = v[b, :, first - h:]
+            st.win_k[b, :, slots] = k[i, :, first - h:]
+            st.win_v[b, :, slots] = v[i, :, first - h:]
         st.lengths[b] = end
-        outs.append(_read_row(st, b, h, ws, query[b], exact_k, exact_v, bits, cache._tau(layer_idx, st), scale))
+        outs.append(_read_row(st, b, h, ws, query[i], exact_k, exact_v, bits, cache._tau(layer_idx, st), scale))
     return torch.stack(outs)
 
 

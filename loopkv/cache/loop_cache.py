@@ -192,7 +192,7 @@ class LoopKVCache(Cache):
                     raise ValueError(f"a row already holds max_cache_len={self.max_cache_len} tokens; build the "
                                      "LoopKVCache with a larger max_cache_len")
                 self._check_rows_beyond(lengths, B)
-                self._ensure_pages({b: int(lengths[b]) + 1 for b in range(B)})
+                self.reserve({b: int(lengths[b]) + 1 for b in range(B)})
             self._unread.add(layer_idx)
         return (LoopKVHandle(self, layer_idx, key_states, value_states),) * 2
 
@@ -371,7 +371,7 @@ class LoopKVCache(Cache):
         if held + S > self.max_cache_len:
             raise ValueError(f"{S} more tokens on a row holding {held} exceed max_cache_len={self.max_cache_len}; "
                              "build the LoopKVCache with a larger max_cache_len")
-        self._ensure_pages({b: int(lengths[b]) + S for b in range(B)})
+        self.reserve({b: int(lengths[b]) + S for b in range(B)})
         self._unread.discard(layer_idx)
         return continue_rows(self, layer_idx, query, k, v, scale=scale)
 
@@ -431,25 +431,30 @@ class LoopKVCache(Cache):
             torch.ops.loopkv.advance_(cells, pools, lengths, own["win_k"], own["win_v"], *fields, batch,
                                       self.max_batch_size, self.kv_heads, self.head_dim, max_pages, bits)
 
-    def prefill_cell(self, layer_idx: int, k: Tensor, v: Tensor, pad: Tensor) -> None:
-        """Write a left-padded prompt into an empty cell. k, v: [B, H, S, D]; pad: int [B] pads per row."""
+    def prefill_cell(self, layer_idx: int, k: Tensor, v: Tensor, pad: Tensor, *, rows: list[int] | None = None
+                     ) -> None:
+        """Write a left-padded prompt into an empty cell. k, v: [B, H, S, D]; pad: int [B] pads per row.
+        ``rows``: the cache rows the B prompts go to (default ``0 .. B-1``; a serving engine's slots), each empty."""
         self.flush()
         B, H, S, D = k.shape
-        st = self._rows(layer_idx, B)
+        st = self._rows(layer_idx, B if rows is None else self.max_batch_size)
+        rows = list(range(B)) if rows is None else rows
+        if rows != list(range(B)) and st.lengths[rows].any():
+            raise ValueError(f"rows {rows} of cell {layer_idx} must be empty for a prompt: cache.release(rows) first")
         pads = [int(p) for p in pad.tolist()]
         longest = S - min(pads)
         if longest > self.max_cache_len:
             raise ValueError(f"prompt of {longest} tokens exceeds max_cache_len={self.max_cache_len}")
-        self._ensure_pages({b: S - p for b, p in enumerate(pads)})
+        self.reserve({row: S - p for row, p in zip(rows, pads, strict=True)})
         if st.own_bits in (4, 2):
             real = torch.arange(S, device=k.device)[None, :] >= pad.to(k.device)[:, None]  # [B, S]
             if (real[:, None, :, None] & (checks.uncodable(k) | checks.uncodable(v))).any():
                 raise checks.uncodable_error([layer_idx])
         maxp = st.page_table.shape[1]
         page_k, page_v, page_ids = [], [], []
-        for b, p in enumerate(pads):
+        for i, (b, p) in enumerate(zip(rows, pads, strict=True)):
             n = S - p
-            kb, vb = k[b, :, p:], v[b, :, p:]  # [H, n, D]
+            kb, vb = k[i, :, p:], v[i, :, p:]  # [H, n, D]
             ns = min(n, SINK)
             st.sink_k[b, :, :ns] = kb[:, :ns]
             st.sink_v[b, :, :ns] = vb[:, :ns]
@@ -532,9 +537,9 @@ class LoopKVCache(Cache):
             layer.storage.lengths[rows] = 0
         self._pads[rows] = 0
 
-    def _ensure_pages(self, tokens: dict[int, int]) -> None:
-        """Before a write: give each row the pages that holding ``tokens[row]`` tokens stores (a shared pool only);
-        all or nothing (``PoolFull``)."""
+    def reserve(self, tokens: dict[int, int]) -> None:
+        """Give each row the pages that holding ``tokens[row]`` tokens stores, before the writes (a shared pool only;
+        the cache does this itself for prefill, later turns and eager decode steps); all or nothing (``PoolFull``)."""
         if self._pool is None:
             return
         entries = self._pool.ensure({b: stored_pages(n) for b, n in tokens.items()})

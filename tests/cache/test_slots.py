@@ -1,0 +1,120 @@
+"""Rows as request slots (loopkv/cache/slots.py): requests joining, decoding together, adding a prompt chunk,
+finishing and being replaced, each equal to the same request run alone through its own LoopKVCache.
+
+The reference for a request is a batch-1 cache driven through the public attention path (prefill, continuation,
+decode) with the same K/V; the slot path shares one cache, a shared page pool and fixed-shape steps over every row.
+"""
+
+import pytest
+import torch
+
+import loopkv
+from loopkv.cache import slots
+from loopkv.cache.attention import loopkv_attention
+from tests.cache.driver import decode, prefill, tiny_config
+from tests.tolerances import ATTN_FP32_ATOL, ATTN_FP32_RTOL
+
+H, HQ, D, SCALE = 2, 4, 32, 0.3
+
+
+class Request:
+    """A request's K/V/queries per cell, generated up front; ``alone`` replays it through its own cache."""
+
+    def __init__(self, cells, prompt, chunks, new, seed):
+        g = torch.Generator().manual_seed(seed)
+        self.pieces = [prompt, *chunks] + [1] * new  # tokens added per engine step
+        total = sum(self.pieces)
+        self.q = torch.randn(cells, HQ, total, D, generator=g) * 2
+        self.k = torch.randn(cells, H, total, D, generator=g)
+        self.v = torch.randn(cells, H, total, D, generator=g)
+        self.done = 0  # pieces fed
+        self.outs = [[] for _ in range(cells)]
+
+    def piece(self, cell):
+        start = sum(self.pieces[:self.done])
+        sl = slice(start, start + self.pieces[self.done])
+        return self.q[cell, :, sl], self.k[cell, :, sl], self.v[cell, :, sl]
+
+    def alone(self, plan, cells):
+        cache = loopkv.LoopKVCache(plan, config=tiny_config(loops=plan.loops, layers=plan.layers),
+                                   max_batch_size=1, max_cache_len=800, device="cpu")
+        outs = [[] for _ in range(cells)]
+        start = 0
+        for n in self.pieces:
+            sl = slice(start, start + n)
+            for cell in range(cells):
+                q, k, v = self.q[cell:cell + 1, :, sl], self.k[cell:cell + 1, :, sl], self.v[cell:cell + 1, :, sl]
+                if start == 0:
+                    out = prefill(cache, cell, q, k, v, torch.ones(1, n, dtype=torch.long), SCALE)[0]
+                elif n > 1:
+                    hk, hv = cache.update(k, v, cell)
+                    out = loopkv_attention(None, q, hk, hv, None, scaling=SCALE)[0][0]
+                else:
+                    out = decode(cache, cell, q, k, v, SCALE)
+                outs[cell].append(out)
+            start += n
+        return [torch.cat(o) for o in outs]
+
+
+def _prompt_attention(q, k, v):
+    from loopkv.cache.attention import _prompt_attention as exact
+
+    return exact(q[None], k[None], v[None], torch.zeros(1, dtype=torch.long), SCALE)[0]
+
+
+def _step(cache, cells, active):
+    """One engine step: ``active`` maps slot -> request; each request adds its next piece."""
+    decoding = [s for s, r in active.items() if r.pieces[r.done] == 1 and r.done > 0]
+    cache.reserve({s: int(cache.storage(0).lengths[s]) + r.pieces[r.done] for s, r in active.items()})
+    for cell in range(cells):
+        for s, r in active.items():
+            q, k, v = r.piece(cell)
+            if r.done == 0:
+                slots.prefill(cache, cell, s, k, v)
+                r.outs[cell].append(_prompt_attention(q, k, v))
+            elif s not in decoding:
+                r.outs[cell].append(slots.extend(cache, cell, s, q, k, v, scale=SCALE))
+        if decoding:
+            idx = torch.tensor(decoding)
+            q = torch.stack([active[s].piece(cell)[0][:, 0] for s in decoding])
+            k = torch.stack([active[s].piece(cell)[1][:, 0] for s in decoding])
+            v = torch.stack([active[s].piece(cell)[2][:, 0] for s in decoding])
+            out = slots.decode(cache, cell, idx, q, k, v, scale=SCALE)
+            for i, s in enumerate(decoding):
+                active[s].outs[cell].append(out[i:i + 1])
+    if decoding:
+        slots.end_step(cache, torch.tensor(decoding))
+    for r in active.values():
+        r.done += 1
+
+
+@pytest.mark.parametrize("per_loop", [["int4"], ["share", "int4"]])
+def test_requests_sharing_a_pool_equal_each_request_alone(per_loop):
+    plan = loopkv.Plan.from_loops(loops=len(per_loop), layers=1, per_loop=per_loop, tau=14.0)
+    cells = plan.loops
+    cache = loopkv.LoopKVCache(plan, config=tiny_config(loops=plan.loops, layers=1), max_batch_size=3,
+                               max_cache_len=800, device="cpu", pool_pages=20)
+    a = Request(cells, 330, [], 40, seed=1)  # crosses a page boundary while decoding
+    b = Request(cells, 40, [], 12, seed=2)  # short; finishes and leaves its slot
+    c = Request(cells, 100, [200], 30, seed=3)  # a prompt in two chunks
+    d = Request(cells, 300, [], 25, seed=4)  # joins in b's slot
+    schedule = {0: {0: a}, 3: {1: b}, 5: {2: c}, 30: {1: d}}
+    active, finished = {}, []
+    for step in range(80):
+        for s, r in list(active.items()):
+            if r.done == len(r.pieces):
+                finished.append(r)
+                cache.release([s])
+                del active[s]
+        assert not set(schedule.get(step, {})) & set(active)  # a slot is free before it is given out
+        active.update(schedule.get(step, {}))
+        if not active:
+            break
+        _step(cache, cells, active)
+    assert sorted(map(id, finished)) == sorted(map(id, [a, b, c, d]))
+    for r in (a, b, c, d):
+        want = r.alone(plan, cells)
+        for cell in range(cells):
+            torch.testing.assert_close(torch.cat(r.outs[cell]), want[cell], atol=ATTN_FP32_ATOL,
+                                       rtol=ATTN_FP32_RTOL)
+    assert cache.pages_in_use == 0  # every request's pages came back
