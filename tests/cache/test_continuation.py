@@ -19,29 +19,32 @@ from tests.cache.driver import decode, left_pad, prefill, tiny_config
 from tests.tolerances import ATTN_FP32_ATOL, ATTN_FP32_RTOL, LOGITS_FP32_ATOL, LOGITS_FP32_RTOL
 
 H, HQ, D = 2, 4, 32
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 STATE = ("sink_k", "sink_v", "win_k", "win_v", "lengths", "k_pages", "k_scale", "k_zero", "v_hi", "v_lo", "v_scale",
          "v_zero")
 
 
-def _two_caches(plan, lengths, max_len=1200, seed=0):
+def _two_caches(plan, lengths, max_len=1200, seed=0, device="cpu", head_dim=D):
     g = torch.Generator().manual_seed(seed)
-    cfg = tiny_config(loops=plan.loops, layers=plan.layers)
-    caches = [loopkv.LoopKVCache(plan, config=cfg, max_batch_size=len(lengths), max_cache_len=max_len, device="cpu")
+    cfg = tiny_config(loops=plan.loops, layers=plan.layers, head_dim=head_dim)
+    caches = [loopkv.LoopKVCache(plan, config=cfg, max_batch_size=len(lengths), max_cache_len=max_len, device=device)
               for _ in range(2)]
     longest = max(lengths)
-    k, mask = left_pad([torch.randn(H, n, D, generator=g) for n in lengths], longest)
-    v, _ = left_pad([torch.randn(H, n, D, generator=g) for n in lengths], longest)
-    q = torch.randn(len(lengths), HQ, longest, D, generator=g)
+    k, mask = left_pad([torch.randn(H, n, head_dim, generator=g) for n in lengths], longest)
+    v, _ = left_pad([torch.randn(H, n, head_dim, generator=g) for n in lengths], longest)
+    q = torch.randn(len(lengths), HQ, longest, head_dim, generator=g)
+    k, v, q, mask = k.to(device), v.to(device), q.to(device), mask.to(device)
     for cache in caches:
         for cell in range(plan.loops * plan.layers):
             prefill(cache, cell, q, k, v, mask, 0.3)
     return caches
 
 
-def _turn(batch, new, seed=1):
+def _turn(batch, new, seed=1, device="cpu", head_dim=D):
     g = torch.Generator().manual_seed(seed)
-    return (torch.randn(batch, HQ, new, D, generator=g) * 3, torch.randn(batch, H, new, D, generator=g),
-            torch.randn(batch, H, new, D, generator=g))
+    return tuple(t.to(device) for t in (torch.randn(batch, HQ, new, head_dim, generator=g) * 3,
+                                        torch.randn(batch, H, new, head_dim, generator=g),
+                                        torch.randn(batch, H, new, head_dim, generator=g)))
 
 
 @pytest.mark.parametrize(("option", "tau", "lengths", "new"), [
@@ -52,10 +55,13 @@ def _turn(batch, new, seed=1):
     ("bf16", math.inf, [300, 340, 20], 70),
     ("int4", 14.0, [5, 319, 700], 400),  # longer than the ring: the turn's own early tokens become history
 ])
-def test_one_pass_equals_decoding_token_by_token(option, tau, lengths, new):
+@pytest.mark.parametrize(("device", "head_dim"), [
+    ("cpu", D), pytest.param("cuda", 128, marks=[pytest.mark.gpu, CUDA]),  # CUDA: decode through the Triton kernels
+])
+def test_one_pass_equals_decoding_token_by_token(option, tau, lengths, new, device, head_dim):
     plan = loopkv.Plan.uniform(loops=1, layers=1, option=option, tau=tau)
-    one_pass, stepped = _two_caches(plan, lengths)
-    q, k, v = _turn(len(lengths), new)
+    one_pass, stepped = _two_caches(plan, lengths, device=device, head_dim=head_dim)
+    q, k, v = _turn(len(lengths), new, device=device, head_dim=head_dim)
     hk, hv = one_pass.update(k, v, 0)
     out, _ = loopkv_attention(None, q, hk, hv, None, scaling=0.3)
     ref = torch.stack([decode(stepped, 0, q[:, :, i:i + 1], k[:, :, i:i + 1], v[:, :, i:i + 1], 0.3)

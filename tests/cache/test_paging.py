@@ -17,18 +17,22 @@ from loopkv.models.ouro import OuroConfig, OuroForCausalLM
 PLAN = loopkv.Plan.from_loops(loops=2, layers=2, per_loop=["share", "int4"], tau=14.0)
 
 
-@pytest.fixture(scope="module")
-def model():
+def _model(head_dim=32, device="cpu"):
     torch.manual_seed(0)
     cfg = OuroConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                     num_attention_heads=4, num_key_value_heads=2, head_dim=32, total_ut_steps=2,
+                     num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim, total_ut_steps=2,
                      max_position_embeddings=4096, rope_theta=10000.0)
-    return OuroForCausalLM(cfg).eval()
+    return OuroForCausalLM(cfg).to(device).eval()
+
+
+@pytest.fixture(scope="module")
+def model():
+    return _model()
 
 
 def _cache(model, pool_pages=None, rows=2, length=700):
     return loopkv.LoopKVCache(PLAN, config=model.config, max_batch_size=rows, max_cache_len=length,
-                              dtype=torch.float32, device="cpu", pool_pages=pool_pages)
+                              dtype=torch.float32, device=model.device, pool_pages=pool_pages)
 
 
 def _generate(model, cache, ids, mask, new):
@@ -37,8 +41,12 @@ def _generate(model, cache, ids, mask, new):
     return out.sequences, torch.stack(out.logits)
 
 
-def test_a_pool_sized_to_the_rows_generates_what_reserved_pages_do_in_less_memory(model):
-    ids = torch.randint(3, 97, (2, 400), generator=torch.Generator().manual_seed(1))
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")])])
+def test_a_pool_sized_to_the_rows_generates_what_reserved_pages_do_in_less_memory(model, device):
+    if device == "cuda":  # the Triton kernels (head_dim 64)
+        model = _model(head_dim=64, device=device)
+    ids = torch.randint(3, 97, (2, 400), generator=torch.Generator().manual_seed(1)).to(device)
     mask = torch.ones_like(ids)
     mask[1, :150] = 0  # rows of 400 and 250 tokens; generate feeds 59 of the 60 new ones
     need = stored_pages(400 + 59) + stored_pages(250 + 59)

@@ -14,19 +14,21 @@ from loopkv.cache.attention import loopkv_attention
 from tests.cache.driver import decode, prefill, tiny_config
 from tests.tolerances import ATTN_FP32_ATOL, ATTN_FP32_RTOL
 
-H, HQ, D, SCALE = 2, 4, 32, 0.3
+H, HQ, SCALE = 2, 4, 0.3
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
 class Request:
     """A request's K/V/queries per cell, generated up front; ``alone`` replays it through its own cache."""
 
-    def __init__(self, cells, prompt, chunks, new, seed):
+    def __init__(self, cells, prompt, chunks, new, seed, device, head_dim):
         g = torch.Generator().manual_seed(seed)
         self.pieces = [prompt, *chunks] + [1] * new  # tokens added per engine step
         total = sum(self.pieces)
-        self.q = torch.randn(cells, HQ, total, D, generator=g) * 2
-        self.k = torch.randn(cells, H, total, D, generator=g)
-        self.v = torch.randn(cells, H, total, D, generator=g)
+        self.q = (torch.randn(cells, HQ, total, head_dim, generator=g) * 2).to(device)
+        self.k = torch.randn(cells, H, total, head_dim, generator=g).to(device)
+        self.v = torch.randn(cells, H, total, head_dim, generator=g).to(device)
+        self.device, self.head_dim = device, head_dim
         self.done = 0  # pieces fed
         self.outs = [[] for _ in range(cells)]
 
@@ -36,8 +38,9 @@ class Request:
         return self.q[cell, :, sl], self.k[cell, :, sl], self.v[cell, :, sl]
 
     def alone(self, plan, cells):
-        cache = loopkv.LoopKVCache(plan, config=tiny_config(loops=plan.loops, layers=plan.layers),
-                                   max_batch_size=1, max_cache_len=800, device="cpu")
+        cache = loopkv.LoopKVCache(plan, config=tiny_config(loops=plan.loops, layers=plan.layers,
+                                                           head_dim=self.head_dim),
+                                   max_batch_size=1, max_cache_len=800, device=self.device)
         outs = [[] for _ in range(cells)]
         start = 0
         for n in self.pieces:
@@ -45,7 +48,8 @@ class Request:
             for cell in range(cells):
                 q, k, v = self.q[cell:cell + 1, :, sl], self.k[cell:cell + 1, :, sl], self.v[cell:cell + 1, :, sl]
                 if start == 0:
-                    out = prefill(cache, cell, q, k, v, torch.ones(1, n, dtype=torch.long), SCALE)[0]
+                    out = prefill(cache, cell, q, k, v, torch.ones(1, n, dtype=torch.long, device=q.device),
+                                  SCALE)[0]
                 elif n > 1:
                     hk, hv = cache.update(k, v, cell)
                     out = loopkv_attention(None, q, hk, hv, None, scaling=SCALE)[0][0]
@@ -59,7 +63,7 @@ class Request:
 def _prompt_attention(q, k, v):
     from loopkv.cache.attention import _prompt_attention as exact
 
-    return exact(q[None], k[None], v[None], torch.zeros(1, dtype=torch.long), SCALE)[0]
+    return exact(q[None], k[None], v[None], torch.zeros(1, dtype=torch.long, device=q.device), SCALE)[0]
 
 
 def _step(cache, cells, active):
@@ -75,7 +79,7 @@ def _step(cache, cells, active):
             elif s not in decoding:
                 r.outs[cell].append(slots.extend(cache, cell, s, q, k, v, scale=SCALE))
         if decoding:
-            idx = torch.tensor(decoding)
+            idx = torch.tensor(decoding, device=cache.device)
             q = torch.stack([active[s].piece(cell)[0][:, 0] for s in decoding])
             k = torch.stack([active[s].piece(cell)[1][:, 0] for s in decoding])
             v = torch.stack([active[s].piece(cell)[2][:, 0] for s in decoding])
@@ -83,21 +87,25 @@ def _step(cache, cells, active):
             for i, s in enumerate(decoding):
                 active[s].outs[cell].append(out[i:i + 1])
     if decoding:
-        slots.end_step(cache, torch.tensor(decoding))
+        slots.end_step(cache, torch.tensor(decoding, device=cache.device))
     for r in active.values():
         r.done += 1
 
 
+@pytest.mark.parametrize(("device", "head_dim"), [
+    ("cpu", 32), pytest.param("cuda", 128, marks=[pytest.mark.gpu, CUDA]),  # CUDA: the Triton kernels
+])
 @pytest.mark.parametrize("per_loop", [["int4"], ["share", "int4"]])
-def test_requests_sharing_a_pool_equal_each_request_alone(per_loop):
+def test_requests_sharing_a_pool_equal_each_request_alone(per_loop, device, head_dim):
     plan = loopkv.Plan.from_loops(loops=len(per_loop), layers=1, per_loop=per_loop, tau=14.0)
     cells = plan.loops
-    cache = loopkv.LoopKVCache(plan, config=tiny_config(loops=plan.loops, layers=1), max_batch_size=3,
-                               max_cache_len=800, device="cpu", pool_pages=20)
-    a = Request(cells, 330, [], 40, seed=1)  # crosses a page boundary while decoding
-    b = Request(cells, 40, [], 12, seed=2)  # short; finishes and leaves its slot
-    c = Request(cells, 100, [200], 30, seed=3)  # a prompt in two chunks
-    d = Request(cells, 300, [], 25, seed=4)  # joins in b's slot
+    cache = loopkv.LoopKVCache(plan, config=tiny_config(loops=plan.loops, layers=1, head_dim=head_dim),
+                               max_batch_size=3, max_cache_len=800, device=device, pool_pages=20)
+    dims = dict(device=device, head_dim=head_dim)
+    a = Request(cells, 330, [], 40, seed=1, **dims)  # crosses a page boundary while decoding
+    b = Request(cells, 40, [], 12, seed=2, **dims)  # short; finishes and leaves its slot
+    c = Request(cells, 100, [200], 30, seed=3, **dims)  # a prompt in two chunks
+    d = Request(cells, 300, [], 25, seed=4, **dims)  # joins in b's slot
     schedule = {0: {0: a}, 3: {1: b}, 5: {2: c}, 30: {1: d}}
     active, finished = {}, []
     for step in range(80):
