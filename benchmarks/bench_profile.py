@@ -54,6 +54,7 @@ from loopkv.planning.profile_data import Profile
 SEED = 0
 ARMS = {"fp32-rows": ("rows", False), "fp32-prefix": ("prefix", False), "fp32": ("resume", False),
         "tf32": ("resume", True)}  # (how rows start, TF32)
+CLOCKS = {"wall": time.perf_counter, "process": time.process_time}
 SMOKE = {"docs": 2, "doc_len": 352, "measure_docs": 1, "sample_batches": 2, "small_docs": 1, "small_len": 352,
          "tf32_jobs": 2, "tf32_docs": 2}
 
@@ -61,6 +62,9 @@ SMOKE = {"docs": 2, "doc_len": 352, "measure_docs": 1, "sample_batches": 2, "sma
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--model", choices=("ouro-1.4b", "small"), default="ouro-1.4b",
+                   help="ouro-1.4b: Ouro-1.4B's shapes, random weights, random tokens; small: loopkv's trained small "
+                        "model on its calibration documents (a whole profile a CPU measures in minutes)")
     p.add_argument("--docs", type=int, default=16, help="documents of the profile being extrapolated to")
     p.add_argument("--doc-len", type=int, default=8192, help="tokens per document")
     p.add_argument("--measure-docs", type=int, default=1, help="documents each sampled batch is timed on")
@@ -74,11 +78,15 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--tf32-docs", type=int, default=2, help="documents of that comparison (2+: a noise floor)")
     p.add_argument("--small-docs", type=int, default=4, help="documents of the small model's TF32 check (0: skip)")
     p.add_argument("--small-len", type=int, default=1024, help="tokens per document of the small model's check")
+    p.add_argument("--clock", choices=("wall", "process"), default="wall",
+                   help="process: this process's CPU time (a CPU shared with other work; run with OMP_NUM_THREADS=1)")
     p.add_argument("--smoke", action="store_true", help="a tiny model on the CPU: checks the script")
     p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/profile.json)")
     if p.parse_args(argv).smoke:  # the smoke sizes, unless given on the command line
         p.set_defaults(**SMOKE, device="cpu")
     args = p.parse_args(argv)
+    if args.clock == "process" and args.device != "cpu":
+        p.error("--clock process times the CPU's work; on a GPU use the wall clock (the default)")
     bad = [a for a in args.arms.split(",") if a not in ARMS]
     if bad:
         p.error(f"--arms: unknown arm(s) {bad}; choose from {list(ARMS)}")
@@ -166,7 +174,7 @@ def _bar():
 
 
 def time_arm(model, docs, batches, picks, *, start: str, tf32: bool, device, n_docs: int,
-             deadline: float = math.inf) -> dict:
+             deadline: float = math.inf, clock=time.perf_counter) -> dict:
     """One arm: the exact pass per document and the sampled batches (those begun before ``deadline``, at least
     one), timed; the full profile extrapolated (or measured, when every batch ran on every document)."""
     from loopkv.planning.profiler import tf32_matmuls
@@ -178,23 +186,23 @@ def time_arm(model, docs, batches, picks, *, start: str, tf32: bool, device, n_d
         torch.cuda.reset_peak_memory_stats()
     with torch.no_grad(), tf32_matmuls(tf32), served_attention_enabled(model):
         _sync(device)
-        begin = time.perf_counter()
+        begin = clock()
         for d in range(len(docs)):
             run._reference(d)
         _sync(device)
-        reference = (time.perf_counter() - begin) / len(docs)
+        reference = (clock() - begin) / len(docs)
         rows = []
         for i in picks:
             if rows and time.perf_counter() > deadline:
                 break
             _sync(device)
-            begin = time.perf_counter()
+            begin = clock()
             run.measure(batches[i], _bar())
             _sync(device)
             rows.append({"index": i, "jobs": [str(j) for j in batches[i]], "rows": len(batches[i]),
                          "first_cell": min(run.first_cell(j) for j in batches[i]),
                          "units": cost_units(run, batches[i], start=start),
-                         "seconds_per_doc": (time.perf_counter() - begin) / len(docs)})
+                         "seconds_per_doc": (clock() - begin) / len(docs)})
     per_unit = sum(r["seconds_per_doc"] for r in rows) / sum(r["units"] for r in rows)
     for r in rows:
         r["fit_seconds_per_doc"] = per_unit * r["units"]
@@ -295,11 +303,21 @@ def main(argv: Sequence[str] | None = None) -> dict:
     args = _parse(argv)
     deadline = time.perf_counter() + args.budget_s
     device = torch.device(args.device)
-    config = ouro_config(args.smoke)
-    model = build(config, device)
-    gen = torch.Generator().manual_seed(SEED)
-    docs = [torch.randint(0, config.vocab_size, (args.doc_len,), generator=gen)
-            for _ in range(max(args.measure_docs, args.tf32_docs))]
+    n_docs = max(args.measure_docs, args.tf32_docs)
+    if args.model == "small" and not args.smoke:
+        from loopkv.models.small import load_small
+        from loopkv.planning.profiler import calibration_documents
+
+        model = load_small(dtype=torch.float32, device=device).eval()
+        config = model.config
+        docs = calibration_documents(n=n_docs, length=args.doc_len, seed=SEED)
+        shape = "loopkv small (trained), calibration documents"
+    else:
+        config = ouro_config(args.smoke)
+        model = build(config, device)
+        gen = torch.Generator().manual_seed(SEED)
+        docs = [torch.randint(0, config.vocab_size, (args.doc_len,), generator=gen) for _ in range(n_docs)]
+        shape = "tiny (smoke)" if args.smoke else "Ouro-1.4B (random weights)"
     batches = profile_batches(config, args.batch_cells)
     picks = sample(batches, args.sample_batches)
     from loopkv.planning.simulate import served_attention_enabled
@@ -308,12 +326,13 @@ def main(argv: Sequence[str] | None = None) -> dict:
         runner(model, [docs[0][:400]], start="resume").measure(batches[0][:1], _bar())
     result = {
         **run_info(__file__, argv, device),
-        "model": {"shape": "tiny (smoke)" if args.smoke else "Ouro-1.4B (random weights)",
+        "model": {"shape": shape,
                   "config": {k: getattr(config, k) for k in ("total_ut_steps", "num_hidden_layers", "hidden_size",
                                                              "num_attention_heads", "head_dim", "vocab_size")}},
         "profile": {"documents": args.docs, "doc_len": args.doc_len, "batch_cells": args.batch_cells,
                     "evaluations": sum(len(b) for b in batches), "batches": len(batches), "share_passes": 2},
-        "measured": {"documents": args.measure_docs, "doc_len": args.doc_len, "batches": picks},
+        "measured": {"documents": args.measure_docs, "doc_len": args.doc_len, "batches": picks,
+                     "clock": args.clock},
         "memory_note": "projected_peak_gib: the largest arm's peak plus the exact passes of the documents not "
                        "measured (the profiler keeps every document's)",
         "arms": {},
@@ -338,7 +357,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         else:
             start, tf32 = ARMS[step]
             arm = time_arm(model, docs[: args.measure_docs], batches, picks, start=start, tf32=tf32, device=device,
-                           n_docs=args.docs, deadline=deadline)
+                           n_docs=args.docs, deadline=deadline, clock=CLOCKS[args.clock])
             result["arms"][step] = arm
             print(f"{step}: {arm['full_profile_minutes']:.1f} min per profile ({arm['how']}, from "
                   f"{len(arm['sampled'])} batches), {arm['minutes_per_evaluation'] * 60:.1f} s per evaluation",

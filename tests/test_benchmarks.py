@@ -191,6 +191,19 @@ def test_bench_profile_measures_when_every_batch_runs_on_every_document(tmp_path
     assert arm["measured_fraction_of_batch_work"] == pytest.approx(1.0)
 
 
+def test_bench_profile_times_the_small_model_on_the_cpu_clock(tmp_path):
+    bench = _load("bench_profile")
+    result = bench.main(["--device", "cpu", "--clock", "process", "--model", "small", "--docs", "2", "--doc-len",
+                         "352", "--measure-docs", "1", "--sample-batches", "1", "--arms", "fp32", "--tf32-jobs", "0",
+                         "--small-docs", "0", "--out", str(tmp_path / "profile.json")])
+    assert result["model"]["shape"].startswith("loopkv small (trained)")
+    assert result["profile"]["evaluations"] == 18 * 3 + 6 * 2 + 1  # 4 loops x 6 layers
+    assert result["measured"]["clock"] == "process"
+    assert result["arms"]["fp32"]["sampled"][0]["seconds_per_doc"] > 0
+    with pytest.raises(SystemExit):
+        bench.main(["--device", "cuda", "--clock", "process"])  # refused before anything runs
+
+
 def test_profile_batches_and_cost_model_at_ouro_shape():
     """The batches the H200 run extrapolates over: Ouro-1.4B's 265 evaluations in 34 batches of 8; the exact
     prefix run once makes a batch of the final loop's cells cost little more than one row."""
