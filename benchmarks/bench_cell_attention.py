@@ -30,7 +30,7 @@ The numbers the docs quote (one H200; the headline B = 32 x 16K first, then B = 
 Dory's and Huginn's cells at B = 32 x 16K, with Ouro's in the same run, and the alternative launches:
 
     python benchmarks/bench_cell_attention.py --cells ouro,dory,huginn --batches 32 --contexts 16384 \\
-        --alternatives dot_w8,cc_w4,cc_w8 --out benchmarks/results/cell_attention_cells.json
+        --alternatives dot_w8,cc_w8 --out benchmarks/results/cell_attention_cells.json
 
 Without options: B in 1, 8, 32 x 8K, 16K, 32K. ``--capacity N`` sizes the page tables for rows of N tokens (a
 cache's ``max_cache_len``) while the rows hold the context. ``--smoke``: two heads, one short row (on the CPU where

@@ -165,7 +165,8 @@ TABLE = (
           "INT2 as INT4 above, with INT2's 32-bit offsets (static), not timed"),
     Entry(SM80, (4, 2), FEW_MANY, WIDE, "16-bit", 0, Launch("dot", 4, 3, 64),
           "Dory's cell (4 query heads x 256): four warps spill 296 B, one warp 6.9 KB (static); the CUDA-core reader "
-          "(no spill at 4-8 warps) does 4x the field work per byte there: timed against it by --cells dory"),
+          "(no spill at 4-8 warps) does 4x the field work per byte there; against it and eight warps: --cells dory "
+          "--alternatives dot_w8,cc_w8, not yet run"),
     Entry(SM80, (4, 2), MOST, WIDE, "16-bit", 0, Launch("dot", 8, 1, 64),
           "5-8 query heads at 256: eight warps spill 144-184 B, four 464 B, one 62 KB (static); one stage: Triton 3.6 "
           "cannot pipeline its 64-row warp-group MMA with V precision (3.9 can), not timed"),
