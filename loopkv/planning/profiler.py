@@ -207,6 +207,7 @@ def profile(
     batch_cells: int = DEFAULT_BATCH_CELLS,
     progress: bool = True,
     tf32: bool = False,
+    exact_on: str | torch.device | None = None,
 ) -> Profile:
     """Profile every cell of ``model`` (see the module docstring) and return the :class:`Profile`.
 
@@ -229,6 +230,10 @@ def profile(
     tf32: run the model's matmuls in TF32 on CUDA (``torch.backends.cuda.matmul.allow_tf32``); off by default.
         It changes the numbers (recorded in ``provenance["settings"]``); ``benchmarks/bench_profile.py``
         measures how much against the fp32 profile and its noise floor.
+    exact_on: where each document's exact pass (reference logits, share sources, checkpoints) is kept between
+        batches: the model's device (None, the default) or e.g. "cpu" (pinned when the model is on CUDA; moved
+        to the model's device for each use, the numbers unchanged). At Ouro-1.4B's size it is about 4.6 GiB per
+        8K document, so 16 such documents on one GPU want "cpu".
     """
     loops, layers = check_model(model)
     _check_arguments(model, tau=tau, share_source=share_source, share_passes=share_passes, batch_cells=batch_cells,
@@ -266,7 +271,7 @@ def profile(
     batches = [jobs[i : i + batch_cells] for i in range(0, len(jobs), batch_cells)]
     pending = [[j for j in b if not _done(result, j)] for b in batches]
     runner = _Runner(model, docs, loops=loops, layers=layers, tau=tau, share_source=share_source,
-                     share_passes=share_passes, prefill_len=prefill_len, first=first)
+                     share_passes=share_passes, prefill_len=prefill_len, first=first, exact_on=exact_on)
     with tf32_matmuls(tf32):
         return _measure(runner, result, [b for b in pending if b], out=out, progress=progress)
 
@@ -379,9 +384,13 @@ class _Runner:
     STARTS = ("resume", "prefix", "rows")
 
     def __init__(self, model, docs, *, loops, layers, tau, share_source, share_passes, prefill_len, first,
-                 start: str = "resume", checkpoint_every: int | None = None) -> None:
+                 start: str = "resume", checkpoint_every: int | None = None, exact_on=None) -> None:
         if start not in self.STARTS:
             raise ValueError(f"start must be one of {self.STARTS}, got {start!r}")
+        try:
+            self.exact_on = None if exact_on is None else torch.device(exact_on)
+        except (RuntimeError, TypeError) as err:
+            raise ValueError(f"exact_on must be a torch device such as 'cpu' (or None), got {exact_on!r}") from err
         self.model, self.docs, self.start = model, docs, start
         self.loops, self.layers = loops, layers
         self.tau, self.share_source, self.share_passes = tau, share_source, share_passes
@@ -400,8 +409,11 @@ class _Runner:
                              capture=self.final)
             logits = forward(self.model, ids, state, logits_from=self.first, keep_hidden=self.checkpoints)
             sources = final_sources(state.captured, loops=self.loops, layers=self.layers)
-            self._refs[d] = (logits[0], sources, dict(state.hidden))
-        return self._refs[d]
+            ref = (logits[0], sources, dict(state.hidden))
+            pin = self.exact_on is not None and self.exact_on.type == "cpu" and self.model.device.type == "cuda"
+            self._refs[d] = ref if self.exact_on is None else _moved(ref, self.exact_on, pin=pin)
+        ref = self._refs[d]
+        return ref if self.exact_on is None else _moved(ref, self.model.device)
 
     def first_cell(self, job) -> int:
         """The first cell (flat index) a job perturbs: every cell before it is exact in its row."""
@@ -452,3 +464,15 @@ class _Runner:
                 per_doc[i].append(float(kl[r].mean()))
             bar.update(len(batch) / len(self.docs))
         return [(s / total, p) for s, p in zip(sums, per_doc, strict=True)]
+
+
+def _moved(ref, device: torch.device, *, pin: bool = False):
+    """An exact pass (logits, {layer: (k, v)}, {cell: hidden}) on ``device`` (pinned host memory with ``pin``)."""
+    def move(t: Tensor) -> Tensor:
+        if pin:
+            return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t)
+        return t.to(device, non_blocking=device.type == "cuda")
+
+    logits, sources, checkpoints = ref
+    return (move(logits), {layer: (move(k), move(v)) for layer, (k, v) in sources.items()},
+            {cell: move(h) for cell, h in checkpoints.items()})

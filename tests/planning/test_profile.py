@@ -336,6 +336,16 @@ def test_resumed_rows_equal_rows_run_from_the_first_cell(model64):
             run(doc.expand(4, -1), Entry(starts=(2, 3, 3, 4)))
 
 
+def test_exact_passes_kept_elsewhere_give_the_same_profile(model, docs):
+    """``exact_on``: the exact passes kept on another device (here the CPU, as a GPU profile of many long
+    documents would) give the same numbers; a bad device is refused before measuring."""
+    kept = profile(model, docs, options=("int4",), final_options=(), progress=False, exact_on="cpu")
+    here = profile(model, docs, options=("int4",), final_options=(), progress=False)
+    assert dict(kept.damage) == dict(here.damage)
+    with pytest.raises(ValueError, match="exact_on must be a torch device"):
+        profile(model, docs, options=("int4",), final_options=(), progress=False, exact_on="nowhere")
+
+
 def test_entry_refuses_bad_schedules():
     from loopkv.planning.resume import Entry
 
