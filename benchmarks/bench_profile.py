@@ -22,13 +22,14 @@ measured fraction of the work) unless every batch ran on every document (``"how"
   the fit predicts for it. The plain mean time per sampled batch times the number of batches is reported beside.
 
 Arms (``--arms``): ``fp32-rows``, ``fp32-prefix`` (the profiler before it resumed from the exact pass), ``fp32``
-(resumed) and ``tf32`` (resumed, TF32 matmuls). The TF32 check compares damages measured in fp32 and TF32 against
-their noise floor: on this model (random weights: its KLs say little about a trained model's; ``--tf32-docs``
-documents, the standard error over them when there are two or more) and on loopkv's trained small model, whose
-whole profile is taken both ways on ``--small-docs`` documents; a damage is "within the noise floor" when the two
-differ by less than its standard error over documents.
+(resumed), ``tf32`` (resumed, TF32 matmuls) and ``tf32-host`` (the same with each document's exact pass kept in
+host memory, ``profile(exact_on="cpu")``, as 16 documents of 8K need on one GPU). The TF32 check compares damages
+measured in fp32 and TF32 against their noise floor: on this model (random weights: its KLs say little about a
+trained model's; ``--tf32-docs`` documents, the standard error over them when there are two or more) and on loopkv's
+trained small model, whose whole profile is taken both ways on ``--small-docs`` documents; a damage is "within the
+noise floor" when the two differ by less than its standard error over documents.
 
-    python benchmarks/bench_profile.py --out benchmarks/results/profile.json        # H200: 5-7 minutes
+    PYTHONPATH=. python benchmarks/bench_profile.py --out benchmarks/results/profile.json      # H200: 5-7 minutes
 
 Order: the first arm (``tf32``), the TF32 checks, the other arms. ``--budget-s`` (390) bounds the run: past it no
 further batch is sampled (each arm keeps at least one) and the remaining checks are skipped, and the JSON is
@@ -52,8 +53,8 @@ from run_info import RESULTS, run_info, write_json
 from loopkv.planning.profile_data import Profile
 
 SEED = 0
-ARMS = {"fp32-rows": ("rows", False), "fp32-prefix": ("prefix", False), "fp32": ("resume", False),
-        "tf32": ("resume", True)}  # (how rows start, TF32)
+ARMS = {"fp32-rows": ("rows", False, None), "fp32-prefix": ("prefix", False, None), "fp32": ("resume", False, None),
+        "tf32": ("resume", True, None), "tf32-host": ("resume", True, "cpu")}  # (how rows start, TF32, exact_on)
 CLOCKS = {"wall": time.perf_counter, "process": time.process_time}
 SMOKE = {"docs": 2, "doc_len": 352, "measure_docs": 1, "sample_batches": 2, "small_docs": 1, "small_len": 352,
          "tf32_jobs": 2, "tf32_docs": 2}
@@ -85,7 +86,7 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     if p.parse_args(argv).smoke:  # the smoke sizes, unless given on the command line
         p.set_defaults(**SMOKE, device="cpu")
     args = p.parse_args(argv)
-    if args.clock == "process" and args.device != "cpu":
+    if args.clock == "process" and torch.device(args.device).type != "cpu":
         p.error("--clock process times the CPU's work; on a GPU use the wall clock (the default)")
     bad = [a for a in args.arms.split(",") if a not in ARMS]
     if bad:
@@ -114,14 +115,14 @@ def build(config, device):
     return model.float().eval()
 
 
-def runner(model, docs, *, start: str):
+def runner(model, docs, *, start: str, exact_on=None):
     from loopkv.planning.profiler import _Runner
     from loopkv.planning.simulate import FIRST_HISTORY
 
     c = model.config
     return _Runner(model, docs, loops=c.total_ut_steps, layers=c.num_hidden_layers, tau=math.inf,
                    share_source="int4", share_passes=2, prefill_len=FIRST_HISTORY, first=FIRST_HISTORY,
-                   start=start)
+                   start=start, exact_on=exact_on)
 
 
 def profile_batches(config, batch_cells: int) -> list[list]:
@@ -173,14 +174,14 @@ def _bar():
     return tqdm(disable=True)
 
 
-def time_arm(model, docs, batches, picks, *, start: str, tf32: bool, device, n_docs: int,
+def time_arm(model, docs, batches, picks, *, start: str, tf32: bool, device, n_docs: int, exact_on=None,
              deadline: float = math.inf, clock=time.perf_counter) -> dict:
     """One arm: the exact pass per document and the sampled batches (those begun before ``deadline``, at least
     one), timed; the full profile extrapolated (or measured, when every batch ran on every document)."""
     from loopkv.planning.profiler import tf32_matmuls
     from loopkv.planning.simulate import served_attention_enabled
 
-    run = runner(model, docs, start=start)
+    run = runner(model, docs, start=start, exact_on=exact_on)
     cuda = torch.device(device).type == "cuda"
     if cuda:
         torch.cuda.reset_peak_memory_stats()
@@ -213,7 +214,7 @@ def time_arm(model, docs, batches, picks, *, start: str, tf32: bool, device, n_d
     fraction = sum(r["units"] for r in rows) * len(docs) / (total_units * n_docs)
     measured = len(rows) == len(batches) and len(docs) == n_docs
     return {
-        "start": start, "tf32": tf32, "reference_seconds_per_doc": reference, "sampled": rows,
+        "start": start, "tf32": tf32, "exact_on": exact_on, "reference_seconds_per_doc": reference, "sampled": rows,
         "seconds_per_unit_per_doc": per_unit, "units_per_doc": total_units,
         "full_profile_minutes": full / 60, "full_profile_minutes_mean_batch": mean / 60,
         "minutes_per_evaluation": full / 60 / evaluations,
@@ -355,9 +356,9 @@ def main(argv: Sequence[str] | None = None) -> dict:
             over = time.perf_counter() > deadline
             result["tf32_check"][step] = {"skipped": f"past --budget-s {args.budget_s:g}"} if over else checks[step]()
         else:
-            start, tf32 = ARMS[step]
+            start, tf32, exact_on = ARMS[step]
             arm = time_arm(model, docs[: args.measure_docs], batches, picks, start=start, tf32=tf32, device=device,
-                           n_docs=args.docs, deadline=deadline, clock=CLOCKS[args.clock])
+                           n_docs=args.docs, exact_on=exact_on, deadline=deadline, clock=CLOCKS[args.clock])
             result["arms"][step] = arm
             print(f"{step}: {arm['full_profile_minutes']:.1f} min per profile ({arm['how']}, from "
                   f"{len(arm['sampled'])} batches), {arm['minutes_per_evaluation'] * 60:.1f} s per evaluation",

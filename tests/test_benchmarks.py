@@ -183,12 +183,14 @@ def test_bench_profile_smoke(tmp_path, capsys):
 def test_bench_profile_measures_when_every_batch_runs_on_every_document(tmp_path):
     bench = _load("bench_profile")
     out = tmp_path / "profile.json"
-    result = bench.main(["--smoke", "--arms", "fp32", "--sample-batches", "0", "--docs", "1", "--tf32-jobs", "0",
-                         "--small-docs", "0", "--out", str(out)])
-    arm = result["arms"]["fp32"]
-    assert arm["how"] == "measured"
-    assert len(arm["sampled"]) == result["profile"]["batches"]
-    assert arm["measured_fraction_of_batch_work"] == pytest.approx(1.0)
+    result = bench.main(["--smoke", "--arms", "fp32,tf32-host", "--sample-batches", "0", "--docs", "1",
+                         "--tf32-jobs", "0", "--small-docs", "0", "--out", str(out)])
+    for arm in result["arms"].values():
+        assert arm["how"] == "measured"
+        assert len(arm["sampled"]) == result["profile"]["batches"]
+        assert arm["measured_fraction_of_batch_work"] == pytest.approx(1.0)
+    assert result["arms"]["tf32-host"]["exact_on"] == "cpu"
+    assert result["arms"]["tf32-host"]["units_per_doc"] == result["arms"]["fp32"]["units_per_doc"]
 
 
 def test_bench_profile_times_the_small_model_on_the_cpu_clock(tmp_path):
