@@ -116,8 +116,8 @@ class Entry:
 
 
 SM80 = (8, 0)
-ANY, ONE, TWO, MANY = GROUPS, range(1, 2), range(2, 3), range(3, GROUPS.stop)
-FEW_MANY, MOST = range(3, 5), range(5, GROUPS.stop)  # 3-4 and 5-8 query heads per KV head
+ANY, ONE, TWO = GROUPS, range(1, 2), range(2, 3)
+FEW_MANY, MOST = range(3, 5), range(5, GROUPS.stop)  # 3-4 and 5-8 query heads per KV head (tensor cores)
 # The CUDA-core reader: one warp, 32-slot near programs (64 slots ran 18-38% slower under the register cap, 16 level:
 # --readers nb16,nb64), and the minimum chunk (measured with this reader only). The other readers keep 64-slot near
 # programs (with tensor cores 32 slots ran 8% faster at one query head per KV head, where the CUDA-core reader now

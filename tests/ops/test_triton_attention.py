@@ -367,6 +367,23 @@ def test_reference_fallbacks_and_argument_errors(monkeypatch):
         ta.token_attention(q, kn[:1], kn[:1], *st, 4, INF, 0.125)
 
 
+def test_the_table_has_a_launch_for_exactly_the_served_shapes():
+    """Brute force over head_dim 32-320 x 1-12 query heads per KV head x page kinds x inputs x B x H: a launch for
+    every shape ``serves`` names, on sm_80, sm_90 and under the interpreter, and none for the others (they run the
+    reference)."""
+    for head_dim in range(32, 321, 16):
+        for group in range(1, 13):
+            served = head_dim % 32 == 0 and 64 <= head_dim <= 256 and group <= 8
+            assert triton_config.serves(head_dim, group) == served
+            for bits in (16, 4, 2, 0):
+                for exact in (False, True):
+                    for capability in (None, (8, 0), (9, 0)):
+                        for rows_heads in (1, 64, 4096):
+                            launch = triton_config.launch_config(capability, bits, group, head_dim, exact, rows_heads)
+                            assert (launch is not None) == served, (head_dim, group, bits, exact, capability)
+    assert triton_config.launch_config((7, 5), 4, 1, 128, False, 1) is None  # before sm_80
+
+
 @interpret
 @pytest.mark.interpret
 @pytest.mark.parametrize(("bits", "group", "head_dim"), [(4, 1, 32), (16, 1, 80), (2, 16, 64), (4, 2, 288)])
