@@ -337,7 +337,9 @@ class OuroModel(OuroPreTrainedModel):
             return self._forward_in_pieces(limit, inputs_embeds, attention_mask, position_ids, cache, use_cache,
                                            exit_at_step, **kwargs)
 
-        if isinstance(attention_mask, dict):
+        if getattr(cache, "builds_no_mask", False):  # a continuous-batching engine's packed step (loopkv/serving)
+            mask_by_type = dict.fromkeys(self.config.layer_types, None)
+        elif isinstance(attention_mask, dict):
             mask_by_type = attention_mask
         else:
             # positional: the 4th parameter is `past_key_values` in 5.17 and `cache` in 5.24

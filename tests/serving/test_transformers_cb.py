@@ -1,0 +1,121 @@
+"""LoopKV behind transformers' continuous-batching engine (loopkv/serving): every request's tokens equal the same
+request generated alone through a LoopKVCache with the same plan, with requests joining and leaving, a pool small
+enough that some are preempted, and every page back at the end.
+"""
+
+import pytest
+import torch
+import transformers
+from packaging.version import Version
+from transformers import GenerationConfig
+
+import loopkv
+from loopkv.models.ouro import OuroConfig, OuroForCausalLM
+from loopkv.serving import transformers_cb
+from loopkv.serving.transformers_cb import check_version, engine_cache, engine_config, generate_batch
+
+SUPPORTED = transformers_cb.SUPPORTED[0] <= Version(Version(transformers.__version__).base_version) \
+    < transformers_cb.SUPPORTED[1]
+needs_engine = pytest.mark.skipif(not SUPPORTED, reason=f"the engine of transformers {transformers.__version__} "
+                                                        "is not the one loopkv's shim follows")
+NEW = 40
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    cfg = OuroConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, head_dim=32, total_ut_steps=2,
+                     max_position_embeddings=4096, rope_theta=10000.0)
+    return OuroForCausalLM(cfg).eval()
+
+
+def _greedy(new=NEW):
+    return GenerationConfig(max_new_tokens=new, do_sample=False, eos_token_id=-1, pad_token_id=0)
+
+
+def _replay(model, plan, tokens, steps):
+    """The tokens one admission of a request predicts, replayed alone through a batch-1 LoopKVCache fed in the same
+    steps (the first a prompt, then prompt chunks or decode tokens): the argmax after each step."""
+    cache = loopkv.LoopKVCache(plan, config=model.config, max_batch_size=1, max_cache_len=512, dtype=torch.float32,
+                               device="cpu")
+    predicted = []
+    with torch.no_grad():
+        for pos, n in steps:
+            logits = model(input_ids=torch.tensor([tokens[pos:pos + n]]), past_key_values=cache).logits
+            predicted.append(int(logits[0, -1].argmax()))
+    return predicted
+
+
+@needs_engine
+@pytest.mark.parametrize("per_loop", [["share", "int4"], ["int4", "int2"]])
+def test_each_request_equals_its_steps_replayed_alone(model, per_loop):
+    """Six requests through three slots and 16 blocks: prompts split into chunks, requests joining as others leave,
+    some preempted and prefilled again. Every token each admission generated equals what a batch-1 LoopKVCache
+    predicts when fed the same tokens in the same steps (the served semantics per request); with the pool and the
+    budget large enough for neither chunks nor preemption, that is the request generated alone."""
+    plan = loopkv.Plan.from_loops(loops=2, layers=2, per_loop=per_loop, tau=14.0)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 97, (n,), generator=g).tolist() for n in (330, 40, 5, 300, 120, 350)]
+    cb = engine_config(plan, pool_pages=16, max_batch_tokens=200)
+    with engine_cache(plan, max_slots=3, max_len=512) as built:
+        out = model.generate_batch(prompts, generation_config=_greedy(), continuous_batching_config=cb)
+    (engine,) = built
+    assert engine.admissions > len(prompts)  # some requests were preempted and prefilled again
+    assert any(n > 1 and pos > 0 for lives in engine.lives.values() for life in lives for pos, n in life)  # chunks
+    assert engine.cache.pages_in_use == 0
+    assert engine.free_block_count() == engine.num_blocks
+    checked = 0
+    for rid, o in out.items():
+        prompt = prompts[int(rid.split("_")[1])]
+        tokens = prompt + o.generated_tokens
+        assert len(o.generated_tokens) == NEW
+        known = len(prompt)  # tokens the request had when (re)admitted: a preempted one comes back with its output
+        for life in engine.lives[rid]:
+            predicted = _replay(model, plan, tokens, life)
+            for (pos, n), token in zip(life, predicted, strict=True):
+                end = pos + n
+                if known <= end < len(tokens):  # this step generated tokens[end]
+                    assert token == tokens[end], (rid, pos, n)
+                    checked += 1
+            last = life[-1][0] + life[-1][1]  # a later admission's prompt ends with this step's output, if any
+            known = last + 1 if last >= known else known
+    assert checked == len(prompts) * NEW  # every generated token, in the admission that generated it
+
+
+@needs_engine
+def test_requests_the_engine_could_never_finish_are_refused_up_front(model):
+    plan = loopkv.Plan.uniform(loops=2, layers=2, option="int4")
+    with pytest.raises(ValueError, match="request 1 has an empty prompt"):  # nothing runs
+        generate_batch(model, [[5, 6], []], plan, max_slots=2, max_len=512, pool_pages=16,
+                       generation_config=_greedy())
+    with pytest.raises(ValueError, match="request 0 needs 560 tokens"):
+        generate_batch(model, [[5] * 520], plan, max_slots=2, max_len=512, pool_pages=16,
+                       generation_config=_greedy())
+    with pytest.raises(ValueError, match="share"):
+        engine_config(loopkv.Plan.from_loops(loops=2, layers=2, per_loop=["share", "int4"]), pool_pages=16,
+                      max_batch_tokens=512)
+
+
+@pytest.mark.skipif(SUPPORTED, reason="this transformers' engine is supported")
+def test_an_unsupported_engine_is_refused_by_name():
+    with pytest.raises(NotImplementedError, match="transformers"):
+        check_version()
+
+
+@needs_engine
+def test_with_room_for_everything_each_request_is_generate_alone(model):
+    """Blocks and a step budget that need neither chunks nor preemption: each request's tokens are what
+    ``model.generate`` gives it alone through a LoopKVCache with the same plan."""
+    plan = loopkv.Plan.uniform(loops=2, layers=2, option="int4", tau=14.0)
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(3, 97, (n,), generator=g).tolist() for n in (330, 7, 290)]
+    out = generate_batch(model, prompts, plan, max_slots=3, max_len=512, pool_pages=48, max_batch_tokens=1024,
+                         generation_config=_greedy())
+    for rid, o in out.items():
+        prompt = prompts[int(rid.split("_")[1])]
+        cache = loopkv.LoopKVCache(plan, config=model.config, max_batch_size=1, max_cache_len=512,
+                                   dtype=torch.float32, device="cpu")
+        alone = model.generate(torch.tensor([prompt]), past_key_values=cache, max_new_tokens=NEW, do_sample=False,
+                               eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+        assert o.generated_tokens == alone, rid
