@@ -37,6 +37,8 @@ written after every step, so a run cut short keeps what it measured. Memory: the
 projected peak at ``--docs`` documents (the profiler keeps every document's exact pass: logits, share sources,
 checkpoints).
 
+``--model small`` times loopkv's trained small model on its calibration documents instead (a whole profile a CPU
+runs in minutes; with ``--clock process`` and ``OMP_NUM_THREADS=1``, this process's CPU time on a shared CPU).
 ``--smoke`` runs a tiny model on the CPU in seconds and checks the script; it measures nothing.
 """
 
@@ -71,7 +73,7 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--measure-docs", type=int, default=1, help="documents each sampled batch is timed on")
     p.add_argument("--sample-batches", type=int, default=4, help="batches of the profile timed per arm (0: all)")
     p.add_argument("--batch-cells", type=int, default=8, help="measurements per forward (the profiler's default)")
-    p.add_argument("--arms", default="tf32,fp32,fp32-prefix", help=f"comma-separated, from {','.join(ARMS)}")
+    p.add_argument("--arms", default="tf32,fp32,tf32-host,fp32-prefix", help=f"comma-separated, from {','.join(ARMS)}")
     p.add_argument("--budget-s", type=float, default=390.0,
                    help="stop sampling batches (each arm keeps at least one) and skip the remaining checks once "
                         "this many seconds have passed; the JSON is written after every arm")

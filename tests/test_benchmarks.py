@@ -155,7 +155,7 @@ def test_bench_profile_smoke(tmp_path, capsys):
     datetime.datetime.fromisoformat(result["date"])
     # the tiny model: 3 loops x 2 layers -> 4 cells x 3 options + 2 final cells x 2 options + KL_share
     assert result["profile"]["evaluations"] == 4 * 3 + 2 * 2 + 1
-    assert list(result["arms"]) == ["tf32", "fp32", "fp32-prefix"]
+    assert list(result["arms"]) == ["tf32", "fp32", "tf32-host", "fp32-prefix"]
     for arm in result["arms"].values():
         assert arm["how"] == "extrapolated"  # 2 of the batches on 1 of the 2 documents
         rows = arm["sampled"]
