@@ -1,6 +1,6 @@
 """Each benchmark's ``--smoke`` end to end: ``bench_cell_attention.py`` (CPU; the cell reader under Triton's
 interpreter where there is no GPU), ``bench_quality.py``, ``bench_decode.py`` with ``plot_decode.py``,
-``bench_profile.py`` and ``bench_soak.py``."""
+``bench_profile.py``, ``bench_soak.py`` and ``bench_serving.py``."""
 
 import contextlib
 import datetime
@@ -262,3 +262,22 @@ def test_bench_soak_smoke(tmp_path, capsys, backend):
     lines = capsys.readouterr().out.strip().splitlines()
     assert lines[-5].split()[:3] == ["req", "B", "prompts"]  # the table comes last
     assert lines[-1].endswith("PASSED")
+
+
+def test_bench_serving_smoke(tmp_path):
+    """A tiny model's trace through transformers' engine with LoopKV storage: the BF16 batch-1 step that sets the
+    SLO, then one arm at one rate; every request comes back with its latencies, and the goodput is a rate of the
+    ladder (or 0)."""
+    out = tmp_path / "serving.json"
+    _load("bench_serving").main(["--smoke", "--out", str(out)])
+    result = json.loads(out.read_text())
+    _check_run_info(result, "bench_serving", out)
+    (row,) = result["rows"]
+    assert (row["arm"], row["rate"], row["requests"]) == ("loopkv-m", 8.0, 3)
+    assert 0.0 <= row["attainment"] <= 1.0
+    assert row["slots"] >= 1
+    assert row["pool_pages"] >= 1
+    assert row["mean_ttft_s"] > 0
+    assert row["tokens_per_s"] > 0
+    assert result["slo"]["tpot_s"] == pytest.approx(3 * result["slo"]["bf16_batch1_step_s"])
+    assert result["goodput_rps"]["loopkv-m"] in (0.0, 8.0)
