@@ -346,6 +346,19 @@ def test_exact_passes_kept_elsewhere_give_the_same_profile(model, docs):
         profile(model, docs, options=("int4",), final_options=(), progress=False, exact_on="nowhere")
 
 
+@pytest.mark.gpu
+def test_resumed_profile_on_cuda_with_exact_passes_in_pinned_host_memory(docs):
+    """On CUDA: damages with the exact passes kept in pinned host memory equal those kept on the GPU (bit for bit:
+    only copies differ), and equal the CPU's within fp32 round-off of a different device."""
+    gpu = tiny_model().cuda()
+    kept = profile(gpu, docs, options=("int4", "share"), final_options=("int4",), progress=False, exact_on="cpu")
+    here = profile(gpu, docs, options=("int4", "share"), final_options=("int4",), progress=False)
+    assert dict(kept.damage) == dict(here.damage)
+    assert kept.kl_share == here.kl_share
+    cpu = profile(tiny_model(), docs, options=("int4", "share"), final_options=("int4",), progress=False)
+    assert list(here.damage.values()) == pytest.approx(list(cpu.damage.values()), rel=1e-3)
+
+
 def test_entry_refuses_bad_schedules():
     from loopkv.planning.resume import Entry
 
