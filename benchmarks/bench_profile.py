@@ -22,12 +22,14 @@ measured fraction of the work) unless every batch ran on every document (``"how"
   the fit predicts for it. The plain mean time per sampled batch times the number of batches is reported beside.
 
 Arms (``--arms``): ``fp32-rows``, ``fp32-prefix`` (the profiler before it resumed from the exact pass), ``fp32``
-(resumed), ``tf32`` (resumed, TF32 matmuls) and ``tf32-host`` (the same with each document's exact pass kept in
-host memory, ``profile(exact_on="cpu")``, as 16 documents of 8K need on one GPU). The TF32 check compares damages
-measured in fp32 and TF32 against their noise floor: on this model (random weights: its KLs say little about a
-trained model's; ``--tf32-docs`` documents, the standard error over them when there are two or more) and on loopkv's
-trained small model, whose whole profile is taken both ways on ``--small-docs`` documents; a damage is "within the
-noise floor" when the two differ by less than its standard error over documents.
+(resumed), ``tf32`` (resumed, TF32 matmuls), ``tf32-host`` (the same with each document's exact pass kept in host
+memory, ``profile(exact_on="cpu")``, as 16 documents of 8K need on one GPU) and ``tf32-mm`` (TF32 with the exact
+attention through matmuls, which TF32 speeds up, instead of SDPA, whose fp32 kernel it does not: an experiment, not
+what the profiler does). The TF32 check compares damages measured in fp32 and TF32 (and ``tf32-mm``'s way) against
+their noise floor: on this model (random weights: its KLs say little about a trained model's; ``--tf32-docs``
+documents, the standard error over them when there are two or more) and on loopkv's trained small model, whose
+whole profile is taken both ways on ``--small-docs`` documents; a damage is "within the noise floor" when the two
+differ by less than its standard error over documents.
 
     PYTHONPATH=. python benchmarks/bench_profile.py --out benchmarks/results/profile.json      # H200: 5-7 minutes
 
@@ -55,8 +57,10 @@ from run_info import RESULTS, run_info, write_json
 from loopkv.planning.profile_data import Profile
 
 SEED = 0
-ARMS = {"fp32-rows": ("rows", False, None), "fp32-prefix": ("prefix", False, None), "fp32": ("resume", False, None),
-        "tf32": ("resume", True, None), "tf32-host": ("resume", True, "cpu")}  # (how rows start, TF32, exact_on)
+# (how rows start, TF32, exact_on, exact attention through matmuls)
+ARMS = {"fp32-rows": ("rows", False, None, False), "fp32-prefix": ("prefix", False, None, False),
+        "fp32": ("resume", False, None, False), "tf32": ("resume", True, None, False),
+        "tf32-host": ("resume", True, "cpu", False), "tf32-mm": ("resume", True, None, True)}
 CLOCKS = {"wall": time.perf_counter, "process": time.process_time}
 SMOKE = {"docs": 2, "doc_len": 352, "measure_docs": 1, "sample_batches": 2, "small_docs": 1, "small_len": 352,
          "tf32_jobs": 2, "tf32_docs": 2}
@@ -73,7 +77,8 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--measure-docs", type=int, default=1, help="documents each sampled batch is timed on")
     p.add_argument("--sample-batches", type=int, default=4, help="batches of the profile timed per arm (0: all)")
     p.add_argument("--batch-cells", type=int, default=8, help="measurements per forward (the profiler's default)")
-    p.add_argument("--arms", default="tf32,fp32,tf32-host,fp32-prefix", help=f"comma-separated, from {','.join(ARMS)}")
+    p.add_argument("--arms", default="tf32,fp32,tf32-mm,tf32-host,fp32-prefix",
+                   help=f"comma-separated, from {','.join(ARMS)}")
     p.add_argument("--budget-s", type=float, default=390.0,
                    help="stop sampling batches (each arm keeps at least one) and skip the remaining checks once "
                         "this many seconds have passed; the JSON is written after every arm")
@@ -117,14 +122,14 @@ def build(config, device):
     return model.float().eval()
 
 
-def runner(model, docs, *, start: str, exact_on=None):
+def runner(model, docs, *, start: str, exact_on=None, matmul_attention: bool = False):
     from loopkv.planning.profiler import _Runner
     from loopkv.planning.simulate import FIRST_HISTORY
 
     c = model.config
     return _Runner(model, docs, loops=c.total_ut_steps, layers=c.num_hidden_layers, tau=math.inf,
                    share_source="int4", share_passes=2, prefill_len=FIRST_HISTORY, first=FIRST_HISTORY,
-                   start=start, exact_on=exact_on)
+                   start=start, exact_on=exact_on, matmul_attention=matmul_attention)
 
 
 def profile_batches(config, batch_cells: int) -> list[list]:
@@ -177,13 +182,13 @@ def _bar():
 
 
 def time_arm(model, docs, batches, picks, *, start: str, tf32: bool, device, n_docs: int, exact_on=None,
-             deadline: float = math.inf, clock=time.perf_counter) -> dict:
+             matmul_attention: bool = False, deadline: float = math.inf, clock=time.perf_counter) -> dict:
     """One arm: the exact pass per document and the sampled batches (those begun before ``deadline``, at least
     one), timed; the full profile extrapolated (or measured, when every batch ran on every document)."""
     from loopkv.planning.profiler import tf32_matmuls
     from loopkv.planning.simulate import served_attention_enabled
 
-    run = runner(model, docs, start=start, exact_on=exact_on)
+    run = runner(model, docs, start=start, exact_on=exact_on, matmul_attention=matmul_attention)
     cuda = torch.device(device).type == "cuda"
     if cuda:
         torch.cuda.reset_peak_memory_stats()
@@ -216,7 +221,8 @@ def time_arm(model, docs, batches, picks, *, start: str, tf32: bool, device, n_d
     fraction = sum(r["units"] for r in rows) * len(docs) / (total_units * n_docs)
     measured = len(rows) == len(batches) and len(docs) == n_docs
     return {
-        "start": start, "tf32": tf32, "exact_on": exact_on, "reference_seconds_per_doc": reference, "sampled": rows,
+        "start": start, "tf32": tf32, "exact_on": exact_on, "matmul_attention": matmul_attention,
+        "reference_seconds_per_doc": reference, "sampled": rows,
         "seconds_per_unit_per_doc": per_unit, "units_per_doc": total_units,
         "full_profile_minutes": full / 60, "full_profile_minutes_mean_batch": mean / 60,
         "minutes_per_evaluation": full / 60 / evaluations,
@@ -243,24 +249,27 @@ def tf32_on_jobs(model, docs, jobs) -> dict:
     from loopkv.planning.simulate import served_attention_enabled
 
     out, refs = {}, {}
-    for name, tf32 in (("fp32", False), ("tf32", True)):
-        run = runner(model, docs, start="resume")
+    for name, tf32, mm in (("fp32", False, False), ("tf32", True, False), ("tf32-mm", True, True)):
+        run = runner(model, docs, start="resume", matmul_attention=mm)
         with torch.no_grad(), tf32_matmuls(tf32), served_attention_enabled(model):
             out[name] = dict(zip(map(str, jobs), run.measure(jobs, _bar()), strict=True))
             refs[name] = [run._reference(d)[0] for d in range(len(docs))]
-    floor = [float(kl_per_position(a, b[None])[0].mean()) for a, b in zip(refs["fp32"], refs["tf32"], strict=True)]
-    rows = []
-    for key, (damage, per_doc) in out["fp32"].items():
-        other = out["tf32"][key][0]
-        se = float(torch.tensor(per_doc).std()) / math.sqrt(len(per_doc)) if len(per_doc) > 1 else None
-        rows.append({"job": key, "fp32": damage, "tf32": other,
-                     "relative_difference": abs(other - damage) / damage if damage else None,
-                     "standard_error": se, "difference_over_se": abs(other - damage) / se if se else None})
-    finite = [r["difference_over_se"] for r in rows if r["difference_over_se"] is not None]
-    return {"documents": len(docs), "doc_len": int(docs[0].numel()), "jobs": rows,
-            "within_noise_floor": sum(1 for r in finite if r < 1.0) if finite else None, "compared": len(finite),
-            "exact_model_kl_tf32_vs_fp32": sum(floor) / len(floor),
-            "note": "random weights: near-uniform outputs, so these KLs say little about a trained model's"}
+    result = {"documents": len(docs), "doc_len": int(docs[0].numel()),
+              "note": "random weights: near-uniform outputs, so these KLs say little about a trained model's"}
+    for name in ("tf32", "tf32-mm"):
+        rows = []
+        for key, (damage, per_doc) in out["fp32"].items():
+            other = out[name][key][0]
+            se = float(torch.tensor(per_doc).std()) / math.sqrt(len(per_doc)) if len(per_doc) > 1 else None
+            rows.append({"job": key, "fp32": damage, name: other,
+                         "relative_difference": abs(other - damage) / damage if damage else None,
+                         "standard_error": se, "difference_over_se": abs(other - damage) / se if se else None})
+        finite = [r["difference_over_se"] for r in rows if r["difference_over_se"] is not None]
+        floor = [float(kl_per_position(a, b[None])[0].mean()) for a, b in zip(refs["fp32"], refs[name], strict=True)]
+        result[name] = {"jobs": rows, "within_noise_floor": sum(1 for r in finite if r < 1.0) if finite else None,
+                        "compared": len(finite), "exact_model_kl_vs_fp32": sum(floor) / len(floor)}
+    result |= {k: result["tf32"][k] for k in ("jobs", "within_noise_floor", "compared")}  # the plain TF32 arm
+    return result
 
 
 def tf32_on_profile(model, docs) -> dict:
@@ -358,9 +367,10 @@ def main(argv: Sequence[str] | None = None) -> dict:
             over = time.perf_counter() > deadline
             result["tf32_check"][step] = {"skipped": f"past --budget-s {args.budget_s:g}"} if over else checks[step]()
         else:
-            start, tf32, exact_on = ARMS[step]
+            start, tf32, exact_on, matmul_attention = ARMS[step]
             arm = time_arm(model, docs[: args.measure_docs], batches, picks, start=start, tf32=tf32, device=device,
-                           n_docs=args.docs, exact_on=exact_on, deadline=deadline, clock=CLOCKS[args.clock])
+                           n_docs=args.docs, exact_on=exact_on, matmul_attention=matmul_attention,
+                           deadline=deadline, clock=CLOCKS[args.clock])
             result["arms"][step] = arm
             print(f"{step}: {arm['full_profile_minutes']:.1f} min per profile ({arm['how']}, from "
                   f"{len(arm['sampled'])} batches), {arm['minutes_per_evaluation'] * 60:.1f} s per evaluation",

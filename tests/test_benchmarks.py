@@ -155,7 +155,7 @@ def test_bench_profile_smoke(tmp_path, capsys):
     datetime.datetime.fromisoformat(result["date"])
     # the tiny model: 3 loops x 2 layers -> 4 cells x 3 options + 2 final cells x 2 options + KL_share
     assert result["profile"]["evaluations"] == 4 * 3 + 2 * 2 + 1
-    assert list(result["arms"]) == ["tf32", "fp32", "tf32-host", "fp32-prefix"]
+    assert list(result["arms"]) == ["tf32", "fp32", "tf32-mm", "tf32-host", "fp32-prefix"]
     for arm in result["arms"].values():
         assert arm["how"] == "extrapolated"  # 2 of the batches on 1 of the 2 documents
         rows = arm["sampled"]
@@ -174,6 +174,7 @@ def test_bench_profile_smoke(tmp_path, capsys):
     check = result["tf32_check"]
     assert len(check["ouro_shape"]["jobs"]) == 2
     assert check["ouro_shape"]["compared"] == 2  # two documents: a standard error per job
+    assert check["ouro_shape"]["tf32-mm"]["compared"] == 2
     assert check["small_model"]["damages"] == 16
     assert result["summary"]["evaluations_per_profile"] == 17
     assert set(result["summary"]["tf32_within_noise_floor"]) == {"ouro_shape", "small_model"}

@@ -379,19 +379,22 @@ class _Runner:
     checkpoint (one per ``checkpoint_every`` cells, default one per loop) before the first row's cell, each row
     joining at its own first perturbed cell (:mod:`loopkv.planning.resume`); "prefix": the cells before the
     batch's first perturbed cell on one row, then every row from there; "rows": every row from the first cell.
-    All three compute the same numbers (up to round-off); ``benchmarks/bench_profile.py`` times them."""
+    All three compute the same numbers (up to round-off); ``benchmarks/bench_profile.py`` times them.
+    matmul_attention: the exact attention through matmuls rather than SDPA (TF32 when TF32 is on; the benchmark's
+    ``tf32-mm`` arm)."""
 
     STARTS = ("resume", "prefix", "rows")
 
     def __init__(self, model, docs, *, loops, layers, tau, share_source, share_passes, prefill_len, first,
-                 start: str = "resume", checkpoint_every: int | None = None, exact_on=None) -> None:
+                 start: str = "resume", checkpoint_every: int | None = None, exact_on=None,
+                 matmul_attention: bool = False) -> None:
         if start not in self.STARTS:
             raise ValueError(f"start must be one of {self.STARTS}, got {start!r}")
         try:
             self.exact_on = None if exact_on is None else torch.device(exact_on)
         except (RuntimeError, TypeError) as err:
             raise ValueError(f"exact_on must be a torch device such as 'cpu' (or None), got {exact_on!r}") from err
-        self.model, self.docs, self.start = model, docs, start
+        self.model, self.docs, self.start, self.matmul_attention = model, docs, start, matmul_attention
         self.loops, self.layers = loops, layers
         self.tau, self.share_source, self.share_passes = tau, share_source, share_passes
         self.final = frozenset((loops - 1) * layers + layer for layer in range(layers))
@@ -406,7 +409,7 @@ class _Runner:
         if d not in self._refs:
             ids = self.docs[d].to(self.model.device)[None]
             state = SimState(rows=[{}], prefill_len=self.prefill_len, layers=self.layers, sources={},
-                             capture=self.final)
+                             capture=self.final, matmul_attention=self.matmul_attention)
             logits = forward(self.model, ids, state, logits_from=self.first, keep_hidden=self.checkpoints)
             sources = final_sources(state.captured, loops=self.loops, layers=self.layers)
             ref = (logits[0], sources, dict(state.hidden))
@@ -453,7 +456,7 @@ class _Runner:
             for k in range(passes):
                 capture = self.final if k + 1 < passes else frozenset()
                 state = SimState(rows=specs, prefill_len=self.prefill_len, layers=self.layers, sources=sources,
-                                 capture=capture)
+                                 capture=capture, matmul_attention=self.matmul_attention)
                 logits = forward(self.model, ids, state, logits_from=self.first, entry=entry)
                 if capture:  # the next pass reads each row's own perturbed final loop
                     sources = final_sources(state.captured, loops=self.loops, layers=self.layers)

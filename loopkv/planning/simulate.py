@@ -193,12 +193,28 @@ def _cold(s: Tensor, s_h: Tensor, pmax: int, tau: float) -> Tensor:
     return cold_q.all(dim=2, keepdim=True).flatten(-2)
 
 
-def exact_attention(q: Tensor, k: Tensor, v: Tensor, *, scale: float) -> Tensor:
-    """Plain causal attention. q [R, Hq, N, D], k, v [R, H, N, D] -> [R, Hq, N, D]."""
+def exact_attention(q: Tensor, k: Tensor, v: Tensor, *, scale: float, matmul: bool = False,
+                    block: int = QUERY_BLOCK) -> Tensor:
+    """Plain causal attention. q [R, Hq, N, D], k, v [R, H, N, D] -> [R, Hq, N, D].
+
+    matmul: through matmuls over query blocks of ``block`` (keys up to the block's last query), which run in TF32
+    when TF32 matmuls are on; otherwise SDPA, whose fp32 CUDA kernel ignores the TF32 switch (3xTF32 on the tensor
+    cores, fp32-accurate). ``benchmarks/bench_profile.py`` times both under TF32.
+    """
     g = q.shape[1] // k.shape[1]
     if g > 1:
         k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+    if not matmul:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+    N = q.shape[2]
+    out = torch.empty_like(q)
+    pos = torch.arange(N, device=q.device)
+    for i0 in range(0, N, block):
+        i1 = min(N, i0 + block)
+        s = torch.matmul(q[:, :, i0:i1], k[:, :, :i1].transpose(-1, -2)) * scale  # [R, Hq, b, i1]
+        s = s.masked_fill(pos[None, :i1] > pos[i0:i1, None], -math.inf)
+        out[:, :, i0:i1] = torch.matmul(torch.softmax(s, dim=-1), v[:, :, :i1])
+    return out
 
 
 # -------------------------------------------------------------------------- hooking into the model
@@ -216,6 +232,7 @@ class SimState:
     rows: one RowSpec per batch row. sources: ``{layer: (k, v)}`` share sources, each [R or 1, H, N, D].
     capture: cell indices whose K/V to record into ``captured`` (``{cell: (k, v)}``, [R, H, N, D]; with an
     :class:`~loopkv.planning.resume.Entry`, the rows present at that cell).
+    matmul_attention: the cells' exact attention through matmuls (:func:`exact_attention`), not SDPA.
     """
 
     rows: Sequence[RowSpec]
@@ -224,6 +241,7 @@ class SimState:
     sources: Mapping[int, tuple[Tensor, Tensor]]
     capture: frozenset[int] = frozenset()
     block: int = QUERY_BLOCK
+    matmul_attention: bool = False  # exact cells through exact_attention(matmul=True)
 
     def __post_init__(self) -> None:
         self.captured: dict[int, tuple[Tensor, Tensor]] = {}
@@ -258,7 +276,7 @@ def _served_attention_function(module, query, key, value, attention_mask, *, sca
     state, cell, k, v = key.state, key.cell_index, key.k, key.v
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     served_rows = [(r, spec[cell]) for r, spec in enumerate(state.rows) if cell in spec]
-    out = exact_attention(query, k, v, scale=scale)
+    out = exact_attention(query, k, v, scale=scale, matmul=state.matmul_attention)
     for r, served in served_rows:
         src_k = src_v = None
         if served.share:

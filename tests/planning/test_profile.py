@@ -109,6 +109,22 @@ def test_served_attention_equals_cache_reads(option, source, tau, prefill_len):
                                atol=ATTN_FP32_ATOL, rtol=ATTN_FP32_RTOL)
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_exact_attention_through_matmuls_equals_sdpa(dtype):
+    """The matmul form (query blocks, keys up to the block's end; GQA, a length that is no multiple of the block)
+    equals SDPA: to float64 round-off in float64, within the fp32 attention tier in fp32."""
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(2, HEADS, 200, D, generator=g, dtype=dtype)
+    k, v = (torch.randn(2, KV_HEADS, 200, D, generator=g, dtype=dtype) for _ in range(2))
+    want = exact_attention(q, k, v, scale=D**-0.5)
+    got = exact_attention(q, k, v, scale=D**-0.5, matmul=True, block=64)
+    if dtype == torch.float64:
+        torch.testing.assert_close(got, want, atol=FP64_REORDER_ATOL, rtol=0)
+    else:
+        torch.testing.assert_close(got, want, atol=ATTN_FP32_ATOL, rtol=ATTN_FP32_RTOL)
+    assert (got[:, :, 1:] - got[:, :, :-1]).abs().max() > 0.1  # not a constant output
+
+
 def test_served_requires_share_source():
     q = torch.randn(1, HEADS, 8, D)
     k = torch.randn(1, KV_HEADS, 8, D)
