@@ -52,6 +52,9 @@ FIRST_HISTORY = SINK + WINDOW + PAGE
 # Query positions per block of the dense served attention: bounds the score tensors to
 # [rows, heads, QUERY_BLOCK, N] whatever the document length.
 QUERY_BLOCK = 256
+# Query positions per block of exact_attention(matmul=True): scores [rows, heads, 1024, N] (1 GiB per row and 16
+# heads at N = 8K in fp32); larger than QUERY_BLOCK, as these blocks are many (every exact cell) and launch-bound.
+MATMUL_BLOCK = 1024
 
 
 @dataclass(frozen=True)
@@ -194,7 +197,7 @@ def _cold(s: Tensor, s_h: Tensor, pmax: int, tau: float) -> Tensor:
 
 
 def exact_attention(q: Tensor, k: Tensor, v: Tensor, *, scale: float, matmul: bool = False,
-                    block: int = QUERY_BLOCK) -> Tensor:
+                    block: int = MATMUL_BLOCK) -> Tensor:
     """Plain causal attention. q [R, Hq, N, D], k, v [R, H, N, D] -> [R, Hq, N, D].
 
     matmul: through matmuls over query blocks of ``block`` (keys up to the block's last query), which run in TF32
