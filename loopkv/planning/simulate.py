@@ -214,8 +214,8 @@ def exact_attention(q: Tensor, k: Tensor, v: Tensor, *, scale: float, matmul: bo
     pos = torch.arange(N, device=q.device)
     for i0 in range(0, N, block):
         i1 = min(N, i0 + block)
-        s = torch.matmul(q[:, :, i0:i1], k[:, :, :i1].transpose(-1, -2)) * scale  # [R, Hq, b, i1]
-        s = s.masked_fill(pos[None, :i1] > pos[i0:i1, None], -math.inf)
+        s = torch.matmul(q[:, :, i0:i1], k[:, :, :i1].transpose(-1, -2)).mul_(scale)  # [R, Hq, b, i1]
+        s.masked_fill_(pos[None, :i1] > pos[i0:i1, None], -math.inf)
         out[:, :, i0:i1] = torch.matmul(torch.softmax(s, dim=-1), v[:, :, :i1])
     return out
 
