@@ -411,6 +411,9 @@ def _print_table(result: dict) -> None:
         if check and "skipped" not in check:
             print(f"TF32 vs fp32 ({name}): {check['within_noise_floor']} of {check['compared']} damages within "
                   "their noise floor (standard error over documents)")
+            if "tf32-mm" in check:
+                mm = check["tf32-mm"]
+                print(f"TF32 with matmul attention vs fp32 ({name}): {mm['within_noise_floor']} of {mm['compared']}")
 
 
 if __name__ == "__main__":
