@@ -394,8 +394,11 @@ def _summary(result: dict) -> dict:
             "fastest_arm": best, "evaluations_per_profile": result["profile"]["evaluations"],
             "minutes_per_evaluation": {n: a["minutes_per_evaluation"] for n, a in result["arms"].items()},
             "projected_peak_gib": peaks or None,
-            "tf32_within_noise_floor": {name: [c.get("within_noise_floor"), c.get("compared")]
-                                        for name, c in result["tf32_check"].items() if c and "skipped" not in c},
+            "tf32_within_noise_floor": {
+                **{name: [c.get("within_noise_floor"), c.get("compared")]
+                   for name, c in result["tf32_check"].items() if c and "skipped" not in c},
+                **{f"{name} (tf32-mm)": [c["tf32-mm"]["within_noise_floor"], c["tf32-mm"]["compared"]]
+                   for name, c in result["tf32_check"].items() if c and "tf32-mm" in c}},
             "within_60_min": {name: m <= 60 for name, m in minutes.items()},
             "within_20_min": {name: m <= 20 for name, m in minutes.items()}}
 

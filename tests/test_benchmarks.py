@@ -177,7 +177,7 @@ def test_bench_profile_smoke(tmp_path, capsys):
     assert check["ouro_shape"]["tf32-mm"]["compared"] == 2
     assert check["small_model"]["damages"] == 16
     assert result["summary"]["evaluations_per_profile"] == 17
-    assert set(result["summary"]["tf32_within_noise_floor"]) == {"ouro_shape", "small_model"}
+    assert set(result["summary"]["tf32_within_noise_floor"]) == {"ouro_shape", "ouro_shape (tf32-mm)", "small_model"}
     assert "min/profile" in capsys.readouterr().out
 
 
