@@ -3,15 +3,31 @@
 transformers has no hook for a cache class in its engine: ``ContinuousBatchingManager._create_batch_processor`` builds
 ``continuous_api.PagedAttentionCache`` by name. :func:`engine_cache` swaps that name, for the duration of a
 ``with`` block and under a lock, for a factory of :class:`~loopkv.serving.engine_cache.EngineCache` with the engine's
-method names (:class:`EngineCache517` for transformers 5.17-5.23). What this relies on, and is checked by the tests:
-the engine looks the class up in that module when it builds a processor, calls the allocation and index methods
-below, passes ``write_index`` and ``cu_seq_lens_q`` to the model, and runs without CUDA graphs or async batching
-(both off here: a graph would freeze the host-side split of the batch, and async preparation would race it).
+method names, chosen by the installed version (:func:`engine_class`):
+
+* :class:`EngineCache517` follows the engine of transformers 5.17 (tested; 5.18-5.23 are assumed to keep its cache
+  interface, untested): the engine counts blocks itself and asks the cache to allocate ``n`` of them per request.
+* :class:`EngineCache524` follows the engine of transformers 5.24 (tested): the cache decides whether a request's new
+  tokens fit (``can_store_request_tokens``) and the engine reads a per-attention-type allocator
+  (``cache_allocators``) and a sector pool; loopkv answers with one stub allocator that holds no block table (so the
+  engine never copies blocks: a preempted request is soft reset, i.e. freed and prefilled again as a new prompt) and
+  that reads none of a request's past tokens through the engine (``read_cache_limit = 0``, so the engine's read
+  budget never binds and the attention mask it builds for ``sdpa``/``eager`` covers only the step's new tokens).
+
+What this relies on, and is checked by the tests on 5.17 and 5.24: the engine looks the class up in that module when
+it builds a processor, calls the allocation and index methods below, passes ``write_index`` (a list with one index
+tensor per attention type) and ``cu_seq_lens_q`` to the model, takes the model's configured attention
+implementation as it is (``sdpa`` or ``eager``: loopkv's Ouro runs the cache's own ``"loopkv"`` attention and ignores
+the engine's mask), and runs without CUDA graphs, async batching or CPU offloading (all off in :func:`engine_config`:
+a graph would freeze the host-side split of the batch, async preparation would race it, and offloading copies engine
+blocks loopkv does not have) and without compilation (the engine's default; a compile config, which also pads the
+batch, is untested here).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import threading
 
 import torch
@@ -23,7 +39,8 @@ from loopkv.format import PAGE, WINDOW
 from loopkv.serving.engine_cache import EngineCache, blocks_for
 
 _LOCK = threading.Lock()
-SUPPORTED = (Version("5.17"), Version("5.24"))  # [from, to): the engine's cache interface these methods follow
+SUPPORTED = (Version("5.17"), Version("5.25"))  # [from, to): the engines' cache interfaces these classes follow
+NEW_ENGINE = Version("5.24")  # from here on: EngineCache524
 
 
 class EngineCache517(EngineCache):
@@ -75,8 +92,117 @@ class EngineCache517(EngineCache):
         write_index[0].extend(self.write_indices(request_id, past_length, query_length))
 
 
+class _Allocator524:
+    """The one allocator (full attention) the 5.24 engine reads: trash indices, key lengths per request, block counts.
+    It holds no block table (``{}``): the engine then has no blocks to offload or fork, and soft resets instead."""
+
+    index, layer_type, tokens_per_page, blocks_per_sector = 0, "full_attention", PAGE, 1
+
+    def __init__(self, cache: EngineCache524):
+        self._cache = cache
+        self.write_trash_index = self.read_trash_index = cache.write_trash_index
+        self.num_blocks, self.bytes_per_block = cache.num_blocks, cache.bytes_per_sector
+        self.block_table: dict[str, list[int]] = {}
+
+    def get_seqlen_k(self, past_length: int, query_length: int) -> int:
+        return query_length  # keys the engine reads: the new tokens only (loopkv reads the past from its storage)
+
+    def needs_new_blocks(self, request_id: str, past_length: int, query_length: int) -> int:
+        return self._cache.new_blocks(request_id, past_length + query_length)
+
+
+class _Pool524:
+    """The engine's sector pool: loopkv's blocks are counted by :class:`EngineCache`, so there is nothing to free."""
+
+    def try_to_free_sectors(self) -> None:
+        return None
+
+
+class EngineCache524(EngineCache):
+    """The 5.24 engine's names for :class:`EngineCache`'s calls (one attention type, no block table, no prefix sharing,
+    no decode fast path; the engine reads no past tokens, so its read budget and attention mask stay per step)."""
+
+    max_blocks_per_request = max_decode_fast_path_length = 0
+    allow_block_sharing = use_prefix_sharing = False
+    read_cache_limit = 0  # past tokens per request the engine reads: none (each request costs 0 of its read budget)
+    max_tokens_read = 1  # the engine's read budget per step (any positive value: it stops a batch at 0)
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # the bytes of a block stored exactly (every cell's K and V): what the engine converts capacities with
+        self.bytes_per_sector = (len(self.cache.layers) * 2 * self.cache.kv_heads * self.cache.head_dim * PAGE
+                                 * torch.empty(0, dtype=self.dtype).element_size())
+        self.num_sectors = self.num_blocks
+        self.cache_allocators = {"full_attention": _Allocator524(self)}
+        self.pool = _Pool524()
+
+    def new_blocks(self, request_id: str, tokens: int) -> int:
+        """Blocks ``request_id`` needs beyond those it holds to hold ``tokens`` tokens."""
+        return max(0, blocks_for(tokens) - self.blocks_held(request_id))
+
+    def can_store_request_tokens(self, state, request_len: int, dry_run: bool = False) -> bool:
+        """Allocate (unless ``dry_run``) the blocks, and a slot if it has none, for ``request_len`` more tokens."""
+        rid = state.request_id
+        blocks = self.new_blocks(rid, state.current_len() + request_len)
+        if dry_run:
+            return blocks <= self.free_block_count() and (rid in self._slot or bool(self._free_slots))
+        return self.allocate(rid, blocks)
+
+    def count_storable_requests(self, list_blocks_needed: list[dict[str, int]]) -> int:
+        """How many of these (active) requests, in order, would get their blocks."""
+        free = self.free_block_count()
+        for i, needed in enumerate(list_blocks_needed):
+            free -= needed["full_attention"]
+            if free < 0:
+                return i
+        return len(list_blocks_needed)
+
+    def compute_free_capacity(self, relative: bool = True) -> int | float:
+        free = self.free_block_count()
+        return free / self.num_blocks if relative else free * self.bytes_per_sector
+
+    def free_blocks(self, request_id: str, no_cache: bool = False) -> None:
+        self.free(request_id)
+
+    def free_all_requests(self, clear_ledgers: bool = False) -> None:
+        self.free_all()
+
+    def reset(self) -> None:
+        self.free_all()
+
+    def search_prefix_match(self, request_id: str, prompt_ids: list[int]) -> int:
+        return 0
+
+    def count_new_complete_blocks(self, state, request_len: int) -> dict[str, int]:
+        return {}
+
+    def mark_complete_blocks(self, state, complete_blocks: dict[str, int]) -> None:
+        return None
+
+    def evict_cached_blocks(self) -> bool:
+        return False
+
+    def prepare_fork_request(self, src_state, dst_req_ids: list[str], copy_src_and_dst) -> list[str]:
+        return []  # no child shares the parent's slot: the engine prefills each child from scratch
+
+    def perform_cache_copy(self, copy_src_and_dst) -> None:
+        return None
+
+    def extend_read_and_write_indices(self, request_id, past_length, query_length, read_index, write_index) -> None:
+        write_index[0].extend(self.write_indices(request_id, past_length, query_length))
+
+
+def installed_version() -> Version:
+    return Version(Version(transformers.__version__).base_version)
+
+
+def engine_class() -> type[EngineCache]:
+    """The :class:`EngineCache` subclass whose names the installed transformers' engine calls."""
+    return EngineCache524 if installed_version() >= NEW_ENGINE else EngineCache517
+
+
 def check_version() -> None:
-    have = Version(Version(transformers.__version__).base_version)
+    have = installed_version()
     if not SUPPORTED[0] <= have < SUPPORTED[1]:
         raise NotImplementedError(
             f"loopkv's continuous batching follows the engine of transformers {SUPPORTED[0]} to before {SUPPORTED[1]}; "
@@ -86,18 +212,19 @@ def check_version() -> None:
 
 @contextlib.contextmanager
 def engine_cache(plan, *, max_slots: int, max_len: int):
-    """Within the block, transformers' engine builds an :class:`EngineCache517` for ``plan`` (a lock keeps two
-    engines from building at once); yields the list of the caches it built."""
+    """Within the block, transformers' engine builds an :class:`EngineCache` for ``plan`` (:func:`engine_class`; a
+    lock keeps two engines from building at once); yields the list of the caches it built."""
     from transformers.generation.continuous_batching import continuous_api
 
     check_version()
+    cls = engine_class()
     built = []
 
     def build(config, continuous_batching_config, device, *args, dtype=torch.float16, **kwargs):
         cb = continuous_batching_config
-        built.append(EngineCache517(plan, config=config, max_slots=max_slots, max_len=max_len,
-                                    pool_pages=cb.num_blocks, max_batch_tokens=cb.max_batch_tokens, dtype=dtype,
-                                    device=device))
+        built.append(cls(plan, config=config, max_slots=max_slots, max_len=max_len,
+                          pool_pages=cb.num_blocks, max_batch_tokens=cb.max_batch_tokens, dtype=dtype,
+                          device=device))
         return built[-1]
 
     with _LOCK:
@@ -110,13 +237,18 @@ def engine_cache(plan, *, max_slots: int, max_len: int):
 
 
 def engine_config(plan, *, pool_pages: int, max_batch_tokens: int | None = None, **config):
-    """transformers' ``ContinuousBatchingConfig`` for a LoopKV engine cache: 32-token blocks (the page), the pool's
-    pages as the engine's blocks, no CUDA graphs, no async batching, no block table. ``max_batch_tokens`` (tokens per
+    """transformers' ``ContinuousBatchingConfig`` for a LoopKV engine cache: 32-token blocks (the page; the field is
+    ``page_size`` where the config has one, as in 5.24, else ``block_size``), the pool's pages as the engine's blocks,
+    no CUDA graphs, no async batching, no block table, no CPU offloading and, where the engine has the switch (5.24),
+    no automatic switch to flash attention (loopkv's attention would not use it). ``max_batch_tokens`` (tokens per
     step) defaults to 512, and to at most ``WINDOW`` for a plan with ``share`` cells: a later chunk of a prompt is a
     continuation, which such a plan takes ``WINDOW`` tokens at a time (``LoopKVCache.continuation_limit``)."""
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
-    for name in ("use_cuda_graph", "use_async_batching", "block_size", "num_blocks", "max_blocks_per_request"):
+    fields = {f.name for f in dataclasses.fields(ContinuousBatchingConfig)}
+    page = "page_size" if "page_size" in fields else "block_size"  # renamed in the 5.24 engine (block_size deprecated)
+    for name in ("use_cuda_graph", "use_async_batching", "block_size", "page_size", "num_blocks",
+                 "max_blocks_per_request", "cpu_offload_space"):
         if name in config:
             raise ValueError(f"{name} is set by loopkv's continuous batching; leave it out")
     limit = WINDOW if "share" in plan.options else None
@@ -126,9 +258,11 @@ def engine_config(plan, *, pool_pages: int, max_batch_tokens: int | None = None,
         raise ValueError(f"max_batch_tokens={max_batch_tokens} would let a prompt's later chunk exceed the {limit} "
                          "tokens a plan with 'share' cells continues by at once; use max_batch_tokens <= "
                          f"{limit} or a plan without 'share' cells")
-    return ContinuousBatchingConfig(block_size=PAGE, num_blocks=pool_pages, max_batch_tokens=max_batch_tokens,
+    if "auto_switch_to_flash" in fields:
+        config.setdefault("auto_switch_to_flash", False)
+    return ContinuousBatchingConfig(**{page: PAGE}, num_blocks=pool_pages, max_batch_tokens=max_batch_tokens,
                                     use_cuda_graph=False, use_async_batching=False, max_blocks_per_request=0,
-                                    **config)
+                                    cpu_offload_space=0.0, **config)
 
 
 def check_requests(inputs, *, max_len: int, pool_pages: int, max_new_tokens: int) -> None:

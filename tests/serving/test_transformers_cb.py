@@ -61,6 +61,7 @@ def test_each_request_equals_its_steps_replayed_alone(model, per_loop):
     with engine_cache(plan, max_slots=3, max_len=512) as built:
         out = model.generate_batch(prompts, generation_config=_greedy(), continuous_batching_config=cb)
     (engine,) = built
+    assert type(engine) is transformers_cb.engine_class()
     assert engine.admissions > len(prompts)  # some requests were preempted and prefilled again
     assert any(n > 1 and pos > 0 for lives in engine.lives.values() for life in lives for pos, n in life)  # chunks
     assert engine.cache.pages_in_use == 0
@@ -97,10 +98,31 @@ def test_requests_the_engine_could_never_finish_are_refused_up_front(model):
                       max_batch_tokens=512)
 
 
-@pytest.mark.skipif(SUPPORTED, reason="this transformers' engine is supported")
-def test_an_unsupported_engine_is_refused_by_name():
-    with pytest.raises(NotImplementedError, match="transformers"):
+@needs_engine
+def test_the_engine_cache_follows_the_installed_engine():
+    """transformers 5.24 renamed and regrouped the engine's cache calls (and block_size became page_size): the class
+    the engine builds and the config's names are the installed version's."""
+    have = Version(Version(transformers.__version__).base_version)
+    expected = transformers_cb.EngineCache524 if have >= Version("5.24") else transformers_cb.EngineCache517
+    assert transformers_cb.engine_class() is expected
+    plan = loopkv.Plan.uniform(loops=2, layers=2, option="int4")
+    cb = engine_config(plan, pool_pages=16)
+    page = cb.page_size if have >= Version("5.24") else cb.block_size
+    assert (page, cb.num_blocks, cb.max_blocks_per_request, cb.cpu_offload_space) == (32, 16, 0, 0.0)
+    assert cb.use_cuda_graph is False
+    assert cb.use_async_batching is False
+    for name in ("page_size", "block_size", "cpu_offload_space"):
+        with pytest.raises(ValueError, match=name):
+            engine_config(plan, pool_pages=16, **{name: 1})
+
+
+@pytest.mark.parametrize("version", ["5.16.1", "5.25.0.dev0", "6.0.0"])
+def test_an_unsupported_engine_is_refused_by_name(monkeypatch, version):
+    monkeypatch.setattr(transformers, "__version__", version)
+    with pytest.raises(NotImplementedError, match=f"this is transformers {version}"):
         check_version()
+    with pytest.raises(NotImplementedError), engine_cache(None, max_slots=1, max_len=32):
+        pass
 
 
 @needs_engine
