@@ -88,6 +88,9 @@ class EngineCache517(EngineCache):
     def get_seqlens_k(self, past_length: int, query_length: int) -> dict[str, int]:
         return {"full_attention": past_length + query_length}
 
+    def compute_max_num_forks(self, request_id: str) -> int:
+        return 0  # no child shares the parent's slot: the engine prefills each child from scratch
+
     def extend_read_and_write_indices(self, request_id, past_length, query_length, read_index, write_index) -> None:
         write_index[0].extend(self.write_indices(request_id, past_length, query_length))
 

@@ -141,3 +141,24 @@ def test_with_room_for_everything_each_request_is_generate_alone(model):
         alone = model.generate(torch.tensor([prompt]), past_key_values=cache, max_new_tokens=NEW, do_sample=False,
                                eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
         assert o.generated_tokens == alone, rid
+
+
+@needs_engine
+def test_parallel_samples_are_prefilled_as_requests_of_their_own(model):
+    """``num_return_sequences > 1``: no child shares its parent's slot (loopkv forks nothing; the engine prefills each
+    child from scratch). With top-k 1 every output is its prompt's greedy continuation alone."""
+    plan = loopkv.Plan.uniform(loops=2, layers=2, option="int4", tau=14.0)
+    prompts = [[5, 6, 7, 8, 9], [8, 9, 10]]
+    config = GenerationConfig(max_new_tokens=6, do_sample=True, top_k=1, eos_token_id=-1, pad_token_id=0,
+                              num_return_sequences=2)
+    out = generate_batch(model, prompts, plan, max_slots=4, max_len=64, pool_pages=8, generation_config=config)
+    # 5.24 returns the children too (req_0__child#0); 5.17's generate_batch returns the parents only
+    newer = Version(Version(transformers.__version__).base_version) >= Version("5.24")
+    assert len(out) == (4 if newer else 2)
+    for rid, o in out.items():
+        prompt = prompts[int(rid.split("__")[0].split("_")[1])]
+        cache = loopkv.LoopKVCache(plan, config=model.config, max_batch_size=1, max_cache_len=64,
+                                   dtype=torch.float32, device="cpu")
+        alone = model.generate(torch.tensor([prompt]), past_key_values=cache, max_new_tokens=6, do_sample=False,
+                               eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+        assert o.generated_tokens == alone, rid
