@@ -13,6 +13,7 @@ import loopkv
 from loopkv.cache.paging import PagePool, PoolFull, pool_pages_for
 from loopkv.format import page_bytes, stored_pages
 from loopkv.models.ouro import OuroConfig, OuroForCausalLM
+from tests.tolerances import LOGITS_FP32_ATOL, LOGITS_FP32_RTOL
 
 PLAN = loopkv.Plan.from_loops(loops=2, layers=2, per_loop=["share", "int4"], tau=14.0)
 
@@ -54,7 +55,10 @@ def test_a_pool_sized_to_the_rows_generates_what_reserved_pages_do_in_less_memor
     want = _generate(model, reserved, ids, mask, 60)
     got = _generate(model, pooled, ids, mask, 60)
     assert torch.equal(want[0], got[0])
-    assert torch.equal(want[1], got[1])
+    if device == "cpu":  # the same ops on the same values
+        assert torch.equal(want[1], got[1])
+    else:  # the Triton reader splits a row's pages by the pool's size: another summation order
+        torch.testing.assert_close(want[1], got[1], atol=LOGITS_FP32_ATOL, rtol=LOGITS_FP32_RTOL)
     assert pooled.pages_in_use == need == 5
     assert pooled.memory_report().total_bytes < reserved.memory_report().total_bytes
     held = [pooled._pool.held(b) for b in (0, 1)]
