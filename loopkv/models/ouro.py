@@ -243,6 +243,7 @@ class OuroDecoderLayer(nn.Module):
 
 class OuroPreTrainedModel(PreTrainedModel):
     config_class = OuroConfig
+    attention_from_cache = True  # a cache naming an attention function gets it (loopkv.serving relies on this)
     config: OuroConfig
     base_model_prefix = "model"
     supports_gradient_checkpointing = False

@@ -291,6 +291,7 @@ def generate_batch(model, inputs: list[list[int]], plan, *, max_slots: int, max_
     output)."""
     if (pool_pages is None) == (kv_budget_gib is None):
         raise ValueError("pass exactly one of pool_pages and kv_budget_gib")
+    check_model(model)
     if pool_pages is None:
         dtype_bytes = torch.empty(0, dtype=model.dtype).element_size()
         pool_pages = pool_pages_for(plan, model.config, budget_bytes=int(kv_budget_gib * 2**30),
@@ -298,5 +299,22 @@ def generate_batch(model, inputs: list[list[int]], plan, *, max_slots: int, max_
     cb = engine_config(plan, pool_pages=pool_pages, max_batch_tokens=max_batch_tokens, **config)
     new = (generation_config or model.generation_config).max_new_tokens or 0
     check_requests(inputs, max_len=max_len, pool_pages=pool_pages, max_new_tokens=new)
-    with engine_cache(plan, max_slots=max_slots, max_len=max_len):
-        return model.generate_batch(inputs, generation_config=generation_config, continuous_batching_config=cb)
+    implementation = model.config._attn_implementation
+    if implementation == "loopkv":  # the engines refuse it by name; loopkv's Ouro takes its attention from the cache
+        model.set_attn_implementation("sdpa")
+    try:
+        with engine_cache(plan, max_slots=max_slots, max_len=max_len):
+            return model.generate_batch(inputs, generation_config=generation_config, continuous_batching_config=cb)
+    finally:
+        if implementation == "loopkv":
+            model.set_attn_implementation(implementation)
+
+
+def check_model(model) -> None:
+    """Refuse a model the engine cache cannot serve: the engine hands the cache to the model, which must call
+    ``cache.update`` for every cell and take its attention function from the cache (loopkv's Ouro does both)."""
+    if not getattr(model, "attention_from_cache", False):
+        raise NotImplementedError(
+            f"{type(model).__name__} does not take its attention function from the cache, so transformers' engine "
+            "would run its own paged attention on LoopKV's handles; loopkv serves loopkv.models.ouro models "
+            "(OuroForCausalLM) through continuous batching")

@@ -132,8 +132,11 @@ def test_with_room_for_everything_each_request_is_generate_alone(model):
     plan = loopkv.Plan.uniform(loops=2, layers=2, option="int4", tau=14.0)
     g = torch.Generator().manual_seed(4)
     prompts = [torch.randint(3, 97, (n,), generator=g).tolist() for n in (330, 7, 290)]
+    model.set_attn_implementation("loopkv")  # as README's generate example leaves it; the engines refuse the name
     out = generate_batch(model, prompts, plan, max_slots=3, max_len=512, pool_pages=48, max_batch_tokens=1024,
                          generation_config=_greedy())
+    assert model.config._attn_implementation == "loopkv"  # given back
+    model.set_attn_implementation("sdpa")
     for rid, o in out.items():
         prompt = prompts[int(rid.split("_")[1])]
         cache = loopkv.LoopKVCache(plan, config=model.config, max_batch_size=1, max_cache_len=512,
@@ -162,3 +165,13 @@ def test_parallel_samples_are_prefilled_as_requests_of_their_own(model):
         alone = model.generate(torch.tensor([prompt]), past_key_values=cache, max_new_tokens=6, do_sample=False,
                                eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
         assert o.generated_tokens == alone, rid
+
+
+def test_a_model_that_does_not_take_its_attention_from_the_cache_is_refused():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    llama = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=2, num_key_value_heads=2, head_dim=32))
+    plan = loopkv.Plan.uniform(loops=1, layers=2, option="int4")
+    with pytest.raises(NotImplementedError, match="attention function from the cache"):
+        generate_batch(llama, [[1, 2]], plan, max_slots=1, max_len=64, pool_pages=4, generation_config=_greedy())
