@@ -24,6 +24,17 @@ def tiny_config(*, loops=2, layers=2, heads=4, kv_heads=2, head_dim=32, dtype=to
                            dtype=dtype)
 
 
+def tiny_ouro(*, loops=2, layers=2, head_dim=32, device="cpu"):
+    """A tiny random Ouro (vocab 97, hidden 64, 4 query heads over 2 KV heads), fp32, eval mode, seed 0."""
+    from loopkv.models.ouro import OuroConfig, OuroForCausalLM
+
+    torch.manual_seed(0)
+    cfg = OuroConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=layers,
+                     num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim, total_ut_steps=loops,
+                     max_position_embeddings=4096, rope_theta=10000.0)
+    return OuroForCausalLM(cfg).to(device).eval()
+
+
 def left_pad(seqs: list[torch.Tensor], length: int) -> tuple[torch.Tensor, torch.Tensor]:
     """[H, n_b, D] per row -> [B, H, length, D] left-padded with garbage, and a 2D mask."""
     H, _, D = seqs[0].shape

@@ -14,8 +14,7 @@ import loopkv
 from loopkv.cache.attention import loopkv_attention
 from loopkv.cache.continuation import share_limit
 from loopkv.format import WINDOW
-from loopkv.models.ouro import OuroConfig, OuroForCausalLM
-from tests.cache.driver import decode, left_pad, prefill, tiny_config
+from tests.cache.driver import decode, left_pad, prefill, tiny_config, tiny_ouro
 from tests.tolerances import ATTN_FP32_ATOL, ATTN_FP32_RTOL, LOGITS_FP32_ATOL, LOGITS_FP32_RTOL
 
 H, HQ, D = 2, 4, 32
@@ -109,11 +108,7 @@ def test_a_share_cell_continues_within_its_limit_and_refuses_beyond_it():
 
 @pytest.fixture(scope="module")
 def model():
-    torch.manual_seed(0)
-    cfg = OuroConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                     num_attention_heads=4, num_key_value_heads=2, head_dim=32, total_ut_steps=2,
-                     max_position_embeddings=4096, rope_theta=10000.0)
-    return OuroForCausalLM(cfg).eval()
+    return tiny_ouro()
 
 
 @pytest.mark.parametrize("per_loop", [["int4", "int4"], ["share", "int2"]])

@@ -12,23 +12,15 @@ import torch
 import loopkv
 from loopkv.cache.paging import PagePool, PoolFull, pool_pages_for
 from loopkv.format import page_bytes, stored_pages
-from loopkv.models.ouro import OuroConfig, OuroForCausalLM
+from tests.cache.driver import tiny_ouro
 from tests.tolerances import LOGITS_FP32_ATOL, LOGITS_FP32_RTOL
 
 PLAN = loopkv.Plan.from_loops(loops=2, layers=2, per_loop=["share", "int4"], tau=14.0)
 
 
-def _model(head_dim=32, device="cpu"):
-    torch.manual_seed(0)
-    cfg = OuroConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                     num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim, total_ut_steps=2,
-                     max_position_embeddings=4096, rope_theta=10000.0)
-    return OuroForCausalLM(cfg).to(device).eval()
-
-
 @pytest.fixture(scope="module")
 def model():
-    return _model()
+    return tiny_ouro()
 
 
 def _cache(model, pool_pages=None, rows=2, length=700):
@@ -46,7 +38,7 @@ def _generate(model, cache, ids, mask, new):
     pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")])])
 def test_a_pool_sized_to_the_rows_generates_what_reserved_pages_do_in_less_memory(model, device):
     if device == "cuda":  # the Triton kernels (head_dim 64)
-        model = _model(head_dim=64, device=device)
+        model = tiny_ouro(head_dim=64, device=device)
     ids = torch.randint(3, 97, (2, 400), generator=torch.Generator().manual_seed(1)).to(device)
     mask = torch.ones_like(ids)
     mask[1, :150] = 0  # rows of 400 and 250 tokens; generate feeds 59 of the 60 new ones

@@ -8,8 +8,7 @@ import pytest
 import torch
 
 import loopkv
-from loopkv.models.ouro import OuroConfig, OuroForCausalLM
-from tests.cache.driver import tiny_config
+from tests.cache.driver import tiny_config, tiny_ouro
 
 PLAN = loopkv.Plan.from_loops(loops=2, layers=2, per_loop=["share", "int4"], tau=14.0)
 
@@ -37,11 +36,8 @@ def test_a_device_map_must_name_every_layer():
 
 
 def test_two_shards_generate_exactly_what_one_does():
-    torch.manual_seed(0)
-    cfg = OuroConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                     num_attention_heads=4, num_key_value_heads=2, head_dim=32, total_ut_steps=2,
-                     max_position_embeddings=4096, rope_theta=10000.0)
-    model = OuroForCausalLM(cfg).eval()
+    model = tiny_ouro()
+    cfg = model.config
     assert loopkv.layer_devices(model) == {0: torch.device("cpu"), 1: torch.device("cpu")}
     ids = torch.randint(3, 97, (2, 330), generator=torch.Generator().manual_seed(1))
     outs = []

@@ -10,9 +10,9 @@ from packaging.version import Version
 from transformers import GenerationConfig
 
 import loopkv
-from loopkv.models.ouro import OuroConfig, OuroForCausalLM
 from loopkv.serving import transformers_cb
 from loopkv.serving.transformers_cb import check_version, engine_cache, engine_config, generate_batch
+from tests.cache.driver import tiny_ouro
 
 SUPPORTED = transformers_cb.SUPPORTED[0] <= Version(Version(transformers.__version__).base_version) \
     < transformers_cb.SUPPORTED[1]
@@ -23,11 +23,7 @@ NEW = 40
 
 @pytest.fixture(scope="module")
 def model():
-    torch.manual_seed(0)
-    cfg = OuroConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                     num_attention_heads=4, num_key_value_heads=2, head_dim=32, total_ut_steps=2,
-                     max_position_embeddings=4096, rope_theta=10000.0)
-    return OuroForCausalLM(cfg).eval()
+    return tiny_ouro()
 
 
 def _greedy(new=NEW):
