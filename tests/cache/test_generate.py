@@ -210,9 +210,11 @@ def test_a_decode_step_counts_every_cell_once(model, plan):
     cache = _cache(model, plan, 3, 400)
     steps = []
     advance = cache._advance
-    cache._advance = lambda batch, lengths, groups: (steps.append((batch, groups)), advance(batch, lengths, groups))[1]
+    cache._advance = lambda shard, batch, lengths, groups: (steps.append((batch, groups)),
+                                                            advance(shard, batch, lengths, groups))[1]
     _generate(model, ids, 70, cache, mask)
-    assert steps == [(2, cache._groups)] * 69
+    (shard,) = cache._shards  # one device
+    assert steps == [(2, shard.groups)] * 69
     assert cache.storage(0).lengths.tolist()[:2] == [300 + 69, 283 + 69]
 
 
