@@ -11,6 +11,7 @@ host before the write that needs them (prefill, a later turn, the eager decode s
 
 from __future__ import annotations
 
+import heapq
 import math
 
 from loopkv.format import BITS, RING, SINK, max_pages, page_bytes
@@ -28,7 +29,7 @@ class PagePool:
 
     def __init__(self, pages: int, rows: int, per_row: int):
         self.pages, self.per_row, self.trash = pages, per_row, pages
-        self._free = list(range(pages - 1, -1, -1))  # a stack: pop() gives the lowest free page
+        self._free = list(range(pages))  # a heap: heappop gives the lowest free page
         self._held: list[list[int]] = [[] for _ in range(rows)]
 
     @property
@@ -53,7 +54,7 @@ class PagePool:
         entries = []
         for b, n in sorted(need.items()):
             for _ in range(n):
-                page = self._free.pop()
+                page = heapq.heappop(self._free)
                 entries.append((b, len(self._held[b]), page))
                 self._held[b].append(page)
         return entries
@@ -61,8 +62,8 @@ class PagePool:
     def release(self, row: int) -> list[int]:
         """Free every page of ``row``; return them."""
         pages, self._held[row] = self._held[row], []
-        self._free.extend(sorted(pages, reverse=True))
-        self._free.sort(reverse=True)
+        for page in pages:
+            heapq.heappush(self._free, page)
         return pages
 
 
