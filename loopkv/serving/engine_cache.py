@@ -23,6 +23,7 @@ back under the same id as a new prompt (its generated tokens appended) and is pr
 
 from __future__ import annotations
 
+import logging
 import math
 from collections import OrderedDict
 
@@ -35,6 +36,7 @@ from loopkv.cache.layer import LoopKVHandle
 from loopkv.cache.loop_cache import LoopKVCache
 from loopkv.format import PAGE
 
+logger = logging.getLogger(__name__)
 LIVES_KEPT = 1024  # requests whose steps EngineCache.lives keeps
 
 
@@ -83,7 +85,16 @@ class EngineCache:
         return self._blocks.get(request_id, 0)
 
     def allocate(self, request_id: str, blocks: int) -> bool:
-        """Count ``blocks`` more for ``request_id`` (and give it a slot if it has none); False if either is short."""
+        """Count ``blocks`` more for ``request_id`` (and give it a slot if it has none); False if either is short,
+        and for a request that would pass ``max_len`` or has no tokens (the engine then fails that request alone,
+        where an error here or at its indices would fail the whole batch)."""
+        if (self._blocks.get(request_id, 0) + blocks - 1) * PAGE >= self.max_len:
+            logger.error("request %s needs more than max_len=%d tokens, which this LoopKV engine cache holds per "
+                         "request; the engine will fail it", request_id, self.max_len)
+            return False
+        if blocks == 0 and request_id not in self._slot:
+            logger.error("request %s has no tokens; the engine will fail it", request_id)
+            return False
         if blocks > self.free_block_count():
             return False
         if request_id not in self._slot:

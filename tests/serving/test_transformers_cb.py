@@ -171,3 +171,31 @@ def test_a_model_that_does_not_take_its_attention_from_the_cache_is_refused():
     plan = loopkv.Plan.uniform(loops=1, layers=2, option="int4")
     with pytest.raises(NotImplementedError, match="attention function from the cache"):
         generate_batch(llama, [[1, 2]], plan, max_slots=1, max_len=64, pool_pages=4, generation_config=_greedy())
+
+
+@needs_engine
+def test_a_request_longer_than_max_len_fails_alone_in_a_running_engine(model, caplog):
+    """Added to a running engine (no up-front check), a request that can never fit is failed by itself, the log
+    naming max_len; the requests beside it finish as if it had not come."""
+    plan = loopkv.Plan.uniform(loops=2, layers=2, option="int4", tau=14.0)
+    prompts = {"ok1": [3 + i % 90 for i in range(50)], "bad": [3 + i % 90 for i in range(600)], "ok2": [5] * 30}
+    with engine_cache(plan, max_slots=2, max_len=512):
+        manager = model.init_continuous_batching(generation_config=_greedy(8),
+                                                 continuous_batching_config=engine_config(plan, pool_pages=40))
+        manager.start()
+        try:
+            for rid, ids in prompts.items():
+                manager.add_request(ids, request_id=rid, max_new_tokens=8)
+            results = {r.request_id: r for r in (manager.get_result(timeout=120) for _ in prompts) if r is not None}
+        finally:
+            manager.stop(block=True)
+            model.destroy_cached_continuous_batching_manager()
+    assert results["bad"].error
+    assert "max_len=512" in caplog.text
+    for rid in ("ok1", "ok2"):
+        assert results[rid].error is None
+        cache = loopkv.LoopKVCache(plan, config=model.config, max_batch_size=1, max_cache_len=512,
+                                   dtype=torch.float32, device="cpu")
+        alone = model.generate(torch.tensor([prompts[rid]]), past_key_values=cache, max_new_tokens=8,
+                               do_sample=False, eos_token_id=None, pad_token_id=0)[0, len(prompts[rid]):].tolist()
+        assert results[rid].generated_tokens == alone, rid
