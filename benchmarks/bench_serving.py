@@ -33,7 +33,6 @@ from bench_decode import ouro_1p4b_config, paper_plans, smoke_config  # noqa: E4
 from run_info import RESULTS, run_info, write_json  # noqa: E402
 
 import loopkv  # noqa: E402
-from loopkv.format import RING, SINK  # noqa: E402
 from loopkv.models.ouro import OuroForCausalLM  # noqa: E402
 from loopkv.serving.transformers_cb import engine_cache, engine_config  # noqa: E402
 
@@ -61,10 +60,9 @@ def trace(rate: float, n: int, max_len: int, seed: int, smoke: bool) -> list[tup
 
 def budget_split(plan, cfg, budget: int, mean_context: float, dtype_bytes: int) -> tuple[int, int]:
     """(slots, pool pages) a KV budget buys for ``plan``."""
-    from loopkv.cache.paging import pool_pages_for
+    from loopkv.cache.paging import exact_bytes_per_row, pool_pages_for
 
-    cells = cfg.total_ut_steps * cfg.num_hidden_layers
-    exact = cells * 2 * (SINK + RING) * cfg.num_key_value_heads * cfg.head_dim * dtype_bytes  # sink + ring, K and V
+    exact = exact_bytes_per_row(cfg, dtype_bytes=dtype_bytes)
     per_token = plan.bytes_per_token(cfg, dtype_bytes=dtype_bytes).stored_kib * 1024
     slots = max(1, int(budget // (exact + per_token * mean_context)))
     return slots, pool_pages_for(plan, cfg, budget_bytes=budget, max_batch_size=slots, dtype_bytes=dtype_bytes)

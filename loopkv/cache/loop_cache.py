@@ -192,7 +192,8 @@ class LoopKVCache(Cache):
                     raise ValueError(f"a row already holds max_cache_len={self.max_cache_len} tokens; build the "
                                      "LoopKVCache with a larger max_cache_len")
                 self._check_rows_beyond(lengths, B)
-                self.reserve({b: int(lengths[b]) + 1 for b in range(B)})
+                if self._pool is not None:  # the pages this step stores
+                    self.reserve({b: int(lengths[b]) + 1 for b in range(B)})
             self._unread.add(layer_idx)
         return (LoopKVHandle(self, layer_idx, key_states, value_states),) * 2
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import heapq
 import math
 
-from loopkv.format import BITS, RING, SINK, max_pages, page_bytes
+from loopkv.format import BITS, RING, SINK, page_bytes
 
 
 class PoolFull(ValueError):
@@ -73,9 +73,8 @@ def pool_pages_for(plan, config, *, budget_bytes: int, max_batch_size: int, dtyp
     own pool. Raises ValueError when the budget does not cover the rings and one page."""
     from loopkv.cache.checks import model_shape
 
-    loops, layers, kv_heads, head_dim = model_shape(config)
-    cells = loops * layers
-    exact = max_batch_size * cells * 2 * (SINK + RING) * kv_heads * head_dim * dtype_bytes  # K and V
+    _, _, kv_heads, head_dim = model_shape(config)
+    exact = max_batch_size * exact_bytes_per_row(config, dtype_bytes=dtype_bytes)
     per_page = sum(page_bytes(BITS[o], kv_heads, head_dim, exact_bytes=dtype_bytes) for o in plan.options
                    if o != "share")
     pages = math.floor((budget_bytes - exact - per_page) / per_page) if per_page else 0  # one page is the trash page
@@ -87,6 +86,10 @@ def pool_pages_for(plan, config, *, budget_bytes: int, max_batch_size: int, dtyp
     return pages
 
 
-def static_pages(max_batch_size: int, max_cache_len: int) -> int:
-    """Pages a cache without a shared pool reserves: every row's ``max_pages(max_cache_len)``."""
-    return max_batch_size * max_pages(max_cache_len)
+def exact_bytes_per_row(config, *, dtype_bytes: int = 2) -> int:
+    """Bytes of one row's exact sink and window ring, K and V, over every cell: what a request slot costs whatever
+    its length."""
+    from loopkv.cache.checks import model_shape
+
+    loops, layers, kv_heads, head_dim = model_shape(config)
+    return loops * layers * 2 * (SINK + RING) * kv_heads * head_dim * dtype_bytes

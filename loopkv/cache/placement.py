@@ -23,8 +23,7 @@ def cell_devices(device, layout: CellLayout) -> list[torch.device]:
     """The device of every cell (flat index order) from ``device``: ``None`` (CUDA if available, else CPU), one
     device, or a mapping ``{physical layer: device}`` covering every layer (:func:`layer_devices` builds it)."""
     if isinstance(device, Mapping):
-        keys = sorted(device, key=lambda k: (not isinstance(k, int), k if isinstance(k, int) else 0))
-        if keys != list(range(layout.layers)):
+        if set(device) != set(range(layout.layers)):
             raise ValueError(f"a device map must name each of the model's {layout.layers} layers (keys 0.."
                              f"{layout.layers - 1}), got keys {list(device)}; loopkv.layer_devices(model) "
                              "builds it from where the model's layers are")
