@@ -59,6 +59,21 @@ def capacity(pages_per_row: int) -> int:
     return QUANTIZE_LENGTH + PAGE * pages_per_row - 1
 
 
+def exact_slots(max_cache_len: int) -> tuple[int, int]:
+    """(sink slots, ring slots) a row of ``max_cache_len`` tokens allocates: ``(SINK, RING)`` when it has pages; a
+    short row (``max_pages == 0``, at most ``capacity(0) = 318`` tokens) never wraps its ring, so it keeps
+    ``min(SINK, n)`` sink slots and ``max(0, n - SINK)`` ring slots, every slot it can fill and no more."""
+    if max_pages(max_cache_len):
+        return SINK, RING
+    return min(SINK, max_cache_len), max(0, max_cache_len - SINK)
+
+
+def row_capacity(pages_per_row: int, sink_slots: int, ring_slots: int) -> int:
+    """The most tokens a row holds, from its allocated shapes: ``capacity(pages_per_row)`` with the whole ring; a short
+    row (fewer than ``RING`` ring slots, no pages: ``exact_slots``) holds its slots."""
+    return capacity(pages_per_row) if ring_slots == RING else sink_slots + ring_slots
+
+
 def ring_slot(position):
     """Window ring slot of a position ``>= SINK``."""
     return (position - SINK) % RING
