@@ -1,4 +1,4 @@
-"""The ``loopkv`` command line: profile a model, solve a plan, show files, measure a plan's KL, run the demo.
+"""The ``loopkv`` command line: profile a model, solve a plan, show files, measure a plan's KL, run the demo, serve.
 
 ::
 
@@ -7,6 +7,7 @@
     loopkv show plan.json [--png plan.png]
     loopkv eval small --plan plan.json --profile profile.json    # KL through the real LoopKVCache
     loopkv demo
+    loopkv serve small --plan plan.json --port 8000              # OpenAI-compatible /v1/completions
 
 MODEL is a local checkpoint directory (``OuroForCausalLM.from_pretrained``), a Hub id already in the local Hub
 cache (looked up offline, never downloaded) or ``small`` (the small model loopkv ships). Documents default to
@@ -78,7 +79,7 @@ def _add_documents(p: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="loopkv", description="Loop-aware KV-cache compression for looped "
-                                     "transformers: profile, plan, show, evaluate.")
+                                     "transformers: profile, plan, show, evaluate, serve.")
     parser.add_argument("--version", action="version", version=f"loopkv {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     from loopkv.planning import cli_support as planning_cli  # light: argparse helpers of the planner
@@ -150,6 +151,23 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help="run the loopkv demo (arguments are passed on)", add_help=False)
     p.add_argument("args", nargs=argparse.REMAINDER)
     return parser
+    p = sub.add_parser("serve", help="serve a plan over HTTP (OpenAI-compatible /v1/completions)",
+                       description="Serve MODEL with LoopKV storage for PLAN on transformers' continuous-batching "
+                       "engine: POST /v1/completions (prompt as text or token ids, max_tokens; greedy), GET "
+                       "/v1/models, GET /health. Ctrl-C stops it.")
+    _add_model(p, dtype_choice=True)
+    p.add_argument("--plan", required=True, help="plan JSON (loopkv plan, or Plan.to_json)")
+    pool = p.add_mutually_exclusive_group()
+    pool.add_argument("--kv-budget-gib", type=float, help="KV memory for the slots' exact sink and window and the "
+                      "shared page pool (default: pages for every slot at --max-len)")
+    pool.add_argument("--pool-pages", type=int, help="history pages of 32 tokens shared by all requests")
+    p.add_argument("--max-slots", type=int, default=8, help="requests decoded at once (default 8)")
+    p.add_argument("--max-len", type=int, default=4096, help="tokens per request, prompt + output (default 4096)")
+    p.add_argument("--max-batch-tokens", type=int, default=None, help="tokens per engine step (default 512, "
+                   "256 for a plan with share cells)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000; 0: any free port)")
+
 
 
 # ------------------------------------------------------------------------------------------- helpers
@@ -363,12 +381,43 @@ def cmd_demo(args) -> int:
     return 0 if code is None else int(code)
 
 
-COMMANDS = {"profile": cmd_profile, "plan": cmd_plan, "show": cmd_show, "eval": cmd_eval, "demo": cmd_demo}
+COMMANDS = {"profile": cmd_profile, "plan": cmd_plan, "show": cmd_show, "eval": cmd_eval, "demo": cmd_demo,
+            "serve": cmd_serve}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``loopkv`` command line; returns the exit status (2 on a usage or input error)."""
     argv = list(sys.argv[1:] if argv is None else argv)
+def cmd_serve(args) -> int:
+    from loopkv.planning.plan import Plan
+
+    for flag, value, low in (("--max-slots", args.max_slots, 1), ("--max-len", args.max_len, 1),
+                             ("--pool-pages", args.pool_pages, 1), ("--max-batch-tokens", args.max_batch_tokens, 1)):
+        if value is not None and value < low:
+            raise UserError(f"{flag} {value}: pass a positive integer")
+    if args.kv_budget_gib is not None and not args.kv_budget_gib > 0:
+        raise UserError(f"--kv-budget-gib {args.kv_budget_gib}: pass a positive number of GiB")
+    if not 0 <= args.port <= 65535:
+        raise UserError(f"--port {args.port}: pass a port from 0 to 65535 (0: any free port)")
+    with reading(args.plan, "--plan", kind="plan"):
+        plan = Plan.from_json(args.plan)
+    from loopkv.serving import server as serving
+
+    model = load_model(args.model, device=args.device, dtype=args.dtype)
+    with reading(args.plan, "--plan", kind="plan"):
+        plan.validate_for(model.config)
+    try:
+        srv = serving.from_arguments(model, plan, args.model, max_slots=args.max_slots, max_len=args.max_len,
+                                     pool_pages=args.pool_pages, kv_budget_gib=args.kv_budget_gib,
+                                     max_batch_tokens=args.max_batch_tokens, host=args.host, port=args.port)
+    except (NotImplementedError, RuntimeError) as err:  # transformers' engine: unsupported version, cannot start
+        raise UserError(str(err)) from err
+    print(serving.banner(srv, args.plan), flush=True)
+    serving.serve_until_stopped(srv)
+    print("loopkv serve: stopped", file=sys.stderr)
+    return 0
+
+
     if argv[:1] == ["demo"]:  # the demo parses its own options (argparse.REMAINDER drops leading --options)
         return run_command("demo", cmd_demo, argparse.Namespace(command="demo", args=argv[1:]))
     args = build_parser().parse_args(argv)
