@@ -148,9 +148,6 @@ def build_parser() -> argparse.ArgumentParser:
     planning_cli.add_eval_arguments(p)
     p.add_argument("--json", help="write the results to this JSON file")
 
-    p = sub.add_parser("demo", help="run the loopkv demo (arguments are passed on)", add_help=False)
-    p.add_argument("args", nargs=argparse.REMAINDER)
-    return parser
     p = sub.add_parser("serve", help="serve a plan over HTTP (OpenAI-compatible /v1/completions)",
                        description="Serve MODEL with LoopKV storage for PLAN on transformers' continuous-batching "
                        "engine: POST /v1/completions (prompt as text or token ids, max_tokens; greedy), GET "
@@ -168,6 +165,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000; 0: any free port)")
 
+    p = sub.add_parser("demo", help="run the loopkv demo (arguments are passed on)", add_help=False)
+    p.add_argument("args", nargs=argparse.REMAINDER)
+    return parser
 
 
 # ------------------------------------------------------------------------------------------- helpers
@@ -374,20 +374,6 @@ def cmd_eval(args) -> int:
     return 0
 
 
-def cmd_demo(args) -> int:
-    from loopkv import demo
-
-    code = demo.main(list(args.args))
-    return 0 if code is None else int(code)
-
-
-COMMANDS = {"profile": cmd_profile, "plan": cmd_plan, "show": cmd_show, "eval": cmd_eval, "demo": cmd_demo,
-            "serve": cmd_serve}
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run the ``loopkv`` command line; returns the exit status (2 on a usage or input error)."""
-    argv = list(sys.argv[1:] if argv is None else argv)
 def cmd_serve(args) -> int:
     from loopkv.planning.plan import Plan
 
@@ -418,6 +404,20 @@ def cmd_serve(args) -> int:
     return 0
 
 
+def cmd_demo(args) -> int:
+    from loopkv import demo
+
+    code = demo.main(list(args.args))
+    return 0 if code is None else int(code)
+
+
+COMMANDS = {"profile": cmd_profile, "plan": cmd_plan, "show": cmd_show, "eval": cmd_eval, "demo": cmd_demo,
+            "serve": cmd_serve}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``loopkv`` command line; returns the exit status (2 on a usage or input error)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["demo"]:  # the demo parses its own options (argparse.REMAINDER drops leading --options)
         return run_command("demo", cmd_demo, argparse.Namespace(command="demo", args=argv[1:]))
     args = build_parser().parse_args(argv)
