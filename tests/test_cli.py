@@ -393,3 +393,39 @@ def test_eval_reports_the_corrected_prediction(planner_checkpoint, profiled, tmp
                  str(report), "--documents", str(out.parent / "profile.generated.pt"), "--max-positions", "4",
                  "--quiet"]) == 0
     assert f"{data['correction']['own']:.3g} S without shared cells" in capsys.readouterr().out
+
+
+# ------------------------------------------------------------------------------ profile --exact-on, --tf32
+def test_profile_exact_on_and_tf32_reach_the_profiler(checkpoint, documents, tmp_path, capsys, monkeypatch):
+    import loopkv.planning.profiler as profiler
+
+    real, seen = profiler.profile, []
+
+    def spy(model, docs, **kwargs):
+        seen.append((kwargs["exact_on"], kwargs["tf32"]))
+        return real(model, docs, **kwargs)
+
+    monkeypatch.setattr("loopkv.planning.profiler.profile", spy)
+    plain, moved, tf32 = tmp_path / "plain.json", tmp_path / "moved.json", tmp_path / "tf32.json"
+    assert main(["profile", str(checkpoint), "--documents", *documents, "--out", str(plain), "--quiet"]) == 0
+    assert main(["profile", str(checkpoint), "--documents", *documents, "--out", str(moved), "--quiet",
+                 "--exact-on", "cpu"]) == 0
+    assert main(["profile", str(checkpoint), "--documents", *documents, "--out", str(tf32), "--quiet",
+                 "--tf32"]) == 0
+    capsys.readouterr()
+    assert seen == [(None, False), ("cpu", False), (None, True)]
+    assert Profile.from_json(moved).damage == Profile.from_json(plain).damage  # where it is kept changes nothing
+    assert Profile.from_json(tf32).provenance["settings"]["tf32"] is True
+    assert "tf32" not in Profile.from_json(plain).provenance["settings"]
+
+
+def test_profile_exact_on_is_checked_before_the_work(checkpoint, documents, tmp_path, capsys, no_work):
+    out = tmp_path / "p.json"
+    assert main(["profile", str(checkpoint), "--documents", *documents, "--out", str(out), "--exact-on",
+                 "nowhere"]) == 2
+    one_error_line(capsys, "--exact-on 'nowhere' is not a torch device", "pass cpu")
+    if not torch.cuda.is_available():
+        assert main(["profile", str(checkpoint), "--documents", *documents, "--out", str(out), "--exact-on",
+                     "cuda"]) == 2
+        one_error_line(capsys, "--exact-on cuda: torch sees no CUDA GPU", "pass --exact-on cpu")
+    assert not out.exists()
