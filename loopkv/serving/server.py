@@ -50,6 +50,8 @@ class RequestError(Exception):
 
 def parse_prompt(prompt, *, tokenizer, vocab_size: int) -> list[int]:
     """A completion request's ``prompt`` (text, tokenized with ``tokenizer``, or a list of token ids) as token ids."""
+    if prompt == "":
+        raise RequestError(400, "prompt is empty; send at least one character or token id", "prompt")
     if isinstance(prompt, str):
         if tokenizer is None:
             raise RequestError(400, "this server has no tokenizer; send the prompt as a list of token ids", "prompt")
@@ -202,6 +204,11 @@ class CompletionServer:
             return False, f"the engine stopped ({self.manager.background_thread_status.fatal_error})"
         return True, "ok"
 
+    def in_flight(self) -> int:
+        """Requests added to the engine and not answered yet."""
+        with self._lock:
+            return len(self._pending)
+
     def complete(self, ids: list[int], max_tokens: int, *, timeout: float | None = None):
         """Add one request to the engine and wait for its ``GenerationOutput``."""
         request_id = f"cmpl-{next(self._ids)}"
@@ -284,7 +291,8 @@ def _handler(server: CompletionServer) -> type[BaseHTTPRequestHandler]:
         def do_GET(self):  # noqa: N802 (http.server's name)
             if self.path == "/health":
                 ok, reason = server.healthy()
-                self._send(200 if ok else 503, {"status": "ok"} if ok else {"status": "unhealthy", "reason": reason})
+                self._send(200 if ok else 503, {"status": "ok", "requests": server.in_flight()} if ok
+                           else {"status": "unhealthy", "reason": reason})
             elif self.path == "/v1/models":
                 self._send(200, server.models())
             elif self.path == "/v1/completions":
