@@ -42,11 +42,30 @@ checkpoints).
 ``--model small`` times loopkv's trained small model on its calibration documents instead (a whole profile a CPU
 runs in minutes; with ``--clock process`` and ``OMP_NUM_THREADS=1``, this process's CPU time on a shared CPU).
 ``--smoke`` runs a tiny model on the CPU in seconds and checks the script; it measures nothing.
+
+``--compare-plans`` runs only this arm: do TF32's moves change the plans? It profiles the trained small model in fp32
+and in TF32 on the same ``--small-docs`` calibration documents (seed 0, the TF32 check's), solves a plan from each
+profile at the presets R and M and at a ladder of damage budgets (``--ladder``, in KL_share, each without a storage
+budget and with M's, 0.65 of uniform INT4), at the tau ``loopkv plan`` records (14), and compares the two plans cell
+by cell. Then it measures plans' real KL (:func:`loopkv.planning.evaluate.measure_kl`, through the LoopKVCache, TF32
+off) on ``--eval-docs`` held-out calibration documents (seed ``--eval-seed``, none equal to a profile document),
+first ``--eval-positions`` counted positions each: the presets' plans always (one measurement when the two are
+equal), then both plans of every ladder budget where they differ, until ``--budget-s`` (default 200 with this arm)
+has passed; the rest are named as skipped. A budget whose plans differ is *within the eval's noise* when the two
+measured KLs differ by less than the fp32-profiled plan's standard error over the held-out documents; equal plans
+are trivially so. Also given: the paired standard error of the per-document differences, and the TF32 plan's damage
+by the fp32 profile against the budget. It writes ``benchmarks/results/profile_tf32_plans.json`` unless ``--out``.
+
+    PYTHONPATH=. python benchmarks/bench_profile.py --compare-plans          # H200: about 4 minutes
+
+TF32 only acts on CUDA: on a CPU (and with ``--smoke``, a tiny random model) the two profiles are equal, so the run
+proves only the plumbing.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import time
 from collections.abc import Sequence
@@ -64,6 +83,11 @@ ARMS = {"fp32-rows": ("rows", False, None, False), "fp32-prefix": ("prefix", Fal
 CLOCKS = {"wall": time.perf_counter, "process": time.process_time}
 SMOKE = {"docs": 2, "doc_len": 352, "measure_docs": 1, "sample_batches": 2, "small_docs": 1, "small_len": 352,
          "tf32_jobs": 2, "tf32_docs": 2}
+# --compare-plans: the damage budgets (KL_share) of the ladder, the held-out documents' seed, the arm's time budget
+LADDER = "0.25,0.5,0.75,1,1.5,2,3,4"
+EVAL_SEED = 1
+COMPARE = {"budget_s": 200.0}
+SMOKE_COMPARE = {"small_docs": 2, "small_len": 330, "eval_docs": 2, "eval_len": 330, "eval_positions": 2, "ladder": "1"}
 
 
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -88,16 +112,44 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--small-len", type=int, default=1024, help="tokens per document of the small model's check")
     p.add_argument("--clock", choices=("wall", "process"), default="wall",
                    help="process: this process's CPU time (a CPU shared with other work; run with OMP_NUM_THREADS=1)")
+    p.add_argument("--compare-plans", action="store_true",
+                   help="only the plan comparison: the small model profiled in fp32 and TF32, plans solved from "
+                        "both and compared, their KL measured (module docstring); default --out "
+                        "benchmarks/results/profile_tf32_plans.json, --budget-s 200")
+    p.add_argument("--ladder", default=LADDER, help="--compare-plans: damage budgets in KL_share, comma-separated")
+    p.add_argument("--eval-docs", type=int, default=4, help="--compare-plans: held-out documents of the KL")
+    p.add_argument("--eval-len", type=int, default=1024, help="--compare-plans: tokens per held-out document")
+    p.add_argument("--eval-positions", type=int, default=256,
+                   help="--compare-plans: counted positions per held-out document (from position 320)")
+    p.add_argument("--eval-seed", type=int, default=EVAL_SEED,
+                   help=f"--compare-plans: seed of the held-out documents (the profile's are seed {SEED})")
     p.add_argument("--smoke", action="store_true", help="a tiny model on the CPU: checks the script")
-    p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/profile.json)")
-    if p.parse_args(argv).smoke:  # the smoke sizes, unless given on the command line
-        p.set_defaults(**SMOKE, device="cpu")
+    p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/profile.json, or "
+                                               "profile_tf32_plans.json with --compare-plans)")
+    first = p.parse_args(argv)
+    if first.compare_plans:
+        p.set_defaults(**COMPARE)
+    if first.smoke:  # the smoke sizes, unless given on the command line
+        p.set_defaults(**{**SMOKE, **(SMOKE_COMPARE if first.compare_plans else {})}, device="cpu")
     args = p.parse_args(argv)
     if args.clock == "process" and torch.device(args.device).type != "cpu":
         p.error("--clock process times the CPU's work; on a GPU use the wall clock (the default)")
     bad = [a for a in args.arms.split(",") if a not in ARMS]
     if bad:
         p.error(f"--arms: unknown arm(s) {bad}; choose from {list(ARMS)}")
+    if args.compare_plans:
+        try:
+            args.ladder = tuple(float(x) for x in args.ladder.split(",") if x.strip())
+        except ValueError:
+            p.error(f"--ladder takes comma-separated damage budgets in KL_share, e.g. {LADDER}; got {args.ladder!r}")
+        if not args.ladder or min(args.ladder) <= 0 or not all(map(math.isfinite, args.ladder)):
+            p.error(f"--ladder: budgets must be positive and finite, got {args.ladder}")
+        if args.small_docs < 2 or args.eval_docs < 2:
+            p.error("--compare-plans needs --small-docs and --eval-docs of 2 or more (a standard error over documents)")
+        if args.eval_seed == SEED:
+            p.error(f"--eval-seed must differ from the profile documents' seed {SEED} (held-out documents)")
+        if args.eval_positions < 1:
+            p.error("--eval-positions must be positive")
     return args
 
 
@@ -279,6 +331,11 @@ def tf32_on_profile(model, docs) -> dict:
 
     a = profile(model, docs, progress=False)
     b = profile(model, docs, progress=False, tf32=True)
+    return {"documents": len(docs), "doc_len": int(docs[0].numel()), **noise_floor(a, b)}
+
+
+def noise_floor(a: Profile, b: Profile) -> dict:
+    """Profile ``b`` against ``a`` (fp32): per damage, the difference over ``a``'s standard error over documents."""
     ratios = []
     for key, value in a.damage.items():
         per_doc = a.per_document.get(key, ())
@@ -287,8 +344,7 @@ def tf32_on_profile(model, docs) -> dict:
         ratios.append({"key": f"{key[1]} at cell {key[0]}", "fp32": value, "tf32": b.damage[key],
                        "difference_over_se": diff / se if se > 0 else None})
     finite = [r["difference_over_se"] for r in ratios if r["difference_over_se"] is not None]
-    return {"documents": len(docs), "doc_len": int(docs[0].numel()), "damages": len(ratios),
-            "within_noise_floor": sum(1 for r in finite if r < 1.0), "compared": len(finite),
+    return {"damages": len(ratios), "within_noise_floor": sum(1 for r in finite if r < 1.0), "compared": len(finite),
             "max_difference_over_se": max(finite, default=None),
             "kl_share_fp32": a.kl_share, "kl_share_tf32": b.kl_share, "per_damage": ratios,
             "seconds_fp32": a.provenance["profile_seconds"], "seconds_tf32": b.provenance["profile_seconds"]}
@@ -311,8 +367,244 @@ def _small_check(args, model, device) -> dict | None:
     return {"model": "loopkv small (trained)", **tf32_on_profile(small, docs)}
 
 
+# ---------------------------------------------------------------------------------------------- --compare-plans
+@contextlib.contextmanager
+def matmul_tf32(enabled: bool):
+    """TF32 for CUDA matmuls and cuDNN set to ``enabled`` inside the block (on or off, whatever it was before)."""
+    before = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = enabled
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
+
+
+def plan_budgets(ladder: Sequence[float]) -> dict[str, dict]:
+    """The solves compared: the presets R and M, then every ladder damage budget (KL_share) without a storage budget
+    and with M's."""
+    from loopkv.planning.knapsack import PRESETS
+
+    out = {"R": {"preset": "r"}, "M": {"preset": "m"}}
+    for x in ladder:
+        out[f"{x:g} KL_share"] = {"max_damage": x, "damage_unit": "kl_share"}
+        out[f"{x:g} KL_share, stored <= {PRESETS['m']['storage_fraction']:g}"] = {
+            "max_damage": x, "damage_unit": "kl_share", "storage_fraction": PRESETS["m"]["storage_fraction"]}
+    return out
+
+
+def solve_budget(profile: Profile, budget: dict, *, tau: float):
+    """The plan ``budget`` gives on ``profile``, or the solver's message when no plan fits it."""
+    from loopkv.planning.knapsack import solve, solve_preset
+
+    try:
+        if "preset" in budget:
+            return solve_preset(profile, budget["preset"], tau=tau)
+        return solve(profile, tau=tau, **budget)
+    except ValueError as err:
+        return str(err)
+
+
+def damage_budget(budget: dict) -> float:
+    """A budget's damage limit in KL_share."""
+    from loopkv.planning.knapsack import PRESETS
+
+    return (PRESETS[budget["preset"]] if "preset" in budget else budget)["max_damage"]
+
+
+def differing_cells(a, b) -> list[dict]:
+    """The cells where plans ``a`` and ``b`` (fp32- and TF32-profiled) take different options."""
+    return [{"cell": [i // a.layers, i % a.layers], "fp32": x, "tf32": y}
+            for i, (x, y) in enumerate(zip(a.options, b.options, strict=True)) if x != y]
+
+
+def _plan_row(plan, fp32: Profile) -> dict:
+    from loopkv.planning.knapsack import predicted_damage
+
+    if isinstance(plan, str):
+        return {"infeasible": plan}
+    return {"cells": [list(plan.options[t * plan.layers : (t + 1) * plan.layers]) for t in range(plan.loops)],
+            "stored_kib": plan.predicted["stored_kib"], "read_kib": plan.predicted["read_kib"],
+            "predicted_kl_share": plan.predicted["damage_kl_share"],
+            "damage_by_fp32_profile_kl_share": predicted_damage(fp32, plan) / fp32.kl_share}
+
+
+def _standard_error(values: Sequence[float]) -> float:
+    return float(torch.tensor(values, dtype=torch.float64).std()) / math.sqrt(len(values))
+
+
+def measure_plan(model, plan, docs, *, positions: int) -> dict:
+    """``plan``'s KL through the real cache on ``docs`` (``measure_kl``), with TF32 off."""
+    from loopkv.planning.evaluate import measure_kl
+
+    _sync(model.device)
+    begin = time.perf_counter()
+    with torch.no_grad(), matmul_tf32(False):
+        r = measure_kl(model, plan, docs, max_positions=positions, progress=False)
+    _sync(model.device)
+    return {"kl": r.kl, "standard_error": _standard_error(r.per_document), "per_document": list(r.per_document),
+            "agreement": r.agreement, "positions": r.positions, "seconds": time.perf_counter() - begin}
+
+
+def kl_verdict(fp32: dict, tf32: dict) -> dict:
+    """The TF32-profiled plan's measured KL against the fp32-profiled plan's: within the eval's noise when they differ
+    by less than the fp32 plan's standard error over documents. Also the paired standard error (same documents)."""
+    d = tf32["kl"] - fp32["kl"]
+    se = fp32["standard_error"]
+    paired = _standard_error([y - x for x, y in zip(fp32["per_document"], tf32["per_document"], strict=True)])
+    return {"kl_difference": d, "relative_difference": d / fp32["kl"] if fp32["kl"] else None,
+            "eval_standard_error": se, "difference_over_se": abs(d) / se if se > 0 else None,
+            "paired_standard_error": paired, "difference_over_paired_se": abs(d) / paired if paired > 0 else None,
+            "within_eval_noise": d == 0 or abs(d) < se}
+
+
+def compare_plans(model, fp32: Profile, tf32: Profile, eval_docs, *, ladder: Sequence[float], tau: float,
+                  positions: int, deadline: float = math.inf, on_row=None) -> list[dict]:
+    """Per budget (:func:`plan_budgets`): the plans from the fp32 and the TF32 profile, compared cell by cell, and
+    their measured KL where the module docstring says (the presets always, differing ladder plans until
+    ``deadline``). ``on_row`` is called after each budget's row (the caller writes its JSON)."""
+    measured: dict = {}  # one measurement per distinct plan
+
+    def kl(plan) -> dict:
+        key = (plan.options, plan.taus)
+        if key not in measured:
+            measured[key] = measure_plan(model, plan, eval_docs, positions=positions)
+        return measured[key]
+
+    rows = []
+    for name, budget in plan_budgets(ladder).items():
+        a, b = solve_budget(fp32, budget, tau=tau), solve_budget(tf32, budget, tau=tau)
+        row = {"budget": name, "solve": budget, "fp32": _plan_row(a, fp32), "tf32": _plan_row(b, fp32)}
+        if isinstance(a, str) or isinstance(b, str):
+            row |= {"cells_differ": None, "feasible": {"fp32": not isinstance(a, str), "tf32": not isinstance(b, str)},
+                    "kl": {"how": "not measured: no plan fits this budget on at least one profile"}}
+        else:
+            diff = differing_cells(a, b)
+            row |= {"cells_differ": len(diff), "differences": diff,
+                    "tf32_plan_within_fp32_budget":
+                        row["tf32"]["damage_by_fp32_profile_kl_share"] <= damage_budget(budget) * (1 + 1e-9)}
+            preset = "preset" in budget
+            if not diff:
+                m = kl(a) if preset else None
+                row["kl"] = {"how": "equal plans: trivially within the eval's noise" + ("" if preset else
+                             " (not measured)"), "fp32_plan": m, "tf32_plan": m, "within_eval_noise": True}
+            elif not preset and time.perf_counter() > deadline:
+                row["kl"] = {"how": "skipped: past --budget-s", "within_eval_noise": None}
+            else:
+                ma, mb = kl(a), kl(b)
+                row["kl"] = {"how": "measured", "fp32_plan": ma, "tf32_plan": mb, **kl_verdict(ma, mb)}
+        rows.append(row)
+        if on_row is not None:
+            on_row(rows)
+    return rows
+
+
+def plans_summary(rows: list[dict], cells: int) -> dict:
+    """How many budgets give different plans, how many cells differ, and how many measured pairs are within noise."""
+    both = [r for r in rows if r["cells_differ"] is not None]
+    differ = [r for r in both if r["cells_differ"]]
+    measured = [r for r in differ if r["kl"]["how"] == "measured"]
+    within = sum(1 for r in measured if r["kl"]["within_eval_noise"])
+    ratios = [r["kl"]["difference_over_se"] for r in measured if r["kl"]["difference_over_se"] is not None]
+    summary = {
+        "budgets": len(rows), "feasible_on_both": len(both),
+        "feasible_on_one_only": sum(1 for r in rows if r["cells_differ"] is None and any(r["feasible"].values())),
+        "plans_differ": len(differ), "cells_per_plan": cells,
+        "cells_differ_per_budget": {r["budget"]: r["cells_differ"] for r in both},
+        "max_cells_differ": max((r["cells_differ"] for r in both), default=None),
+        "tf32_plans_over_fp32_budget": sum(1 for r in both if not r["tf32_plan_within_fp32_budget"]),
+        "differing_measured": len(measured), "differing_within_eval_noise": within,
+        "differing_skipped": len(differ) - len(measured), "max_difference_over_se": max(ratios, default=None),
+    }
+    summary["verdict"] = (
+        f"{len(differ)} of {len(both)} budgets give different plans from the TF32 profile (at most "
+        f"{summary['max_cells_differ']} of {cells} cells); " + (
+            f"of the {len(measured)} measured, {within} are within the eval's noise of the fp32-profiled plan"
+            if measured else "no differing pair was measured") +
+        (f" ({len(differ) - len(measured)} skipped)" if len(differ) > len(measured) else "") +
+        "; equal plans are trivially within it")
+    return summary
+
+
+def compare_main(args, argv) -> dict:
+    """``--compare-plans``: the small model (with --smoke, a tiny random one) profiled both ways, plans compared."""
+    from loopkv.cli import DEFAULT_TAU
+    from loopkv.planning.profiler import calibration_documents, documents_hash, profile
+
+    deadline = time.perf_counter() + args.budget_s
+    device = torch.device(args.device)
+    if args.smoke:
+        model = build(ouro_config(True), device)
+        gen = torch.Generator().manual_seed(SEED + 1)
+        docs = [torch.randint(0, model.config.vocab_size, (args.small_len,), generator=gen)
+                for _ in range(args.small_docs)]
+        gen = torch.Generator().manual_seed(args.eval_seed + 1)
+        eval_docs = [torch.randint(0, model.config.vocab_size, (args.eval_len,), generator=gen)
+                     for _ in range(args.eval_docs)]
+        name = "tiny random (smoke)"
+    else:
+        from loopkv.models.small import load_small
+
+        model = load_small(dtype=torch.float32, device=device).eval()
+        docs = calibration_documents(n=args.small_docs, length=args.small_len, seed=SEED)
+        eval_docs = calibration_documents(n=args.eval_docs, length=args.eval_len, seed=args.eval_seed)
+        name = "loopkv small (trained)"
+    if any(e.numel() == d.numel() and bool((e == d).all()) for e in eval_docs for d in docs):
+        raise ValueError("a held-out document equals a profile document; pick another --eval-seed")
+    out = args.out or (RESULTS / "profile_tf32_plans.json")
+    cells = model.config.total_ut_steps * model.config.num_hidden_layers
+    result = {
+        **run_info(__file__, argv, device),
+        "model": name,
+        "tf32_acts": device.type == "cuda",
+        "note": "TF32 only acts on CUDA; on a CPU both profiles are equal and the run checks the plumbing",
+        "profile_documents": {"n": len(docs), "doc_len": args.small_len, "seed": SEED,
+                              "hash": documents_hash(docs)},
+        "eval_documents": {"n": len(eval_docs), "doc_len": args.eval_len, "seed": args.eval_seed,
+                           "positions_per_document": args.eval_positions, "hash": documents_hash(eval_docs),
+                           "how": "loopkv.planning.evaluate.measure_kl: real LoopKVCache, fp32 model, TF32 off"},
+        "tau": DEFAULT_TAU, "ladder_kl_share": list(args.ladder), "budget_s": args.budget_s,
+    }
+    with matmul_tf32(False):
+        a = profile(model, docs, progress=False)
+    b = profile(model, docs, progress=False, tf32=True)
+    result["profiles"] = {
+        "fp32": {"seconds": a.provenance["profile_seconds"], "kl_share": a.kl_share, "hash": a.content_hash()},
+        "tf32": {"seconds": b.provenance["profile_seconds"], "kl_share": b.kl_share, "hash": b.content_hash()},
+        "same_damages": a.damage == b.damage and a.kl_share == b.kl_share, "noise_floor": noise_floor(a, b)}
+    write_json(out, result)
+
+    def written(rows):
+        result["plans"] = rows
+        write_json(out, result)
+
+    rows = compare_plans(model, a, b, eval_docs, ladder=args.ladder, tau=DEFAULT_TAU,
+                         positions=args.eval_positions, deadline=deadline, on_row=written)
+    result["plans"] = rows
+    result["summary"] = plans_summary(rows, cells)
+    write_json(out, result)
+    _print_plans(result)
+    return result
+
+
+def _print_plans(result: dict) -> None:
+    floor = result["profiles"]["noise_floor"]
+    print(f"TF32 vs fp32 profile ({result['model']}, {result['device']}): {floor['within_noise_floor']} of "
+          f"{floor['compared']} damages within their noise floor")
+    print(f"{'budget':<28} {'cells differ':>12} {'KL fp32 plan':>13} {'KL tf32 plan':>13} {'|diff|/se':>10}  how")
+    for r in result["plans"]:
+        k = r["kl"]
+        fa, fb = k.get("fp32_plan"), k.get("tf32_plan")
+        ratio = k.get("difference_over_se")
+        print(f"{r['budget']:<28} {'-' if r['cells_differ'] is None else r['cells_differ']:>12} "
+              f"{fa['kl'] if fa else float('nan'):>13.4g} {fb['kl'] if fb else float('nan'):>13.4g} "
+              f"{float('nan') if ratio is None else ratio:>10.2f}  {k['how']}")
+    print(result["summary"]["verdict"])
+
+
 def main(argv: Sequence[str] | None = None) -> dict:
     args = _parse(argv)
+    if args.compare_plans:
+        return compare_main(args, argv)
     deadline = time.perf_counter() + args.budget_s
     device = torch.device(args.device)
     n_docs = max(args.measure_docs, args.tf32_docs)
