@@ -20,14 +20,14 @@ interleaved channel pairs, causal softmax attention at scale ``head_dim**-0.5`` 
 ``fc``. Attention goes through transformers' attention-function registry (a cache that names its own function,
 such as ``LoopKVCache``, gets it).
 
-Cache indices (the ``layer_idx`` of ``Cache.update``), :class:`HuginnCells`: prelude layer ``i`` -> ``i``, coda
-layer ``i`` -> ``P + i``, core layer ``j`` of step ``s`` -> ``P + C + s * R + j``; so a dense cache's indices do not
-depend on ``r``.
+Cache indices (the ``layer_idx`` of ``Cache.update``) are :class:`HuginnCells`' (the Huginn family of
+:mod:`loopkv.families`, :mod:`loopkv.models.huginn_config`): prelude, coda, then (step, core layer) step-major.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -40,7 +40,8 @@ from transformers.masking_utils import create_causal_mask
 from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
 
-from loopkv.models.huginn_config import HuginnConfig, dense_cache
+from loopkv.models.generation_checks import check_capacity
+from loopkv.models.huginn_config import FAMILY, HuginnCells, HuginnConfig, dense_cache
 from loopkv.models.ouro import eager_attention_forward
 
 __all__ = ["HuginnCells", "HuginnConfig", "HuginnForCausalLM", "dense_cache", "register_huginn"]
@@ -49,28 +50,6 @@ __all__ = ["HuginnCells", "HuginnConfig", "HuginnForCausalLM", "dense_cache", "r
 _OUTPUT_CACHE_FIELD = (
     "cache" if "cache" in {f.name for f in dataclasses.fields(CausalLMOutputWithPast)} else "past_key_values"
 )
-
-
-@dataclasses.dataclass(frozen=True)
-class HuginnCells:
-    """The cache index of every attention layer a call runs: ``P`` prelude, ``C`` coda, ``R`` core layers."""
-
-    prelude: int
-    core: int
-    coda: int
-
-    @classmethod
-    def of(cls, config: HuginnConfig) -> HuginnCells:
-        return cls(config.n_layers_in_prelude, config.n_layers_in_recurrent_block, config.n_layers_in_coda)
-
-    def prelude_index(self, i: int) -> int:
-        return i
-
-    def coda_index(self, i: int) -> int:
-        return self.prelude + i
-
-    def core_index(self, step: int, j: int) -> int:
-        return self.prelude + self.coda + step * self.core + j
 
 
 class HuginnRMSNorm(nn.Module):
@@ -199,6 +178,43 @@ class HuginnPreTrainedModel(PreTrainedModel):
             super()._init_weights(module)
 
 
+# the core steps each cache holds tokens of (a cache's cells of other steps hold none of them)
+_STEPS_HELD: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def check_steps(cache: Cache | None, steps: int) -> None:
+    """Refuse a call of ``steps`` core steps that ``cache`` cannot serve, before anything is written.
+
+    A cache laid out for a family (a ``LoopKVCache``: ``cache.layout``) must be Huginn's, for ``T >= steps`` steps;
+    a call with ``steps < T`` uses the first ``steps`` steps' cells and refuses a plan whose cells among them
+    ``share`` (they read step ``T - 1``'s pages, which such a call never writes). Any cache that holds tokens holds
+    them for the steps it was filled with: another ``steps`` is refused until ``cache.reset()``."""
+    if cache is None or torch.compiler.is_compiling():
+        return
+    layout = getattr(cache, "layout", None)
+    family = getattr(layout, "family", None)
+    if family is not None and family != FAMILY:
+        raise ValueError(f"this cache was laid out for a {family} model, not a Huginn model: build it with "
+                         "LoopKVCache(plan, config=model.config) and a plan made for this model")
+    if family is not None:
+        if steps > layout.loops:
+            raise ValueError(f"num_steps={steps}, but the cache's plan has T={layout.loops} core steps: run at most "
+                             f"{layout.loops} steps, or make a plan for {steps} (Plan.from_config(config) with "
+                             f"config.mean_recurrence = {steps}, or a profile of that many)")
+        plan = getattr(cache, "plan", None)
+        shared = sorted({c.loop for c in layout if c.loop < steps and plan.option(c) == "share"}) if plan else []
+        if steps < layout.loops and shared:
+            raise ValueError(f"num_steps={steps} < the plan's T={layout.loops}: steps {shared} of the plan 'share' "
+                             f"step {layout.loops - 1}'s pages, which a call of {steps} steps never writes. Make a "
+                             f"plan for T={steps} (config.mean_recurrence = {steps}), or run all {layout.loops} steps")
+    if cache.get_seq_length() == 0:
+        _STEPS_HELD[cache] = steps
+    elif _STEPS_HELD.setdefault(cache, steps) != steps:
+        raise ValueError(f"this cache holds tokens run with num_steps={_STEPS_HELD[cache]}; a call with "
+                         f"num_steps={steps} would read steps it never wrote (or skip some): keep num_steps, or "
+                         "cache.reset() and send the whole conversation again")
+
+
 def _pick_cache(past_key_values: Cache | None, cache: Cache | None) -> Cache | None:
     if past_key_values is not None and cache is not None and past_key_values is not cache:
         raise ValueError("pass the cache once, as past_key_values= or as cache=, not two different caches")
@@ -279,6 +295,7 @@ class HuginnForCausalLM(HuginnPreTrainedModel, GenerationMixin):
         use_cache = self.config.use_cache if use_cache is None else use_cache
         if use_cache and cache is None:
             cache = dense_cache(self.config)
+        check_steps(cache, steps)
         if inputs_embeds is None:
             inputs_embeds = self.transformer.wte(input_ids)
         embeds = inputs_embeds * self.config.embed_scale
@@ -326,8 +343,12 @@ class HuginnForCausalLM(HuginnPreTrainedModel, GenerationMixin):
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
         """Give ``generate`` a :func:`dense_cache` when the user passes no cache (transformers would build
-        ``DynamicCache(config=...)`` with one layer per physical layer, ``n_layers``)."""
+        ``DynamicCache(config=...)`` with one layer per physical layer, ``n_layers``); refuse a request longer
+        than a user cache's declared capacity (``check_capacity``) or a ``num_steps`` it cannot serve."""
         user_cache = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
+        if user_cache is not None:
+            check_capacity(user_cache, generation_config)
+            check_steps(user_cache, self.config.steps(model_kwargs.get("num_steps")))
         implementation = generation_config.cache_implementation
         if user_cache is None and generation_config.use_cache is not False and implementation not in (None, "dynamic"):
             raise ValueError(

@@ -4,19 +4,33 @@ Field names are those of the released ``tomg-group-umd/huginn-0125`` ``config.js
 "huginn_raven"``): a prelude of ``n_layers_in_prelude`` layers run once, a core block of
 ``n_layers_in_recurrent_block`` layers run ``r`` times (``mean_recurrence`` by default; chosen per call), a coda of
 ``n_layers_in_coda`` layers run once. :mod:`loopkv.models.huginn` re-exports every name here; see that module for
-the model and for the cache indices of its cells.
+the model.
+
+The Huginn family (:mod:`loopkv.families`, registered there as ``"huginn"`` when this module is imported): the
+planned cells are (step ``t``, core layer ``j``) for ``T`` steps (``mean_recurrence`` unless a layout is asked for
+another count); prelude and coda layers are fixed exact slots, never planned. Cache indices (:class:`HuginnCells`):
+prelude layer ``i`` -> ``i``, coda layer ``i`` -> ``P + i``, core layer ``j`` of step ``t`` -> ``P + C + t * R + j``,
+so the indices of a call with ``r`` steps do not depend on ``r`` and are the first ``P + C + r * R`` of a layout
+for ``T >= r`` steps.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from huggingface_hub.dataclasses import strict
 from transformers.cache_utils import DynamicCache
 from transformers.configuration_utils import PreTrainedConfig
 
-__all__ = ["HuginnConfig", "dense_cache"]
+from loopkv.families import FAMILIES, Layer, ModelLayout, build_layout
+
+__all__ = ["FAMILY", "HuginnCells", "HuginnConfig", "dense_cache", "huginn_layout"]
+
+FAMILY = "huginn"
+MODEL_TYPE = "huginn_raven"  # the released config.json's model_type
 
 # What loopkv's Huginn implements; a config naming anything else is refused (the released model uses these).
 SUPPORTED = {
@@ -42,7 +56,7 @@ class HuginnConfig(PreTrainedConfig):
     ``mean_backprop_depth``, ...) are kept for the file format; inference runs ``r`` steps without gradients.
     """
 
-    model_type = "huginn_raven"
+    model_type = MODEL_TYPE
     keys_to_ignore_at_inference = ["past_key_values", "cache"]
     attribute_map = {"num_attention_heads": "n_heads", "hidden_size": "n_embd", "num_hidden_layers": "n_layers"}
 
@@ -159,3 +173,56 @@ def dense_cache(config: HuginnConfig) -> DynamicCache:
     """The exact reference cache: a ``DynamicCache`` that adds one dense layer per cache index as the model first
     writes it (prelude and coda layers, and one per (step, core layer) for however many steps a call runs)."""
     return DynamicCache()
+
+
+def _get(config: Any, name: str) -> Any:
+    return config.get(name) if isinstance(config, Mapping) else getattr(config, name, None)
+
+
+@dataclass(frozen=True)
+class HuginnCells:
+    """The cache index of every attention layer a call runs: ``P`` prelude, ``R`` core and ``C`` coda layers."""
+
+    prelude: int
+    core: int
+    coda: int
+
+    @classmethod
+    def of(cls, config: Any) -> HuginnCells:
+        """From a :class:`HuginnConfig` or a mapping with its fields."""
+        return cls(*(int(_get(config, f"n_layers_in_{part}")) for part in ("prelude", "recurrent_block", "coda")))
+
+    def prelude_index(self, i: int) -> int:
+        return i
+
+    def coda_index(self, i: int) -> int:
+        return self.prelude + i
+
+    def core_index(self, step: int, j: int) -> int:
+        return self.prelude + self.coda + step * self.core + j
+
+    def num_indices(self, steps: int) -> int:
+        """Cache indices a call of ``steps`` core steps writes."""
+        return self.prelude + self.coda + steps * self.core
+
+
+def huginn_layout(config: Any, loops: int | None = None) -> ModelLayout:
+    """The Huginn family's :class:`~loopkv.families.ModelLayout` for ``loops`` core steps (default
+    ``mean_recurrence``): planned cells (step, core layer), prelude and coda layers as fixed exact slots."""
+    cells = HuginnCells.of(config)
+    loops = int(_get(config, "mean_recurrence")) if loops is None else loops
+    p, r = cells.prelude, cells.core
+    return build_layout(
+        family=FAMILY, loops=loops,
+        prelude=[Layer(i, index=cells.prelude_index(i)) for i in range(p)],
+        core=[Layer(p + j) for j in range(r)],
+        coda=[Layer(p + r + i, index=cells.coda_index(i)) for i in range(cells.coda)],
+        core_index=cells.core_index, num_layers=p + r + cells.coda,
+    )
+
+
+def _is_huginn(config: Any) -> bool:
+    return _get(config, "model_type") == MODEL_TYPE
+
+
+FAMILIES.setdefault(FAMILY, (_is_huginn, huginn_layout, None))  # loopkv's own table: layout_of(HuginnConfig)

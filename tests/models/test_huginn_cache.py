@@ -1,0 +1,142 @@
+"""loopkv's Huginn through ``generate`` with a LoopKVCache: cells (step, core layer), prelude and coda exact.
+
+References: transformers' dense cache for the same call, and for INT4 the dense cache with every history page a
+decode token reads replaced by the codec's round trip (written here from the storage layout in docs/design.md:
+page ``p`` holds positions ``32 + 32p .. 32 + 32p + 31`` and a token whose row then holds ``n`` tokens reads pages
+``p < (n - 288) // 32``; prefill attends exactly).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers.cache_utils import DynamicCache
+
+import loopkv
+from loopkv.models.huginn import HuginnCells
+from loopkv.models.ouro import OuroConfig
+from loopkv.ops import codec
+from tests.models.test_huginn import STEPS, VOCAB, build_model, released_config
+from tests.tolerances import LOGITS_FP32_ATOL, LOGITS_FP32_RTOL
+
+PAGE, SINK, READ_FROM = 32, 32, 288  # a row of n tokens reads pages p < (n - READ_FROM) // PAGE
+
+
+@pytest.fixture(scope="module")
+def model():
+    """The tiny Huginn of test_huginn (1 prelude, 2 core, 1 coda layers, T = 3, 2 heads x 32) with its weights."""
+    return build_model(released_config())
+
+
+def _generate(model, ids, new, cache=None, **kwargs):
+    kwargs.setdefault("state_generator", torch.Generator().manual_seed(7))  # the same random states in every run
+    out = model.generate(ids, past_key_values=cache, max_new_tokens=new, do_sample=False, output_logits=True,
+                         return_dict_in_generate=True, eos_token_id=None, pad_token_id=0, **kwargs)
+    return out.sequences[:, ids.shape[1]:], torch.stack(out.logits, 1)
+
+
+def _cache(model, plan, length, batch=1):
+    return loopkv.LoopKVCache(plan, config=model.config, max_batch_size=batch, max_cache_len=length,
+                              dtype=torch.float32, device="cpu")
+
+
+def _prompt(n, seed=0):
+    return torch.randint(3, VOCAB, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize(("prompt", "new"), [(5, 8), (312, 24)])
+def test_bf16_plan_equals_dense_cache(model, prompt, new):
+    """Every cell exact: the same tokens and logits as the dense cache, the second over the first window exit
+    (the row reaches 319 and 320 tokens). The random initial state is drawn alike in both runs."""
+    ids = _prompt(prompt, seed=prompt)
+    ref_tokens, ref_logits = _generate(model, ids, new)
+    plan = loopkv.Plan.from_config(model.config, option="bf16")
+    assert (plan.family, plan.loops, plan.layers) == ("huginn", STEPS, 2)
+    cache = _cache(model, plan, prompt + new)
+    assert len(cache.layers) == HuginnCells.of(model.config).num_indices(STEPS)  # planned cells + prelude/coda
+    tokens, logits = _generate(model, ids, new, cache)
+    assert torch.equal(tokens, ref_tokens)
+    torch.testing.assert_close(logits, ref_logits, atol=LOGITS_FP32_ATOL, rtol=LOGITS_FP32_RTOL)
+
+
+class CodecHistoryCache(DynamicCache):
+    """The dense cache, except that at planned indices a decode token reads its history pages as the INT4 codec's
+    round trip (K per channel over the page, V per token in groups of 32 channels); batch 1."""
+
+    def __init__(self, planned: set[int], bits: int) -> None:
+        super().__init__()
+        self.planned, self.bits = planned, bits
+
+    def update(self, key, value, layer_idx, *args, **kwargs):
+        k, v = super().update(key, value, layer_idx, *args, **kwargs)  # [1, H, n, D]
+        n = k.shape[2]
+        pages = max(0, (n - READ_FROM) // PAGE)
+        if layer_idx not in self.planned or key.shape[2] != 1 or not pages:
+            return k, v
+        k, v = k.clone(), v.clone()
+        for p in range(pages):
+            at = slice(SINK + PAGE * p, SINK + PAGE * (p + 1))
+            k[:, :, at] = codec.dequantize_k(*codec.quantize_k(k[:, :, at], self.bits))
+            v[:, :, at] = codec.dequantize_v(*codec.quantize_v(v[:, :, at], self.bits))
+        return k, v
+
+
+def test_int4_plan_reads_history_through_the_codec(model):
+    """INT4 in every cell (no V precision): the dense cache with the codec's round trip on every history page a
+    token reads, within fp32 noise; and away from the exact model once pages are read."""
+    ids, new = _prompt(312, seed=3), 24
+    cells = HuginnCells.of(model.config)
+    planned = {cells.core_index(t, j) for t in range(STEPS) for j in range(cells.core)}
+    ref_tokens, ref_logits = _generate(model, ids, new, CodecHistoryCache(planned, bits=4))
+    plan = loopkv.Plan.from_config(model.config, option="int4")
+    tokens, logits = _generate(model, ids, new, _cache(model, plan, 312 + new))
+    assert torch.equal(tokens, ref_tokens)
+    torch.testing.assert_close(logits, ref_logits, atol=LOGITS_FP32_ATOL, rtol=LOGITS_FP32_RTOL)
+    _, exact = _generate(model, ids, new)
+    first_read = 320 - ids.shape[1]  # the step whose row first holds 320 tokens reads page 0
+    torch.testing.assert_close(logits[:, :first_read], exact[:, :first_read], atol=LOGITS_FP32_ATOL,
+                               rtol=LOGITS_FP32_RTOL)
+    assert (logits[:, first_read:] - exact[:, first_read:]).abs().max() > 10 * LOGITS_FP32_ATOL
+
+
+@pytest.mark.parametrize("steps", [2, 4])
+def test_two_step_counts_each_give_the_dense_result(model, steps):
+    """A plan for T = 4 steps; a call with r <= T uses the first r steps' cells and equals the dense cache's r."""
+    big = build_model(released_config(mean_recurrence=4))
+    ids = _prompt(20, seed=steps)
+    ref_tokens, ref_logits = _generate(big, ids, 8, num_steps=steps)
+    cache = _cache(big, loopkv.Plan.from_config(big.config, option="bf16"), 28)
+    tokens, logits = _generate(big, ids, 8, cache, num_steps=steps)
+    assert torch.equal(tokens, ref_tokens)
+    torch.testing.assert_close(logits, ref_logits, atol=LOGITS_FP32_ATOL, rtol=LOGITS_FP32_RTOL)
+    other = 6 - steps  # the other count gives other logits: r matters
+    assert not torch.allclose(_generate(big, ids, 8, num_steps=other)[1], ref_logits)
+
+
+def test_steps_the_cache_cannot_serve_are_refused(model):
+    ids = _prompt(8)
+    cache = _cache(model, loopkv.Plan.from_config(model.config, option="bf16"), 40)
+    with pytest.raises(ValueError, match=f"num_steps=4, but the cache's plan has T={STEPS}"):
+        model.generate(ids, past_key_values=cache, num_steps=4, max_new_tokens=2)
+    shared = loopkv.Plan.from_config(model.config, option="int4", shared_loops=[0])
+    with pytest.raises(ValueError, match=r"steps \[0\] of the plan 'share'"):
+        model.generate(ids, past_key_values=_cache(model, shared, 40), num_steps=2, max_new_tokens=2)
+    model(ids, past_key_values=cache, num_steps=2)
+    with pytest.raises(ValueError, match="holds tokens run with num_steps=2"):
+        model(ids[:, :1], past_key_values=cache, num_steps=STEPS)
+    cache.reset()
+    model(ids, past_key_values=cache, num_steps=STEPS)  # an empty cache takes any r <= T
+
+
+def test_a_plan_for_another_family_is_refused(model):
+    ouro = OuroConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                      num_attention_heads=2, total_ut_steps=STEPS)
+    with pytest.raises(ValueError, match="made for a ouro model and the model is a huginn model"):
+        _cache(model, loopkv.Plan.from_config(ouro, option="bf16"), 40)
+    with pytest.raises(ValueError, match="made for a huginn model and the model is a ouro model"):
+        loopkv.LoopKVCache(loopkv.Plan.from_config(model.config, option="bf16"), config=ouro, max_batch_size=1,
+                           max_cache_len=40, dtype=torch.float32, device="cpu")
+    ouro_cache = loopkv.LoopKVCache(loopkv.Plan.from_config(ouro, option="bf16"), config=ouro, max_batch_size=1,
+                                    max_cache_len=40, dtype=torch.float32, device="cpu")
+    with pytest.raises(ValueError, match="laid out for a ouro model, not a Huginn model"):
+        model(_prompt(4), past_key_values=ouro_cache)
