@@ -56,7 +56,7 @@ measured KLs differ by less than the fp32-profiled plan's standard error over th
 are trivially so. Also given: the paired standard error of the per-document differences, and the TF32 plan's damage
 by the fp32 profile against the budget. It writes ``benchmarks/results/profile_tf32_plans.json`` unless ``--out``.
 
-    PYTHONPATH=. python benchmarks/bench_profile.py --compare-plans          # H200: about 4 minutes
+    PYTHONPATH=. python benchmarks/bench_profile.py --compare-plans      # one GPU; KL measured until --budget-s
 
 TF32 only acts on CUDA: on a CPU (and with ``--smoke``, a tiny random model) the two profiles are equal, so the run
 proves only the plumbing.
