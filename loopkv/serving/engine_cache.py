@@ -13,9 +13,13 @@ history:
 * **indices**: the write index of a request's token at position ``p`` is ``slot * max_len + p``, so the attention
   function recovers each packed token's slot and position from the engine's own index tensor; padding tokens get
   the engine's trash index (``max_slots * max_len``).
+* **the step's segments** (a new prompt, a prompt's next chunk, a decode token) are recorded on the host as the
+  engine prepares the batch (:meth:`schedule`, from its per-request index call), so splitting the packed batch reads
+  nothing back from the device;
 * **the model** calls :meth:`update` per cell, as with any transformers cache, and the ``"loopkv"`` attention function
-  hands the packed batch to :meth:`attend`, which splits it into segments (a new prompt, a prompt's next chunk, a
-  decode token) and runs them through ``loopkv/cache/slots.py``.
+  hands the packed batch to :meth:`attend`, which runs the prompts and chunks per segment and every decoding slot
+  in one fixed-shape call through ``loopkv/cache/slots.py`` (the decoding rows' gather indices are copied to the
+  device once per step, at the first cell).
 
 A finished, cancelled or preempted request's slot and pages are freed by ``free_blocks``; a preempted request comes
 back under the same id as a new prompt (its generated tokens appended) and is prefilled again.
@@ -26,6 +30,7 @@ from __future__ import annotations
 import logging
 import math
 from collections import OrderedDict
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -72,7 +77,9 @@ class EngineCache:
         self._slot: dict[str, int] = {}
         self._free_slots = list(range(max_slots))
         self._blocks: dict[str, int] = {}
-        self._step: list[tuple[int, int, int, int]] = []  # the segments of the forward in progress
+        self._held = [0] * max_slots  # tokens each slot holds (the cache's lengths, kept on the host)
+        self._scheduled: list[tuple[str, int, int]] | None = None  # (request, past, new) of the batch being prepared
+        self._step: _Step | None = None  # the segments of the forward in progress
         self.admissions = 0  # slots given out: more than the requests served means some were preempted
         # per request (the last LIVES_KEPT), each admission's (first position, tokens) steps: how its tokens went
         self.lives: OrderedDict[str, list[list[tuple[int, int]]]] = OrderedDict()
@@ -115,6 +122,7 @@ class EngineCache:
         slot = self._slot.pop(request_id, None)
         if slot is not None:
             self.cache.release([slot])
+            self._held[slot] = 0
             self._free_slots.append(slot)
             self._free_slots.sort()
 
@@ -130,6 +138,16 @@ class EngineCache:
         base = self._slot[request_id] * self.max_len
         return range(base + past, base + past + new)
 
+    def schedule(self, request_id: str, past: int, new: int, write_index: list[int]) -> None:
+        """The engine puts ``request_id``'s ``new`` tokens after its ``past`` ones into the batch it prepares, in
+        packing order, extending the step's ``write_index`` list (empty at the batch's first request). The step's
+        segments are recorded here, on the host, so the forward needs no device values to split the batch."""
+        if not write_index:
+            self._scheduled = []
+        write_index.extend(self.write_indices(request_id, past, new))
+        if new:
+            self._scheduled.append((request_id, past, new))
+
     # ---- the model's side -------------------------------------------------------------------------
     def update(self, key_states: Tensor, value_states: Tensor, layer_idx: int, *args, **kwargs):
         """Cell ``layer_idx``'s K/V of the packed batch ([1, H, T, D]), to be written by :meth:`attend`."""
@@ -140,53 +158,69 @@ class EngineCache:
 
     def attend(self, cell: int, query: Tensor, k: Tensor, v: Tensor, *, scale: float, write_index,
                cu_seq_lens_q: Tensor) -> Tensor:
-        """One cell of the packed batch: query [1, Hq, T, D], k, v [1, H, T, D] -> [1, T, Hq, D]."""
-        if cell == 0:  # the forward's first cell: the batch's segments, checked, and the pages its tokens store
-            w = write_index[0] if isinstance(write_index, (list, tuple)) else write_index
-            self._step = self._segments(w, cu_seq_lens_q)
-            self.cache.reserve({slot: pos + n for slot, pos, _, n in self._step})
-            owner = {slot: request_id for request_id, slot in self._slot.items()}
-            for slot, pos, _, n in self._step:
-                self.lives[owner[slot]][-1].append((pos, n))
-        segments = self._step
-        q, kk, vv = query[0], k[0], v[0]  # [Hq, T, D], [H, T, D]
-        out = query.new_zeros(q.shape[1], q.shape[0], q.shape[2])  # [T, Hq, D]
-        decoding = []
-        for slot, pos, start, n in segments:
+        """One cell of the packed batch: query [1, Hq, T, D], k, v [1, H, T, D] -> [1, T, Hq, D]. The batch's
+        segments are those :meth:`schedule` recorded (``write_index`` and ``cu_seq_lens_q`` hold the same on the
+        device)."""
+        if cell == 0:
+            self._step = self._begin_step(query.shape[2])
+        step = self._step
+        q, kk, vv = query[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1)  # [T, Hq|H, D]
+        written = []
+        for slot, pos, start, n in step.prompts:
             seg = slice(start, start + n)
+            qs, ks, vs = query[0, :, seg], k[0, :, seg], v[0, :, seg]  # [Hq|H, n, D]
             if pos == 0:  # a new prompt
-                slots.prefill(self.cache, cell, slot, kk[:, seg], vv[:, seg])
+                slots.prefill(self.cache, cell, slot, ks, vs)
                 zero = torch.zeros(1, dtype=torch.long, device=q.device)
-                out[seg] = _prompt_attention(q[None, :, seg], kk[None, :, seg], vv[None, :, seg], zero, scale)[0]
-            elif n > 1:  # a prompt's next chunk
-                out[seg] = slots.extend(self.cache, cell, slot, q[:, seg], kk[:, seg], vv[:, seg], scale=scale)
-            else:
-                decoding.append((slot, start))
-        if decoding:
-            rows = torch.tensor([s for s, _ in decoding], device=q.device)
-            at = torch.tensor([t for _, t in decoding], device=q.device)
-            out[at] = slots.decode(self.cache, cell, rows, q[:, at].transpose(0, 1), kk[:, at].transpose(0, 1),
-                                   vv[:, at].transpose(0, 1), scale=scale)
-        if cell == len(self.cache.layers) - 1 and decoding:
-            slots.end_step(self.cache, rows)
+                written.append((seg, _prompt_attention(qs[None], ks[None], vs[None], zero, scale)[0]))
+            else:  # a prompt's next chunk
+                written.append((seg, slots.extend(self.cache, cell, slot, qs, ks, vs, scale=scale)))
+        if step.decode is not None:
+            out = slots.decode(self.cache, cell, step.decode, q, kk, vv, scale=scale)
+            if cell == len(self.cache.layers) - 1:
+                slots.end_step(self.cache, step.decode)
+        else:
+            out = query.new_zeros(q.shape)
+        for seg, o in written:
+            out[seg] = o
         return out[None]
 
-    def _segments(self, write_index: Tensor, cu_seq_lens_q: Tensor) -> list[tuple[int, int, int, int]]:
-        """(slot, first position, first packed token, tokens) of each request in the batch; padding dropped. The
-        position must be what the slot holds (the engine and the cache agree on every request's length)."""
-        starts = cu_seq_lens_q.tolist()
-        first = write_index[torch.tensor(starts[:-1], device=write_index.device).clamp_max(len(write_index) - 1)]
-        held = self.cache.layers[0].storage.lengths.tolist()
-        out = []
-        for (a, b), w in zip(zip(starts[:-1], starts[1:], strict=True), first.tolist(), strict=True):
-            if b <= a or w >= self.write_trash_index:
-                continue
-            slot, pos = divmod(w, self.max_len)
-            if held[slot] != pos:
+    def _begin_step(self, tokens: int) -> _Step:
+        """The forward's first cell: the scheduled segments, checked against what each slot holds, their pages
+        reserved, and the decoding rows as a :class:`~loopkv.cache.slots.DecodeStep`."""
+        scheduled, self._scheduled = self._scheduled, None
+        if scheduled is None:
+            raise RuntimeError("the LoopKV engine cache got a forward the engine did not schedule through "
+                               "extend_read_and_write_indices")
+        prompts, decoding, start = [], [], 0
+        for request_id, pos, n in scheduled:
+            slot = self._slot[request_id]
+            if self._held[slot] != pos:
                 raise RuntimeError(f"the engine writes slot {slot} from position {pos}, but the slot holds "
-                                   f"{held[slot]} tokens: the engine's and the cache's requests disagree")
-            out.append((slot, pos, a, b - a))
-        return out
+                                   f"{self._held[slot]} tokens: the engine's and the cache's requests disagree")
+            if n == 1 and pos > 0:
+                decoding.append((slot, start))
+            else:
+                prompts.append((slot, pos, start, n))
+            self.lives[request_id][-1].append((pos, n))
+            start += n
+        if start > tokens:
+            raise RuntimeError(f"the engine scheduled {start} tokens but the forward has {tokens}")
+        self.cache.reserve({self._slot[r]: pos + n for r, pos, n in scheduled})
+        for request_id, pos, n in scheduled:
+            self._held[self._slot[request_id]] = pos + n
+        decode = (slots.DecodeStep.build(decoding, rows=self.max_slots, tokens=tokens, device=self.device)
+                  if decoding else None)
+        return _Step(prompts=prompts, decode=decode)
+
+
+@dataclass(frozen=True)
+class _Step:
+    """A forward's segments: ``prompts`` (slot, first position, first packed token, tokens) of each new prompt or
+    prompt chunk, run per segment; ``decode`` the decoding rows, run together (None if none decodes)."""
+
+    prompts: list[tuple[int, int, int, int]]
+    decode: slots.DecodeStep | None
 
 
 def blocks_for(tokens: int) -> int:

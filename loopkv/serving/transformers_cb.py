@@ -92,7 +92,7 @@ class EngineCache517(EngineCache):
         return 0  # no child shares the parent's slot: the engine prefills each child from scratch
 
     def extend_read_and_write_indices(self, request_id, past_length, query_length, read_index, write_index) -> None:
-        write_index[0].extend(self.write_indices(request_id, past_length, query_length))
+        self.schedule(request_id, past_length, query_length, write_index[0])
 
 
 class _Allocator524:
@@ -192,7 +192,7 @@ class EngineCache524(EngineCache):
         return None
 
     def extend_read_and_write_indices(self, request_id, past_length, query_length, read_index, write_index) -> None:
-        write_index[0].extend(self.write_indices(request_id, past_length, query_length))
+        self.schedule(request_id, past_length, query_length, write_index[0])
 
 
 def installed_version() -> Version:

@@ -70,6 +70,9 @@ def _step(cache, cells, active):
     """One engine step: ``active`` maps slot -> request; each request adds its next piece."""
     decoding = [s for s, r in active.items() if r.pieces[r.done] == 1 and r.done > 0]
     cache.reserve({s: int(cache.storage(0).lengths[s]) + r.pieces[r.done] for s, r in active.items()})
+    packed = decoding[::-1]
+    step = slots.DecodeStep.build([(s, i) for i, s in enumerate(packed)], rows=cache.max_batch_size,
+                                  tokens=len(packed), device=cache.device)
     for cell in range(cells):
         for s, r in active.items():
             q, k, v = r.piece(cell)
@@ -78,16 +81,15 @@ def _step(cache, cells, active):
                 r.outs[cell].append(_prompt_attention(q, k, v))
             elif s not in decoding:
                 r.outs[cell].append(slots.extend(cache, cell, s, q, k, v, scale=SCALE))
-        if decoding:
-            idx = torch.tensor(decoding, device=cache.device)
-            q = torch.stack([active[s].piece(cell)[0][:, 0] for s in decoding])
-            k = torch.stack([active[s].piece(cell)[1][:, 0] for s in decoding])
-            v = torch.stack([active[s].piece(cell)[2][:, 0] for s in decoding])
-            out = slots.decode(cache, cell, idx, q, k, v, scale=SCALE)
-            for i, s in enumerate(decoding):
+        if decoding:  # packed as an engine packs them: one token per decoding slot, in reverse slot order
+            q = torch.stack([active[s].piece(cell)[0][:, 0] for s in packed])
+            k = torch.stack([active[s].piece(cell)[1][:, 0] for s in packed])
+            v = torch.stack([active[s].piece(cell)[2][:, 0] for s in packed])
+            out = slots.decode(cache, cell, step, q, k, v, scale=SCALE)
+            for i, s in enumerate(packed):
                 active[s].outs[cell].append(out[i:i + 1])
     if decoding:
-        slots.end_step(cache, torch.tensor(decoding, device=cache.device))
+        slots.end_step(cache, step)
     for r in active.values():
         r.done += 1
 

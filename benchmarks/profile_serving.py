@@ -1,0 +1,159 @@
+"""Where a continuous-batching step's host time goes: transformers' engine with LoopKV storage (loopkv/serving) at a
+tiny shape with Ouro-1.4B's 96 cells, on the CPU (or a GPU if there is one).
+
+    python benchmarks/profile_serving.py [--loops 4] [--layers 24] [--requests 8] [--new 48] [--top 25]
+        [--out benchmarks/results/serving_profile.json]
+
+Reports, per decode-only step (every request decoding one token):
+* the step's wall time (from one forward's first cell to the next's: the engine's scheduling, its batch preparation,
+  the model and loopkv's cache, i.e. everything a step costs on the host when the device is fast);
+* the calls that would synchronize the host with a GPU, counted by caller (transformers' engine, loopkv, the rest):
+  ``Tensor.tolist``, ``Tensor.item``, ``bool``/``int`` of a tensor, and tensors built from host data with a device
+  argument (``torch.tensor(..., device=)``, a blocking host-to-device copy on a GPU);
+* a cProfile of the whole run, its top functions by own time, and their total by package.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import cProfile
+import pstats
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent))
+from run_info import RESULTS, run_info, write_json  # noqa: E402
+
+import loopkv  # noqa: E402
+from loopkv.models.ouro import OuroConfig, OuroForCausalLM  # noqa: E402
+from loopkv.serving.engine_cache import EngineCache  # noqa: E402
+from loopkv.serving.transformers_cb import engine_cache, engine_config  # noqa: E402
+
+
+def _caller() -> str:
+    """The package of the first frame outside this file and torch's own Python."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if name != __file__ and "/torch/" not in name:
+            break
+        frame = frame.f_back
+    name = frame.f_code.co_filename if frame is not None else ""
+    if "/loopkv/ops/" in name:
+        return "loopkv.ops"  # the reference ops: on a GPU the Triton kernels run instead
+    return "transformers" if "/transformers/" in name else "loopkv" if "/loopkv/" in name else "other"
+
+
+@contextlib.contextmanager
+def count_host_syncs(counts: collections.Counter):
+    """Count, by caller, the calls that synchronize the host with a GPU (module docstring)."""
+    originals = {n: getattr(torch.Tensor, n) for n in ("tolist", "item", "__bool__", "__int__")}
+    tensor = torch.tensor
+
+    def wrap(name):
+        def counted(self, *a, **k):
+            counts[(_caller(), name)] += 1
+            return originals[name](self, *a, **k)
+        return counted
+
+    def counted_tensor(data, *a, **k):
+        if k.get("device") is not None and not isinstance(data, torch.Tensor):
+            counts[(_caller(), "tensor(device=)")] += 1
+        return tensor(data, *a, **k)
+
+    for name in originals:
+        setattr(torch.Tensor, name, wrap(name))
+    torch.tensor = counted_tensor
+    try:
+        yield counts
+    finally:
+        for name, fn in originals.items():
+            setattr(torch.Tensor, name, fn)
+        torch.tensor = tensor
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--loops", type=int, default=4)
+    ap.add_argument("--layers", type=int, default=24)
+    ap.add_argument("--requests", type=int, default=8)
+    ap.add_argument("--prompt", type=int, default=40, help="tokens per prompt; more than --requests")
+    ap.add_argument("--new", type=int, default=48)
+    ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--out", default=str(RESULTS / "serving_profile.json"))
+    args = ap.parse_args(argv)
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(0)
+    cfg = OuroConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=args.layers,
+                     num_attention_heads=4, num_key_value_heads=2, head_dim=32, total_ut_steps=args.loops,
+                     max_position_embeddings=4096, rope_theta=10000.0)
+    model = OuroForCausalLM(cfg).to(device).eval()
+    plan = loopkv.Plan.uniform(loops=args.loops, layers=args.layers, option="int4", tau=14.0)
+    from transformers import GenerationConfig
+
+    gen = GenerationConfig(max_new_tokens=args.new, do_sample=False, eos_token_id=-1, pad_token_id=0)
+    prompts = [[3 + (i * 7 + j) % 90 for j in range(args.prompt)] for i in range(args.requests)]
+    cb = engine_config(plan, pool_pages=args.requests * 4)
+
+    # per forward: when its first cell ran, whether every token decoded, and the sync counts so far
+    steps: list[tuple[float, bool, collections.Counter]] = []
+    counts: collections.Counter = collections.Counter()
+    attend = EngineCache.attend
+
+    def timed_attend(self, cell, query, *a, **k):
+        if cell == 0:
+            if not steps:  # the engine's thread: profile it from its first forward on
+                profiler.enable()
+            steps.append((time.perf_counter(), query.shape[2] <= args.requests, counts.copy()))  # prompts are longer
+        return attend(self, cell, query, *a, **k)
+
+    profiler = cProfile.Profile()
+    EngineCache.attend = timed_attend
+    try:
+        with engine_cache(plan, max_slots=args.requests, max_len=512), count_host_syncs(counts), torch.no_grad():
+            model.generate_batch(prompts, generation_config=gen, continuous_batching_config=cb)
+    finally:
+        EngineCache.attend = attend
+
+    decode = [(steps[i + 1][0] - steps[i][0], steps[i + 1][2] - steps[i][2]) for i in range(len(steps) - 1)
+              if steps[i][1]]
+    decode = decode[len(decode) // 4:]  # past the first steps (allocator and first-call warm-up)
+    step_ms = sorted(d for d, _ in decode)[len(decode) // 2] * 1e3
+    per_step = collections.Counter()
+    for _, c in decode:
+        per_step.update(c)
+    syncs = {f"{who}:{what}": n / len(decode) for (who, what), n in sorted(per_step.items())}
+    by_package = collections.Counter()
+    stats = pstats.Stats(profiler)
+    rows = []
+    for (file, line, fn), (_, calls, own, total, _) in stats.stats.items():
+        pkg = ("transformers" if "/transformers/" in file else "loopkv" if "/loopkv/" in file
+               else "torch" if "/torch/" in file or file == "~" else "other")
+        by_package[pkg] += own
+        rows.append((own, total, calls, f"{file.split('site-packages/')[-1].split('/work/main/')[-1]}:{line}({fn})"))
+    rows.sort(reverse=True)
+    result = run_info(__file__, argv, device) | {
+        "cells": args.loops * args.layers, "requests": args.requests, "decode_steps_measured": len(decode),
+        "decode_step_ms_median": step_ms, "host_syncs_per_decode_step": syncs,
+        "host_syncs_per_decode_step_total": sum(syncs.values()),
+        "own_time_s_by_package": dict(by_package),
+        "top_own_time": [{"own_s": o, "total_s": t, "calls": c, "function": f} for o, t, c, f in rows[:args.top]],
+    }
+    write_json(args.out, result)
+    for o, t, c, f in rows[:args.top]:
+        print(f"{o:8.3f} {t:8.3f} {c:8d}  {f}")
+    print("own time by package:", {k: round(v, 2) for k, v in by_package.most_common()})
+    print(f"{args.loops * args.layers} cells, {args.requests} requests: decode step {step_ms:.1f} ms (median of "
+          f"{len(decode)}), host syncs per decode step {result['host_syncs_per_decode_step_total']:.1f}:")
+    for name, n in syncs.items():
+        print(f"  {name:<40}{n:8.1f}")
+    return result
+
+
+if __name__ == "__main__":
+    main()
