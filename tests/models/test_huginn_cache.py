@@ -60,24 +60,27 @@ def test_bf16_plan_equals_dense_cache(model, prompt, new):
 
 
 class CodecHistoryCache(DynamicCache):
-    """The dense cache, except that at planned indices a decode token reads its history pages as the INT4 codec's
-    round trip (K per channel over the page, V per token in groups of 32 channels); batch 1."""
+    """The dense cache, except that at planned indices a decode token reads its history pages as the codec's round
+    trip (K per channel over the page, V per token in groups of 32 channels); batch 1. ``bits``: cache index -> the
+    bits of its pages; ``sources``: a ``share`` index -> the index whose pages it reads (its own sink and window)."""
 
-    def __init__(self, planned: set[int], bits: int) -> None:
+    def __init__(self, bits: dict[int, int], sources: dict[int, int] | None = None) -> None:
         super().__init__()
-        self.planned, self.bits = planned, bits
+        self.bits, self.sources = bits, sources or {}
 
     def update(self, key, value, layer_idx, *args, **kwargs):
         k, v = super().update(key, value, layer_idx, *args, **kwargs)  # [1, H, n, D]
         n = k.shape[2]
         pages = max(0, (n - READ_FROM) // PAGE)
-        if layer_idx not in self.planned or key.shape[2] != 1 or not pages:
+        if layer_idx not in self.bits or key.shape[2] != 1 or not pages:
             return k, v
+        source = self.sources.get(layer_idx, layer_idx)
+        k_src, v_src = self.layers[source].keys, self.layers[source].values
         k, v = k.clone(), v.clone()
         for p in range(pages):
             at = slice(SINK + PAGE * p, SINK + PAGE * (p + 1))
-            k[:, :, at] = codec.dequantize_k(*codec.quantize_k(k[:, :, at], self.bits))
-            v[:, :, at] = codec.dequantize_v(*codec.quantize_v(v[:, :, at], self.bits))
+            k[:, :, at] = codec.dequantize_k(*codec.quantize_k(k_src[:, :, at], self.bits[source]))
+            v[:, :, at] = codec.dequantize_v(*codec.quantize_v(v_src[:, :, at], self.bits[source]))
         return k, v
 
 
@@ -86,8 +89,8 @@ def test_int4_plan_reads_history_through_the_codec(model):
     token reads, within fp32 noise; and away from the exact model once pages are read."""
     ids, new = _prompt(312, seed=3), 24
     cells = HuginnCells.of(model.config)
-    planned = {cells.core_index(t, j) for t in range(STEPS) for j in range(cells.core)}
-    ref_tokens, ref_logits = _generate(model, ids, new, CodecHistoryCache(planned, bits=4))
+    planned = {cells.core_index(t, j): 4 for t in range(STEPS) for j in range(cells.core)}
+    ref_tokens, ref_logits = _generate(model, ids, new, CodecHistoryCache(planned))
     plan = loopkv.Plan.from_config(model.config, option="int4")
     tokens, logits = _generate(model, ids, new, _cache(model, plan, 312 + new))
     assert torch.equal(tokens, ref_tokens)
@@ -97,6 +100,21 @@ def test_int4_plan_reads_history_through_the_codec(model):
     torch.testing.assert_close(logits[:, :first_read], exact[:, :first_read], atol=LOGITS_FP32_ATOL,
                                rtol=LOGITS_FP32_RTOL)
     assert (logits[:, first_read:] - exact[:, first_read:]).abs().max() > 10 * LOGITS_FP32_ATOL
+
+
+def test_share_cells_read_the_last_steps_pages(model):
+    """Steps 0 and 1 'share', step 2 (the last) INT2: a shared cell reads step 2's pages at its core layer, with
+    its own exact sink and window."""
+    ids, new = _prompt(316, seed=4), 12
+    cells = HuginnCells.of(model.config)
+    last = STEPS - 1
+    bits = {cells.core_index(last, j): 2 for j in range(cells.core)}
+    sources = {cells.core_index(t, j): cells.core_index(last, j) for t in range(last) for j in range(cells.core)}
+    ref_tokens, ref_logits = _generate(model, ids, new, CodecHistoryCache(bits | dict.fromkeys(sources, 0), sources))
+    plan = loopkv.Plan.from_config(model.config, option="int2", shared_loops=list(range(last)))
+    tokens, logits = _generate(model, ids, new, _cache(model, plan, 316 + new))
+    assert torch.equal(tokens, ref_tokens)
+    torch.testing.assert_close(logits, ref_logits, atol=LOGITS_FP32_ATOL, rtol=LOGITS_FP32_RTOL)
 
 
 @pytest.mark.parametrize("steps", [2, 4])
