@@ -40,7 +40,7 @@ from transformers.masking_utils import create_causal_mask
 from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
 
-from loopkv.models.generation_checks import check_capacity
+from loopkv.models.generation_checks import GENERATED, check_capacity, check_continues
 from loopkv.models.huginn_config import FAMILY, HuginnCells, HuginnConfig, dense_cache
 from loopkv.models.ouro import eager_attention_forward
 
@@ -363,13 +363,28 @@ class HuginnForCausalLM(HuginnPreTrainedModel, GenerationMixin):
                     model_kwargs[name] = dense_cache(self.config)
 
     def generate(self, inputs: torch.Tensor | None = None, generation_config=None, **kwargs: Any):
-        """``GenerationMixin.generate``; ``num_steps``, ``init_scale`` and ``state_generator`` reach every
-        forward of the call."""
+        """``GenerationMixin.generate``; ``num_steps``, ``init_scale`` and ``state_generator`` reach every forward
+        of the call. A cache passed in holds one conversation (``cache.reset()`` between unrelated requests): input
+        that does not continue what the previous ``generate`` left in it is refused (``check_continues``), as are
+        a request longer than its capacity and a ``num_steps`` it cannot serve, before anything is written."""
         if _OUTPUT_CACHE_FIELD == "cache" and "past_key_values" in kwargs:
             # transformers >= ~5.2x renamed generate's cache argument; accept the old name without a warning
             kwargs["cache"] = _pick_cache(kwargs.pop("past_key_values"), kwargs.get("cache"))
         self.config.steps(kwargs.get("num_steps"))  # a bad r is refused before anything runs
-        return super().generate(inputs, generation_config=generation_config, **kwargs)
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        input_ids = inputs if inputs is not None else kwargs.get("input_ids")
+        if isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2 and not input_ids.is_floating_point():
+            check_continues(cache, input_ids)
+        try:
+            out = super().generate(inputs, generation_config=generation_config, **kwargs)
+        except BaseException:
+            if cache is not None:
+                GENERATED.pop(cache, None)  # partly written: what it holds is unknown
+            raise
+        sequences = out if isinstance(out, torch.Tensor) else getattr(out, "sequences", None)
+        if cache is not None and isinstance(sequences, torch.Tensor):
+            GENERATED[cache] = sequences.detach().clone()
+        return out
 
 
 def register_huginn() -> None:

@@ -146,6 +146,25 @@ def test_steps_the_cache_cannot_serve_are_refused(model):
     model(ids, past_key_values=cache, num_steps=STEPS)  # an empty cache takes any r <= T
 
 
+def test_a_used_cache_takes_its_continuation_only(model):
+    """A second generate on a used cache continues the conversation (equal to generating it on a fresh cache);
+    an unrelated prompt is refused until reset()."""
+    plan = loopkv.Plan.from_config(model.config, option="bf16")
+    cache = _cache(model, plan, 40)
+    ids = _prompt(6, seed=9)
+    first = model.generate(ids, past_key_values=cache, max_new_tokens=4, do_sample=False, init_scale=0.0)
+    more = torch.cat([first, _prompt(3, seed=10)], 1)
+    again = model.generate(more, past_key_values=cache, max_new_tokens=4, do_sample=False, init_scale=0.0)
+    fresh = model.generate(more, past_key_values=_cache(model, plan, 40), max_new_tokens=4, do_sample=False,
+                           init_scale=0.0)
+    assert torch.equal(again, fresh)
+    with pytest.raises(ValueError, match="does not continue them|differs from them"):
+        model.generate(_prompt(20, seed=11), past_key_values=cache, max_new_tokens=2, init_scale=0.0)
+    cache.reset()
+    assert torch.equal(model.generate(more, past_key_values=cache, max_new_tokens=4, do_sample=False,
+                                      init_scale=0.0), fresh)
+
+
 def test_a_plan_for_another_family_is_refused(model):
     ouro = OuroConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                       num_attention_heads=2, total_ut_steps=STEPS)
