@@ -168,6 +168,7 @@ class HuginnPreTrainedModel(PreTrainedModel):
     _supports_flash_attn = False
     _supports_flex_attn = False
     _supports_attention_backend = True
+    _keep_in_fp32_modules_strict = {"freqs_cis"}  # the RoPE table stays fp32 when loaded in bf16/fp16
 
     def _init_weights(self, module: nn.Module) -> None:
         if isinstance(module, HuginnForCausalLM):

@@ -242,6 +242,9 @@ def test_from_pretrained_and_auto_classes(tmp_path):
     with torch.no_grad():
         got = model(ids, attention_mask=mask, init_scale=0.0).logits
     assert_logits_close(got, reference_logits(sd, cfg, ids, mask, steps=STEPS), mask)
+    half = HuginnForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
+    assert half.lm_head.weight.dtype == torch.bfloat16
+    assert torch.equal(half.freqs_cis, sd["freqs_cis"])  # the RoPE table is loaded in fp32, not rounded to bf16
 
 
 @pytest.mark.parametrize(("change", "match"), [
