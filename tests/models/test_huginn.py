@@ -290,6 +290,17 @@ def test_generate_matches_recompute(steps):
     torch.testing.assert_close(out, greedy_recompute(model, ids, mask, 8, steps), rtol=0, atol=0)
 
 
+def test_left_padded_rows_generate_as_alone():
+    model = build_model(released_config())
+    ids, mask = left_padded_batch([9, 3, 6], seed=2)
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, init_scale=0.0,
+                         eos_token_id=None)
+    for row in range(ids.shape[0]):
+        alone = ids[row:row + 1, ~mask[row].eq(0)]
+        single = model.generate(alone, max_new_tokens=6, do_sample=False, init_scale=0.0, eos_token_id=None)
+        assert torch.equal(out[row, -6:], single[0, -6:])
+
+
 def test_cache_indices_of_a_call():
     """Every attention layer writes its own index: prelude, coda, then (step, core layer) step-major."""
     cells = HuginnCells(PRELUDE, CORE, CODA)
