@@ -132,7 +132,7 @@ def _read_row(st, b: int, h: int, ws: int, q: Tensor, exact_k: Tensor, exact_v: 
     npg = n_pages(n)  # [S] history pages read by each query
     P = int(n_pages(h + S)) if bits else 0
 
-    sink_pos = torch.arange(SINK, device=dev)
+    sink_pos = torch.arange(st.sink_k.shape[2], device=dev)  # SINK slots, or a short cache's fewer
     tail_pos = torch.arange(ws, ws + exact_k.shape[1], device=dev)
     sink_k, sink_v = st.sink_k[b].to(acc), st.sink_v[b].to(acc)
     ek, ev = exact_k.to(acc), exact_v.to(acc)
@@ -150,7 +150,7 @@ def _read_row(st, b: int, h: int, ws: int, q: Tensor, exact_k: Tensor, exact_v: 
             cold_v = codec.decode_v(pages, bits, every).to(acc).permute(1, 0, 2, 3).reshape(H, P * PAGE, D)
         hist_page = torch.arange(P * PAGE, device=dev) // PAGE
 
-    keys = SINK + P * PAGE + exact_k.shape[1]
+    keys = sink_pos.shape[0] + P * PAGE + exact_k.shape[1]
     block = max(1, _BLOCK_ELEMENTS // max(1, Hq * keys))
     out = []
     for lo in range(0, S, block):
@@ -170,10 +170,11 @@ def _read_row(st, b: int, h: int, ws: int, q: Tensor, exact_k: Tensor, exact_v: 
         m = s.amax(dim=-1, keepdim=True)
         p = torch.exp(s - m)
         denom = p.sum(dim=-1, keepdim=True)
-        p_sink, p_tail = p[..., :SINK], p[..., SINK:SINK + ek.shape[1]]
+        ns = sink_pos.shape[0]
+        p_sink, p_tail = p[..., :ns], p[..., ns:ns + ek.shape[1]]
         o = torch.einsum("hgst,htd->hgsd", p_sink, sink_v) + torch.einsum("hgst,htd->hgsd", p_tail, ev)
         if P:
-            p_hist = p[..., SINK + ek.shape[1]:]
+            p_hist = p[..., ns + ek.shape[1]:]
             if cold_v is None:
                 o = o + torch.einsum("hgst,htd->hgsd", p_hist, v_full)
             else:  # the cold rule of cell_attention, per query: m_ref = max(sink max, its page's max)

@@ -430,7 +430,8 @@ class LoopKVCache(Cache):
             pool = shard.stacks.pools[bits] if bits else {}
             fields = [pool.get(n, shard.no_pool) for n in ("page_table", *POOL_FIELDS)]
             torch.ops.loopkv.advance_(cells, pools, lengths, own["win_k"], own["win_v"], *fields, batch,
-                                      self.max_batch_size, self.kv_heads, self.head_dim, max_pages, bits)
+                                      self.max_batch_size, self.kv_heads, self.head_dim, max_pages, bits,
+                                      self.layers[0].storage.capacity)
 
     def prefill_cell(self, layer_idx: int, k: Tensor, v: Tensor, pad: Tensor, *, rows: list[int] | None = None
                      ) -> None:

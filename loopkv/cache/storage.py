@@ -13,7 +13,7 @@ from dataclasses import dataclass, fields
 import torch
 from torch import Tensor
 
-from loopkv.format import BITS, POOL_FIELDS, RING, SINK, max_pages, pool_field_kind, pool_field_shapes
+from loopkv.format import BITS, POOL_FIELDS, exact_slots, max_pages, pool_field_kind, pool_field_shapes, row_capacity
 
 
 @dataclass(eq=False)
@@ -24,6 +24,7 @@ class CellStorage:
       sink_k, sink_v: [B, H, SINK, D]        exact sink
       win_k, win_v:   [B, H, RING, D]        exact window ring, slot = (position - SINK) % RING
       lengths:        int32 [B]              tokens stored per row
+    (a short cache, one that never stores a page: the ``loopkv.format.exact_slots`` its tokens fill, no pages)
     History pool (own, or the source cell's for a ``share`` cell), N = B * P physical pages:
       page_table:     int32 [B, P]           physical page of (row, logical page)
       k_pages:        bits 16: [N, H, PAGE, D]; 4: uint8 [N, H, PAGE, D//2]; 2: uint8 [N, H, PAGE, D//4]
@@ -61,6 +62,11 @@ class CellStorage:
     def pool(self) -> tuple[Tensor, ...]:
         return tuple(getattr(self, n) for n in POOL_FIELDS)
 
+    @property
+    def capacity(self) -> int:
+        """The most tokens a row holds (``loopkv.format.row_capacity`` of the allocated shapes)."""
+        return row_capacity(self.page_table.shape[1], self.sink_k.shape[2], self.win_k.shape[2])
+
 
 def _pool(bits: int, n: int, heads: int, head_dim: int, dtype: torch.dtype, device) -> dict[str, Tensor]:
     kinds = {"exact": dtype, "float16": torch.float16, "uint8": torch.uint8}
@@ -76,13 +82,15 @@ def allocate_cell(
 
     ``pool_pages``: ``None``, every row's pages reserved (``batch * max_pages(max_cache_len)``, the table the
     identity); else a shared pool of that many pages plus the trash page (``loopkv/cache/paging.py``), the table
-    pointing at the trash page until pages are allocated."""
+    pointing at the trash page until pages are allocated. A short cache (no page can ever be stored) has no pages at
+    all, and the sink and ring slots it can fill (``loopkv.format.exact_slots``)."""
     exact = dict(dtype=dtype, device=device)
+    sink, ring = exact_slots(max_cache_len)
     own = dict(
-        sink_k=torch.zeros(batch, heads, SINK, head_dim, **exact),
-        sink_v=torch.zeros(batch, heads, SINK, head_dim, **exact),
-        win_k=torch.zeros(batch, heads, RING, head_dim, **exact),
-        win_v=torch.zeros(batch, heads, RING, head_dim, **exact),
+        sink_k=torch.zeros(batch, heads, sink, head_dim, **exact),
+        sink_v=torch.zeros(batch, heads, sink, head_dim, **exact),
+        win_k=torch.zeros(batch, heads, ring, head_dim, **exact),
+        win_v=torch.zeros(batch, heads, ring, head_dim, **exact),
         lengths=torch.zeros(batch, dtype=torch.int32, device=device),
     )
     if option == "share":
@@ -92,7 +100,7 @@ def allocate_cell(
         return CellStorage(option=option, own_bits=0, read_bits=source.own_bits, **own, **shared)
     bits = BITS[option]
     pages = max_pages(max_cache_len)
-    physical = batch * pages if pool_pages is None else pool_pages + 1
+    physical = batch * pages if pool_pages is None or not pages else pool_pages + 1
     table = torch.arange(batch * pages, dtype=torch.int32, device=device).view(batch, pages)
     if pool_pages is not None:
         table.fill_(pool_pages)

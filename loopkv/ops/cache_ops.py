@@ -15,7 +15,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from loopkv.format import PAGE, POOL_FIELDS, QUANTIZE_LENGTH, RING, SINK, capacity
+from loopkv import format as fmt
+from loopkv.format import PAGE, POOL_FIELDS, QUANTIZE_LENGTH, RING, SINK, row_capacity
 from loopkv.ops import codec
 
 
@@ -51,35 +52,41 @@ def write_token_reference(
     maxp: int,
 ) -> Tensor:
     """Write one token per row (k_new, v_new [B, H, 1, D]) at position ``lengths[b]`` (sink slot or ring slot);
-    return the appended lengths (int64 [B]; rows at capacity are left unchanged). ``lengths`` is not written."""
+    return the appended lengths (int64 [B]; rows at capacity, ``loopkv.format.row_capacity`` of the shapes, are left
+    unchanged). ``lengths`` is not written."""
     B = k_new.shape[0]
     rows = torch.arange(B, device=k_new.device)
     pos = lengths.long()  # [B]
-    ok = pos < capacity(maxp)  # rows at capacity are left unchanged
+    sink, ring = sink_k.shape[2], win_k.shape[2]  # fewer than SINK, RING in a short cache (loopkv.format)
+    ok = pos < row_capacity(maxp, sink, ring)  # rows at capacity are left unchanged
     kn, vn = k_new[:, :, 0], v_new[:, :, 0]  # [B, H, D]
 
     in_sink = ok & (pos < SINK)
-    slot = pos.clamp(max=SINK - 1)
+    slot = pos.clamp(max=sink - 1)
     for buf, new in ((sink_k, kn), (sink_v, vn)):
         buf[rows, :, slot] = torch.where(in_sink[:, None, None], new.to(buf.dtype), buf[rows, :, slot])
-    in_win = ok & (pos >= SINK)
-    slot = torch.remainder(pos - SINK, RING)
-    for buf, new in ((win_k, kn), (win_v, vn)):
-        buf[rows, :, slot] = torch.where(in_win[:, None, None], new.to(buf.dtype), buf[rows, :, slot])
+    if ring:  # a short ring never wraps: a row below capacity writes below its last slot
+        in_win = ok & (pos >= SINK)
+        slot = torch.remainder(pos - SINK, RING).clamp(max=ring - 1)
+        for buf, new in ((win_k, kn), (win_v, vn)):
+            buf[rows, :, slot] = torch.where(in_win[:, None, None], new.to(buf.dtype), buf[rows, :, slot])
     return torch.where(ok, pos + 1, pos)
 
 
 def advance_reference(
     win_k: Tensor, win_v: Tensor, lengths: Tensor, page_table: Tensor, k_pages: Tensor, k_scale: Tensor,
     k_zero: Tensor, v_hi: Tensor, v_lo: Tensor, v_scale: Tensor, v_zero: Tensor, bits: int,
+    capacity: int | None = None,
 ) -> None:
-    """Count the token already written at ``lengths[b]`` (``lengths[b] + 1``, unchanged at capacity) and quantize
-    the page that this makes leave the window, from the ring into the pool (bits 0: no pool)."""
+    """Count the token already written at ``lengths[b]`` (``lengths[b] + 1``, unchanged at ``capacity``) and
+    quantize the page that this makes leave the window, from the ring into the pool (bits 0: no pool). ``capacity``:
+    the cell's ``loopkv.format.row_capacity``; ``None`` for the whole sink and ring (``format.capacity``). Without
+    pages the ring is not read (a short cache's ring has fewer slots)."""
     B = lengths.shape[0]
     maxp = page_table.shape[1]
     rows = torch.arange(B, device=lengths.device)
     pos = lengths.long()
-    ok = pos < capacity(maxp)
+    ok = pos < (fmt.capacity(maxp) if capacity is None else capacity)
     new_len = torch.where(ok, pos + 1, pos)
     lengths.copy_(new_len.to(lengths.dtype))
 

@@ -20,7 +20,7 @@ import math
 import torch
 from torch import Tensor
 
-from loopkv.format import PAGE, RING, SINK, cold_threshold, n_pages, pool_field_shapes
+from loopkv.format import PAGE, RING, SINK, cold_threshold, exact_slots, n_pages, pool_field_shapes
 from loopkv.ops import codec
 
 
@@ -63,14 +63,14 @@ def cell_attention_reference(
     def scores(k):  # k [B, H, T, D] -> [B, H, g, T]
         return torch.einsum("bhgd,bhtd->bhgt", qf, k.to(acc)) * scale
 
-    # sink: positions 0 .. min(length, SINK) - 1
+    # sink: positions 0 .. min(length, SINK) - 1 (a short cache allocates fewer slots: loopkv.format.exact_slots)
     s_sink = scores(sink_k)
-    sink_ok = torch.arange(SINK, device=dev) < length.clamp(max=SINK)[:, None]  # [B, SINK]
+    sink_ok = torch.arange(sink_k.shape[2], device=dev) < length.clamp(max=SINK)[:, None]  # [B, SINK]
     s_sink = s_sink.masked_fill(~sink_ok[:, None, None, :], -math.inf)
-    # window ring: slot r holds a live position iff (r - (ws - SINK)) mod RING < count
+    # window ring: slot r holds a live position iff (r - (ws - SINK)) mod RING < count (a short ring never wraps)
     ws = SINK + PAGE * npg  # first window position
     count = (length - ws).clamp_min(0)
-    r = torch.arange(RING, device=dev)
+    r = torch.arange(win_k.shape[2], device=dev)
     win_ok = torch.remainder(r[None, :] - (ws - SINK)[:, None], RING) < count[:, None]  # [B, RING]
     s_win = scores(win_k).masked_fill(~win_ok[:, None, None, :], -math.inf)
 
@@ -129,13 +129,20 @@ def cell_attention(
 def check_cell_args(q: Tensor, sink_k: Tensor, sink_v: Tensor, win_k: Tensor, win_v: Tensor, lengths: Tensor,
                     page_table: Tensor, pool: tuple[Tensor, ...], bits: int) -> None:
     """Shapes and dtypes of a cell read (``torch._check``: traced by the fake implementations, so a wrong call fails
-    when compiled as it would eagerly). q [B, Hq, D]; the exact parts [B, H, SINK | RING, D]; lengths, page_table
-    int32 [B], [B, P]; ``pool`` the seven fields of ``loopkv.format.pool_field_shapes`` (bits 0: no pool read)."""
+    when compiled as it would eagerly). q [B, Hq, D]; the exact parts [B, H, SINK | RING, D], or a short cache's
+    ``loopkv.format.exact_slots`` with no pages (its ring never wraps); lengths, page_table int32 [B], [B, P];
+    ``pool`` the seven fields of ``loopkv.format.pool_field_shapes`` (bits 0: no pool read)."""
     torch._check(q.dim() == 3, lambda: f"q must be [B, Hq, D], got {tuple(q.shape)}")
     B, Hq, D = q.shape
     H = sink_k.shape[1]
-    for name, t, slots in (("sink_k", sink_k, SINK), ("sink_v", sink_v, SINK), ("win_k", win_k, RING),
-                           ("win_v", win_v, RING)):
+    sink, ring = sink_k.shape[2], win_k.shape[2]
+    short = (sink, ring) != (SINK, RING)
+    torch._check(not short or (sink > 0 and (sink, ring) == exact_slots(sink + ring) and page_table.shape[-1] == 0),
+                 lambda: f"sink_k, win_k have {sink} and {ring} slots: a cell has {SINK} and {RING}, or a short "
+                         f"cache's loopkv.format.exact_slots with no pages (page_table [B, 0], got "
+                         f"{tuple(page_table.shape)})")
+    for name, t, slots in (("sink_k", sink_k, sink), ("sink_v", sink_v, sink), ("win_k", win_k, ring),
+                           ("win_v", win_v, ring)):
         torch._check(tuple(t.shape) == (B, H, slots, D),
                      lambda name=name, t=t, slots=slots: f"{name} must be [{B}, {H}, {slots}, {D}], "
                                                          f"got {tuple(t.shape)}")

@@ -5,7 +5,8 @@
   the op attends over ``lengths[b] + 1`` tokens (unchanged at capacity). The page that the token makes leave the
   window is not quantized here; it is not read as history before the next step (``loopkv.format.QUANTIZE_LENGTH``).
 * ``advance_``: after every cell of the step has been read, one op per kind of pool: for each listed cell, count
-  its token (``lengths[b] += 1``, unchanged at capacity) and quantize the page that leaves the window into the
+  its token (``lengths[b] += 1``, unchanged at ``capacity``: the cells' ``loopkv.format.row_capacity``, by default
+  ``format.capacity(max_pages)``, a whole sink and ring) and quantize the page that leaves the window into the
   cell's pool. It works on the cache's stacked tensors (``loopkv.cache.storage.CellStacks``): row ``c`` of
   ``lengths`` / ``win_k`` / ``win_v`` is cell ``c``, row ``j`` of the page table and the pool fields is pool ``j``;
   ``cells[i]`` and ``pools[i]`` name the i-th pair. A ``share`` cell (bits 0) only counts its token.
@@ -75,11 +76,11 @@ def check_advance_args(cells: Tensor, pools: Tensor, batch: int, max_batch: int,
 def advance_stacks_reference(
     cells: Tensor, pools: Tensor, lengths: Tensor, win_k: Tensor, win_v: Tensor, page_table: Tensor,
     k_pages: Tensor, k_scale: Tensor, k_zero: Tensor, v_hi: Tensor, v_lo: Tensor, v_scale: Tensor, v_zero: Tensor,
-    batch: int, max_batch: int, heads: int, head_dim: int, max_pages: int, bits: int,
+    batch: int, max_batch: int, heads: int, head_dim: int, max_pages: int, bits: int, capacity: int | None = None,
 ) -> None:
     """``advance_reference`` of the first ``batch`` rows of every (cell, pool) pair, on the stacked tensors."""
     check_advance_args(cells, pools, batch, max_batch, bits)
-    ring = (max_batch, heads, RING, head_dim)
+    ring = (max_batch, heads, RING if max_pages else 0, head_dim)  # no pages: the ring is not read (may be short)
     # physical pages per pool: every row's (max_batch * max_pages) or a shared pool's; a stacked row is padded by
     # less than one page, so the count is what fits
     physical = k_pages.shape[-1] // math.prod(pool_field_shapes(bits, 1, heads, head_dim)["k_pages"]) if bits else 0
@@ -94,24 +95,24 @@ def advance_stacks_reference(
         else:  # a share cell: the capacity of its source's pool, nothing written there
             table = torch.zeros(batch, max_pages, dtype=torch.int32, device=lengths.device)
             pool = list(stacks)
-        advance_reference(wk, wv, lengths[c, :batch], table, *pool, bits)
+        advance_reference(wk, wv, lengths[c, :batch], table, *pool, bits, capacity)
 
 
 @torch.library.custom_op("loopkv::advance_", mutates_args=("lengths",) + POOL_FIELDS)
 def advance_(
     cells: Tensor, pools: Tensor, lengths: Tensor, win_k: Tensor, win_v: Tensor, page_table: Tensor,
     k_pages: Tensor, k_scale: Tensor, k_zero: Tensor, v_hi: Tensor, v_lo: Tensor, v_scale: Tensor, v_zero: Tensor,
-    batch: int, max_batch: int, heads: int, head_dim: int, max_pages: int, bits: int,
+    batch: int, max_batch: int, heads: int, head_dim: int, max_pages: int, bits: int, capacity: int | None = None,
 ) -> None:
     """Count the step's token of every listed cell and quantize the pages that leave the window (module
     docstring); the reference serves every device."""
     advance_stacks_reference(cells, pools, lengths, win_k, win_v, page_table, k_pages, k_scale, k_zero, v_hi, v_lo,
-                             v_scale, v_zero, batch, max_batch, heads, head_dim, max_pages, bits)
+                             v_scale, v_zero, batch, max_batch, heads, head_dim, max_pages, bits, capacity)
 
 
 @advance_.register_fake
 def _(cells, pools, lengths, win_k, win_v, *rest) -> None:
-    batch, max_batch, bits = rest[8], rest[9], rest[-1]
+    batch, max_batch, bits = rest[8], rest[9], rest[13]  # rest: page_table, the 7 pool fields, then the ints
     torch._check(cells.dim() == 1 and cells.shape == pools.shape,
                  lambda: f"cells and pools must be 1-D and alike, got {tuple(cells.shape)}, {tuple(pools.shape)}")
     torch._check(lengths.dtype == torch.int32, lambda: f"lengths must be int32, got {lengths.dtype}")

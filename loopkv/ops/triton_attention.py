@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from loopkv.format import GROUP, PAGE, RING, SINK, capacity
+from loopkv.format import GROUP, PAGE, RING, SINK, row_capacity
 from loopkv.ops import triton_config
 from loopkv.ops.cell_attention import cell_attention_reference
 from loopkv.ops.triton_config import KERNEL_OPTIONS
@@ -71,7 +71,7 @@ def _cell_attn_kernel(
     k_pages, k_scale, k_zero, v_hi, v_lo, v_scale, v_zero,
     ws_o, ws_ml, cnt, out, so_b, so_h,
     H, MAXP, NNEAR, NSPLIT, CHUNKC, qk_scale, tau,
-    k_new, v_new, skn_b, skn_h, svn_b, svn_h, CAP,
+    k_new, v_new, skn_b, skn_h, svn_b, svn_h, CAP, NSINK, NRING,
     G: tl.constexpr, GR: tl.constexpr, GP: tl.constexpr, NGP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
     BITS: tl.constexpr, VPREC: tl.constexpr, BN: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr,
     UPCAST: tl.constexpr, SUBNORMAL: tl.constexpr, NPP: tl.constexpr, CC: tl.constexpr, L2: tl.constexpr,
@@ -86,7 +86,12 @@ def _cell_attn_kernel(
 
     TOKEN (``token_attention_``): every program reads with the appended length; the near program whose slot takes
     the token (k_new, v_new [B, H, 1, D], strides skn_*, svn_*) reads it from there, not from the ring it is being
-    written to, and then writes it into sink or ring (nothing at capacity, ``CAP``)."""
+    written to, and then writes it into sink or ring (nothing at capacity, ``CAP``).
+
+    NSINK, NRING: the sink and ring slots allocated per (row, head), SINK and RING or a short cache's fewer
+    (``loopkv.format.exact_slots``: no pages, so its ring never wraps and no history program runs). Slot arithmetic
+    is the same; every slot a load or store touches is one that holds a position (masks from the lengths, which never
+    pass ``CAP``), so it lies below NSINK / NRING."""
     RP: tl.constexpr = GR * NGP
     pid = tl.program_id(0)
     bh = tl.program_id(1)
@@ -141,8 +146,8 @@ def _cell_attn_kernel(
         d = tl.where(d < 0, d + 288, d)
         valid = tl.where(v < 32, v < tl.minimum(length, 32), (d < count) & (v < 320))
         in_sink = (v < 32)[:, None]
-        s_off = (bh64 * 32 + tl.minimum(v, 31))[:, None] * D + c[None, :]
-        w_off = (bh64 * 288 + tl.minimum(ring, 287))[:, None] * D + c[None, :]
+        s_off = (bh64 * NSINK + tl.minimum(v, NSINK - 1))[:, None] * D + c[None, :]
+        w_off = (bh64 * NRING + tl.maximum(tl.minimum(ring, NRING - 1), 0))[:, None] * D + c[None, :]
         kptr = tl.where(in_sink, sink_k + s_off, win_k + w_off)
         vptr = tl.where(in_sink, sink_v + s_off, win_v + w_off)
         if TOKEN:  # the new token's slot is read from the op's input (its ring / sink write may not be done)
@@ -157,7 +162,7 @@ def _cell_attn_kernel(
             tslot = tl.where(pos < 32, pos, 32 + (pos - 32) % 288)
             if pid == tslot // BN:
                 _write_token(k_new, v_new, skn_b, skn_h, svn_b, svn_h, b, h, pos, sink_k, sink_v, win_k, win_v, H,
-                             CAP, D, DP)
+                             CAP, NSINK, NRING, D, DP)
     elif past:  # never taken. The token path's page loop was measured compiled with this test in place; without
         pass  # it ptxas schedules that loop differently (same registers, static sm_90 comparison): measure first
     elif pid < nlive:
@@ -318,7 +323,8 @@ def _launch(q: Tensor, storage: tuple[Tensor, ...], bits: int, tau: float, scale
                                for t in (k_pages, v_hi, v_lo))
     i32 = launch.i32 and triton_config.fits_int32(k_pages, k_scale, k_zero, v_hi, v_lo, v_scale, v_zero)
     k_new, v_new = token if token is not None else (q, q)  # placeholders without a token: TOKEN compiles no use
-    cap = capacity(maxp) if token is not None else 0
+    nsink, nring = sink_k.shape[2], win_k.shape[2]  # SINK, RING, or a short cache's (loopkv.format.exact_slots)
+    cap = row_capacity(maxp, nsink, nring) if token is not None else 0
     cc = launch.reader == "cc" and nsplit > 0
     options = {"maxnreg": launch.maxnreg} if launch.maxnreg and compiled else {}
     _cell_attn_kernel[(nprog, B * H)](
@@ -326,7 +332,7 @@ def _launch(q: Tensor, storage: tuple[Tensor, ...], bits: int, tau: float, scale
         k_pages, k_scale, k_zero, v_hi, v_lo, v_scale, v_zero,
         ws_o, ws_ml, cnt, out, out.stride(0), out.stride(1),
         H, maxp, nnear, nsplit, launch.chunk_coef, scale * LOG2E, float(tau) if vprec else 0.0,
-        k_new, v_new, k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1), cap,
+        k_new, v_new, k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1), cap, nsink, nring,
         G=G, GR=GR, GP=_next_pow2(G), NGP=NGP, D=D, DP=DP, BITS=bits if nsplit else 0, VPREC=vprec,
         BN=launch.near_block, DT=tl.float32 if exact else tl.float16, PREC="ieee" if exact else "tf32",
         UPCAST=not compiled and q.dtype == torch.bfloat16, SUBNORMAL=not exact, NPP=max(16, _next_pow2(nprog)),

@@ -23,7 +23,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from loopkv.format import GROUP, PAGE, QUANTIZE_LENGTH, RING, SINK, WINDOW, capacity
+from loopkv import format as fmt
+from loopkv.format import GROUP, PAGE, QUANTIZE_LENGTH, RING, SINK, WINDOW
 from loopkv.ops.cache_ops import write_pages_reference
 from loopkv.ops.codec import EPS, FP16_MAX
 from loopkv.ops.triton_config import HEAD_DIMS, KERNEL_OPTIONS
@@ -167,18 +168,19 @@ def _write_pages_kernel(
 
 
 @triton.jit
-def _write_token(k_new, v_new, sk_b, sk_h, sv_b, sv_h, b, h, pos, sink_k, sink_v, win_k, win_v, H, CAP,
-                 D: tl.constexpr, DP: tl.constexpr):
+def _write_token(k_new, v_new, sk_b, sk_h, sv_b, sv_h, b, h, pos, sink_k, sink_v, win_k, win_v, H, CAP, NSINK,
+                 NRING, D: tl.constexpr, DP: tl.constexpr):
     """The token of head h of row b (k_new, v_new: unit channel stride) at position ``pos`` into sink or window
-    ring; nothing at capacity (``pos >= CAP``)."""
+    ring (NSINK, NRING slots per row and head: SINK, RING, or a short cache's fewer); nothing at capacity
+    (``pos >= CAP``, which keeps a short cache's slots in bounds: its ring never wraps)."""
     c = tl.arange(0, DP)
     cm = c < D
     bh = b.to(tl.int64) * H + h
     pos_c = tl.zeros([DP], dtype=tl.int32) + pos  # per-lane copy: masks stay tensors
     in_sink = cm & (pos_c < CAP) & (pos_c < 32)  # SINK
     in_win = cm & (pos_c < CAP) & (pos_c >= 32)
-    s_off = (bh * 32 + tl.minimum(pos, 31)) * D + c
-    w_off = (bh * 288 + tl.maximum(pos - 32, 0) % 288) * D + c  # RING = 288
+    s_off = (bh * NSINK + tl.minimum(pos, 31)) * D + c
+    w_off = (bh * NRING + tl.maximum(pos - 32, 0) % 288) * D + c  # RING = 288
     kn = tl.load(k_new + b.to(tl.int64) * sk_b + h * sk_h + c, mask=cm)
     tl.store(sink_k + s_off, kn.to(sink_k.dtype.element_ty), mask=in_sink)
     tl.store(win_k + w_off, kn.to(win_k.dtype.element_ty), mask=in_win)
@@ -278,11 +280,12 @@ def advance_programs(pairs: int, batch: int, heads: int, bits: int) -> int:
 def advance(
     cells: Tensor, pools: Tensor, lengths: Tensor, win_k: Tensor, win_v: Tensor, page_table: Tensor,
     k_pages: Tensor, k_scale: Tensor, k_zero: Tensor, v_hi: Tensor, v_lo: Tensor, v_scale: Tensor, v_zero: Tensor,
-    batch: int, max_batch: int, heads: int, head_dim: int, max_pages: int, bits: int, *, num_warps: int = 4,
+    batch: int, max_batch: int, heads: int, head_dim: int, max_pages: int, bits: int, capacity: int | None = None,
+    *, num_warps: int = 4,
 ) -> None:
     """Triton ``advance_`` (``loopkv/ops/step_ops.py``): one launch for every (cell, pool) pair listed, predicated per
     row on the device. The stacks are 2-D and row-contiguous (``CellStacks``); others, and a head_dim the kernels do
-    not serve (``triton_config.HEAD_DIMS``), run the reference."""
+    not serve (``triton_config.HEAD_DIMS``), run the reference. Without pages the ring is not read."""
     from loopkv.ops.step_ops import advance_stacks_reference, check_advance_args
 
     check_advance_args(cells, pools, batch, max_batch, bits)
@@ -293,7 +296,8 @@ def advance(
     if not all(t.numel() == 0 or (t.dim() == 2 and t.stride(1) == 1) for t in stacks) or cells.stride(0) != 1 \
             or pools.stride(0) != 1 or win_k.stride(0) != win_v.stride(0) or head_dim not in HEAD_DIMS:
         advance_stacks_reference(cells, pools, lengths, win_k, win_v, page_table, k_pages, k_scale, k_zero, v_hi,
-                                 v_lo, v_scale, v_zero, batch, max_batch, heads, head_dim, max_pages, bits)
+                                 v_lo, v_scale, v_zero, batch, max_batch, heads, head_dim, max_pages, bits,
+                                 capacity)
         return
     if max_pages == 0:
         bits = 0  # no page is ever quantized: capacity(0) is below QUANTIZE_LENGTH
@@ -306,6 +310,7 @@ def advance(
     _advance_kernel[(n, batch, ns)](
         cells, pools, lengths, row(lengths), win_k, win_v, row(win_k), page_table, row(page_table),
         k_pages, row(k_pages), k_scale, row(k_scale), k_zero, row(k_zero), v_hi, row(v_hi), v_lo, row(v_lo),
-        v_scale, row(v_scale), v_zero, row(v_zero), cnt, batch, heads, max_pages, capacity(max_pages), ns,
+        v_scale, row(v_scale), v_zero, row(v_zero), cnt, batch, heads, max_pages,
+        fmt.capacity(max_pages) if capacity is None else capacity, ns,
         BITS=bits, D=head_dim, DP=_next_pow2(head_dim), num_warps=num_warps, **KERNEL_OPTIONS,
     )
