@@ -2,33 +2,52 @@
 LoopKV storage (loopkv/serving), one arm per plan under the same KV budget, in one process (paper §5.1, §5.4).
 
     python benchmarks/bench_serving.py [--arms bf16,kivi4,loopkv-r,loopkv-m] [--budget-gib 96] [--max-len 16384]
-        [--rates 0.25,0.5,1,2] [--requests 48] [--seed 0] [--smoke] [--out benchmarks/results/serving.json]
+        [--rates 0.25,0.5,1,2,4,8] [--requests 32] [--trace-s 30] [--time-budget-s 420] [--seed 0] [--smoke]
+        [--out benchmarks/results/serving.json]
+    python benchmarks/bench_serving.py --plot benchmarks/results/serving.json   # the figure from a JSON
 
 Model: Ouro-1.4B's shapes with random weights, bf16 (``--smoke``: a tiny one, on the CPU if there is no GPU). Trace:
-seeded Poisson arrivals at each rate; prompts uniform in [max_len / 16, max_len / 2], outputs uniform in [64, 512]
-tokens (capped to max_len). Arms: ``bf16`` stores every cell exact (an all-bf16 plan: transformers' own paged cache
-has one layer per physical layer and cannot hold a looped model's cells), ``kivi4`` INT4 in every cell, ``loopkv-r``
-and ``loopkv-m`` the paper's compositions (as in bench_decode.py). Each arm gets the slots and pages the budget buys:
-``slots = budget // (a slot's exact sink and window + bytes per token x the trace's mean context)``, the rest pages.
+seeded Poisson arrivals at each rate, the same requests at every rate; prompts uniform in [max_len / 16, max_len / 2],
+outputs uniform in [32, 256] tokens (capped to max_len): the paper's SLO workload (AIME, 11K output tokens on
+average) takes hours per ladder, this one minutes. Arms: ``bf16`` stores every cell exact (an all-bf16 plan:
+transformers' own paged cache has one layer per physical layer and cannot hold a looped model's cells), ``kivi4``
+INT4 in every cell, ``loopkv-r`` and ``loopkv-m`` the paper's compositions (as in bench_decode.py). Each arm gets the
+slots and pages the budget buys: ``slots = budget // (a slot's exact sink and window + bytes per token x the trace's
+mean context)``, the rest pages.
 
-SLO, per request: time to first token <= 10 s and mean time per output token <= 3x the BF16 arm's batch-1 decode step
-(measured first, in this run, through the same engine). Attainment = the share of requests meeting it; goodput = the
-highest rate with attainment >= 95%. Also reported: peak decode tokens/s of each arm (its largest rate).
-The engine runs eagerly (no CUDA graphs: loopkv's shim splits the batch on the host), so these numbers include the
-engine's and the shim's host time; compare them with bench_decode.py's static-batch graphs to see that overhead.
+SLO, per request: time to first token <= 10 s and mean time per output token <= 3x the BF16 batch-1 decode step
+(measured first, in this run, through the same engine with one slot). Attainment = the share of a rate's requests
+meeting it; goodput = the highest rate of the ladder with attainment >= 95%, every lower rate meeting it too.
+
+Each arm runs in one engine (built and started once): a warm-up request (builds the kernels), the peak decode
+throughput (``slots`` requests of ``--peak-prompt`` tokens sent at once, decoding together: tokens per second while
+every one of them decodes), then the ladder in increasing rate. A rate's trace is its first ``--requests`` arrivals
+within ``--trace-s`` seconds. It ends when every request is finished or past its SLO deadline (arrival + 10 s +
+(tokens - 1) x the TPOT bound: a request unfinished then cannot meet the SLO, so it counts as a miss and is
+cancelled), or as soon as misses make 95% impossible. The ladder stops at the first rate below 95%, and when the
+arm's share of ``--time-budget-s`` runs out (that rate is then marked incomplete and does not count). The JSON is
+rewritten after every rate, so a run cut short keeps what finished; progress lines carry timings.
+
+The engine runs eagerly (no CUDA graphs: loopkv's shim splits prompts from decode tokens on the host), so these
+numbers include the engine's and the shim's host time; compare the peak with bench_decode.py's static-batch graphs
+to see that overhead.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
+import json
+import pathlib
 import random
 import sys
 import threading
 import time
+import zlib
 
 import torch
 
-sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from bench_decode import ouro_1p4b_config, paper_plans, smoke_config  # noqa: E402
 from run_info import RESULTS, run_info, write_json  # noqa: E402
 
@@ -39,6 +58,13 @@ from loopkv.serving.transformers_cb import engine_cache, engine_config  # noqa: 
 TTFT_SLO_S = 10.0
 TPOT_SLO_X = 3.0
 ATTAINMENT = 0.95
+STYLE = {"bf16": ("k", "o"), "kivi4": ("tab:blue", "s"), "loopkv-r": ("tab:orange", "^"),
+         "loopkv-m": ("tab:red", "v")}
+T0 = time.perf_counter()
+
+
+def log(message: str) -> None:
+    print(f"[{time.perf_counter() - T0:7.1f} s] {message}", flush=True)
 
 
 def plans(cfg) -> dict[str, loopkv.Plan]:
@@ -47,12 +73,12 @@ def plans(cfg) -> dict[str, loopkv.Plan]:
 
 
 def trace(rate: float, n: int, max_len: int, seed: int, smoke: bool) -> list[tuple[float, int, int]]:
-    """(arrival s, prompt tokens, output tokens) per request."""
+    """(arrival s, prompt tokens, output tokens) per request; the same requests at every rate."""
     rng = random.Random(seed)
     t, out = 0.0, []
-    lo_out, hi_out = (4, 12) if smoke else (64, 512)
+    lo_out, hi_out = (4, 12) if smoke else (32, 256)
     for _ in range(n):
-        t += rng.expovariate(rate)
+        t += rng.expovariate(1.0) / rate
         prompt = rng.randint(max_len // 16, max_len // 2)
         out.append((t, prompt, min(rng.randint(lo_out, hi_out), max_len - prompt)))
     return out
@@ -68,41 +94,178 @@ def budget_split(plan, cfg, budget: int, mean_context: float, dtype_bytes: int) 
     return slots, pool_pages_for(plan, cfg, budget_bytes=budget, max_batch_size=slots, dtype_bytes=dtype_bytes)
 
 
-def serve(model, plan, cfg, requests, *, slots, pages, max_len, smoke) -> list[dict]:
-    """Run one trace through the engine; per request: ttft_s, tpot_s, tokens."""
-    from transformers import GenerationConfig
+class Engine:
+    """One arm's engine, started once: requests go in with :meth:`submit`, finished ones come back in
+    :meth:`collect` with their latencies."""
 
-    gen = GenerationConfig(do_sample=False, eos_token_id=-1, pad_token_id=0, max_new_tokens=max(r[2] for r in requests))
-    cb = engine_config(plan, pool_pages=pages, max_batch_tokens=256 if "share" in plan.options else 1024)
-    vocab = cfg.vocab_size
-    done: dict[str, dict] = {}
-    with engine_cache(plan, max_slots=slots, max_len=max_len):
-        manager = model.init_continuous_batching(generation_config=gen, continuous_batching_config=cb)
-        manager.start()
+    def __init__(self, model, plan, *, slots: int, pages: int, max_len: int):
+        from transformers import GenerationConfig
+
+        self.model, self.vocab = model, model.config.vocab_size
+        gen = GenerationConfig(do_sample=False, eos_token_id=-1, pad_token_id=0, max_new_tokens=max_len)
+        cb = engine_config(plan, pool_pages=pages, max_batch_tokens=256 if "share" in plan.options else 1024)
+        self._context = engine_cache(plan, max_slots=slots, max_len=max_len)
+        self._context.__enter__()
+        self.manager = model.init_continuous_batching(generation_config=gen, continuous_batching_config=cb)
+        self.manager.start()
+        self.submitted: dict[str, float] = {}
+
+    def submit(self, request_id: str, prompt: int, new: int) -> None:
+        seed = zlib.crc32(request_id.encode())
+        ids = torch.randint(3, self.vocab, (prompt,), generator=torch.Generator().manual_seed(seed))
+        self.manager.add_request(ids.tolist(), request_id=request_id, max_new_tokens=new, record_timestamps=True)
+        self.submitted[request_id] = time.perf_counter()
+
+    def collect(self, timeout: float) -> dict | None:
+        """The next finished request (its id, ttft_s, tpot_s, tokens, token timestamps, error), or None."""
+        result = self.manager.get_result(timeout=timeout)
+        if result is None:
+            if not self.manager.is_running():
+                raise RuntimeError("the engine stopped")
+            return None
+        if not result.is_finished():
+            return None
+        stamps = result.timestamps or []
+        submitted = self.submitted.pop(result.request_id, None)
+        if submitted is None:  # cancelled earlier, finished anyway
+            return None
+        return {"id": result.request_id, "ttft_s": stamps[0] - submitted if stamps else float("inf"),
+                "tpot_s": (stamps[-1] - stamps[0]) / (len(stamps) - 1) if len(stamps) > 1 else 0.0,
+                "tokens": len(result.generated_tokens), "stamps": stamps, "error": getattr(result, "error", None)}
+
+    def cancel(self, request_id: str) -> None:
+        self.submitted.pop(request_id, None)
+        self.manager.cancel_request(request_id)
+
+    def close(self) -> None:
         try:
-            start = time.perf_counter()
-            submitted = {}
-            for i, (arrival, prompt, new) in enumerate(requests):
-                delay = start + arrival - time.perf_counter()
-                if delay > 0:
-                    time.sleep(delay)
-                ids = torch.randint(3, vocab, (prompt,), generator=torch.Generator().manual_seed(i)).tolist()
-                rid = manager.add_request(ids, request_id=f"r{i}", max_new_tokens=new, record_timestamps=True)
-                submitted[rid] = time.perf_counter()
-            while len(done) < len(requests):
-                result = manager.get_result(timeout=600 if not smoke else 60)
-                if result is None:
-                    raise RuntimeError(f"the engine returned {len(done)} of {len(requests)} requests")
-                if result.is_finished():
-                    stamps = result.timestamps or []
-                    ttft = stamps[0] - submitted[result.request_id] if stamps else float("inf")
-                    tpot = (stamps[-1] - stamps[0]) / (len(stamps) - 1) if len(stamps) > 1 else 0.0
-                    done[result.request_id] = {"ttft_s": ttft, "tpot_s": tpot, "tokens": len(result.generated_tokens),
-                                               "error": getattr(result, "error", None)}
+            self.manager.stop(block=True)
+            self.model.destroy_cached_continuous_batching_manager()
         finally:
-            manager.stop(block=True)
-            model.destroy_cached_continuous_batching_manager()
-    return list(done.values())
+            self._context.__exit__(None, None, None)
+            self.manager = None
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+
+    def run_all(self, requests: dict[str, tuple[int, int]], timeout: float) -> list[dict]:
+        """Submit every request now and wait for all of them."""
+        for rid, (prompt, new) in requests.items():
+            self.submit(rid, prompt, new)
+        done, deadline = [], time.perf_counter() + timeout
+        while len(done) < len(requests):
+            if time.perf_counter() > deadline:
+                raise RuntimeError(f"the engine returned {len(done)} of {len(requests)} requests in {timeout} s")
+            got = self.collect(timeout=1.0)
+            if got is not None:
+                done.append(got)
+        return done
+
+
+def peak_decode(engine: Engine, slots: int, prompt: int, new: int, timeout: float) -> dict:
+    """``slots`` requests at once; decode tokens per second while all of them decode (from the last first token to
+    the first finish)."""
+    done = engine.run_all({f"peak{i}": (prompt, new) for i in range(slots)}, timeout)
+    start = max(r["stamps"][0] for r in done)
+    end = min(r["stamps"][-1] for r in done)
+    tokens = sum(start < t <= end for r in done for t in r["stamps"])
+    return {"batch": slots, "prompt": prompt, "new": new, "window_s": end - start,
+            "tokens_per_s": tokens / (end - start) if end > start else None}
+
+
+def run_rate(engine: Engine, name: str, rate: float, reqs, *, tpot_slo: float, trace_s: float,
+             stop_at: float) -> dict:
+    """One rate of the ladder (module docstring); returns its row."""
+    reqs = [r for r in reqs if r[0] <= trace_s] or reqs[:1]
+    ids = [f"{name}@{rate}#{i}" for i in range(len(reqs))]
+    deadline = {}  # request id -> the time by which it must finish to meet the SLO
+    results, misses, complete = {}, 0, True
+    allowed_misses = int((1 - ATTAINMENT) * len(reqs) + 1e-9)
+    start = time.perf_counter()
+    pending = list(zip(ids, reqs, strict=True))
+    while pending or deadline:
+        now = time.perf_counter()
+        while pending and start + pending[0][1][0] <= now:
+            rid, (arrival, prompt, new) = pending.pop(0)
+            engine.submit(rid, prompt, new)
+            deadline[rid] = now + TTFT_SLO_S + (new - 1) * tpot_slo
+        wait = start + pending[0][1][0] - now if pending else 0.2
+        got = engine.collect(timeout=max(0.01, min(wait, 0.2)))
+        if got is not None and got["id"] in deadline:
+            del deadline[got["id"]]
+            got["ok"] = got["ttft_s"] <= TTFT_SLO_S and got["tpot_s"] <= tpot_slo and not got["error"]
+            results[got["id"]] = got
+            misses += not got["ok"]
+        now = time.perf_counter()
+        for rid in [r for r, d in deadline.items() if d < now]:  # cannot meet the SLO any more
+            engine.cancel(rid)
+            del deadline[rid]
+            results[rid] = {"ttft_s": float("inf"), "tpot_s": float("inf"), "tokens": 0, "ok": False,
+                            "error": "unfinished at its SLO deadline"}
+            misses += 1
+        if misses > allowed_misses or now > stop_at:  # 95% is out of reach, or the arm's time is spent
+            complete = misses > allowed_misses
+            for rid in list(deadline):
+                engine.cancel(rid)
+            break
+    wall = time.perf_counter() - start
+    finished = [r for r in results.values() if r["tokens"]]
+    return {"arm": name, "rate": rate, "requests": len(reqs), "judged": len(results), "complete": complete,
+            "attainment": 1 - misses / len(reqs),  # an upper bound when stopped early
+            "stopped_early": misses > allowed_misses and bool(pending or deadline),
+            "tokens_per_s": sum(r["tokens"] for r in finished) / wall, "wall_s": wall,
+            "mean_ttft_s": (sum(r["ttft_s"] for r in finished) / len(finished)) if finished else None,
+            "mean_tpot_s": (sum(r["tpot_s"] for r in finished) / len(finished)) if finished else None,
+            "ttft_misses": sum(r["ttft_s"] > TTFT_SLO_S for r in results.values()),
+            "tpot_misses": sum(r["tpot_s"] > tpot_slo for r in results.values())}
+
+
+def summarize(arms: dict, rows: list[dict]) -> dict:
+    """Goodput per arm (the highest rate before the first rate below 95% or cut short), its ratios, the peaks."""
+    goodput = {}
+    for name in arms:
+        met = 0.0
+        for row in (r for r in rows if r["arm"] == name):
+            if not row["complete"]:
+                break
+            if row["attainment"] < ATTAINMENT:
+                break
+            met = row["rate"]
+        goodput[name] = met
+    ratio = {base: {n: (g / goodput[base] if goodput.get(base) else None) for n, g in goodput.items()}
+             for base in ("bf16", "kivi4") if base in goodput}
+    return {"goodput_rps": goodput, "goodput_vs_bf16": ratio.get("bf16", {}),
+            "goodput_vs_kivi4": ratio.get("kivi4", {}),
+            "peak_tokens_per_s": {n: a["peak"]["tokens_per_s"] for n, a in arms.items() if a.get("peak")}}
+
+
+def plot(result: dict, path) -> None:
+    """Attainment against rate per arm, the 95% line, the goodput ratios in the legend."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for name in result["arms"]:
+        rows = [r for r in result["rows"] if r["arm"] == name and r["complete"]]
+        color, marker = STYLE.get(name, ("tab:gray", "x"))
+        ratio = result["goodput_vs_bf16"].get(name)
+        label = f"{name}: {result['goodput_rps'][name]:.3g} req/s" + (f" ({ratio:.2f}x BF16)" if ratio else "")
+        ax.plot([r["rate"] for r in rows], [100 * r["attainment"] for r in rows], color=color, marker=marker,
+                label=label)
+    ax.axhline(100 * ATTAINMENT, color="tab:red", lw=0.8, ls="--")
+    ax.set_ylim(0, 105)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("arrival rate (requests/s)")
+    ax.set_ylabel("requests meeting the SLO (%)")
+    slo = result["slo"]
+    ax.set_title(f"{result['model']}, max length {result['max_len']}, {result['budget_gib']} GiB KV\n"
+                 f"SLO: TTFT <= {slo['ttft_s']:g} s, TPOT <= {1e3 * slo['tpot_s']:.1f} ms", fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=150)
+    plt.close(fig)
 
 
 def main(argv=None) -> dict:
@@ -110,70 +273,102 @@ def main(argv=None) -> dict:
     ap.add_argument("--arms", default="bf16,kivi4,loopkv-r,loopkv-m")
     ap.add_argument("--budget-gib", type=float, default=96.0)
     ap.add_argument("--max-len", type=int, default=16384)
-    ap.add_argument("--rates", default="0.25,0.5,1,2", help="requests per second")
-    ap.add_argument("--requests", type=int, default=48)
+    ap.add_argument("--rates", default="0.25,0.5,1,2,4,8", help="requests per second, increasing")
+    ap.add_argument("--requests", type=int, default=32, help="requests per rate at most")
+    ap.add_argument("--trace-s", type=float, default=30.0, help="arrivals per rate within this many seconds")
+    ap.add_argument("--peak-prompt", type=int, default=512, help="prompt tokens of the peak-throughput requests")
+    ap.add_argument("--peak-batch", type=int, default=0, help="peak-throughput requests (0: the arm's slots)")
+    ap.add_argument("--time-budget-s", type=float, default=420.0, help="the whole run, model building included")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--smoke", action="store_true", help="a tiny model and trace: checks the script, measures nothing")
     ap.add_argument("--out", default=str(RESULTS / "serving.json"))
+    ap.add_argument("--plot", metavar="JSON", help="only draw the figure of this JSON (next to it, .png)")
     args = ap.parse_args(argv)
+    if args.plot:
+        path = pathlib.Path(args.plot)
+        plot(json.loads(path.read_text()), path.with_suffix(".png"))
+        return {}
     if args.smoke:  # sizes the smoke run overrides unless given
         given = set(argv if argv is not None else sys.argv[1:])
-        for flag, value in (("--max-len", 640), ("--requests", 3), ("--rates", "8"), ("--budget-gib", 0.25),
-                            ("--arms", "loopkv-m")):
+        for flag, value in (("--max-len", 640), ("--requests", 3), ("--rates", "8"), ("--budget-gib", 0.02),
+                            ("--arms", "loopkv-m"), ("--peak-prompt", 330), ("--peak-batch", 2), ("--trace-s", 5.0)):
             if flag not in given:
                 setattr(args, flag[2:].replace("-", "_"), value)
-
+    stop_all = T0 + args.time_budget_s
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    dtype_bytes = torch.empty(0, dtype=dtype).element_size()
     cfg = smoke_config() if args.smoke else ouro_1p4b_config()
     torch.manual_seed(0)
     model = OuroForCausalLM(cfg).to(device=device, dtype=dtype).eval()
-    arms = {name: plan for name, plan in plans(cfg).items() if name in args.arms.split(",")}
+    names = args.arms.split(",")
+    unknown = set(names) - set(plans(cfg))
+    if unknown:
+        raise SystemExit(f"unknown arms {sorted(unknown)}; choose from {sorted(plans(cfg))}")
+    arm_plans = {name: plans(cfg)[name] for name in names}
     rates = [float(r) for r in args.rates.split(",")]
+    if rates != sorted(rates):
+        raise SystemExit("--rates must increase")
     budget = int(args.budget_gib * 2**30)
+    small_new = 8 if args.smoke else 64
+    timeout = 120 if args.smoke else 300
+    log(f"model built on {device}")
 
-    # the SLO's step: BF16 at batch 1, through the same engine
-    one = [(0.0, args.max_len // 4, 8 if args.smoke else 64)]
-    bf16 = plans(cfg)["bf16"]
-    dtype_bytes = torch.empty(0, dtype=dtype).element_size()
-    base = serve(model, bf16, cfg, one, slots=1, pages=budget_split(bf16, cfg, budget, args.max_len, dtype_bytes)[1],
-                 max_len=args.max_len, smoke=args.smoke)[0]["tpot_s"]
-    tpot_slo = TPOT_SLO_X * base
-
-    rows = []
-    for name, plan in arms.items():
-        for rate in rates:
-            reqs = trace(rate, args.requests, args.max_len, args.seed, args.smoke)
-            mean_ctx = sum(p + n for _, p, n in reqs) / len(reqs)
-            slots, pages = budget_split(plan, cfg, budget, mean_ctx, dtype_bytes)
-            t0 = time.perf_counter()
-            got = serve(model, plan, cfg, reqs, slots=slots, pages=pages, max_len=args.max_len, smoke=args.smoke)
-            wall = time.perf_counter() - t0
-            ok = [r for r in got if r["ttft_s"] <= TTFT_SLO_S and r["tpot_s"] <= tpot_slo and not r["error"]]
-            rows.append({"arm": name, "rate": rate, "slots": slots, "pool_pages": pages, "requests": len(got),
-                         "attainment": len(ok) / len(got), "tokens_per_s": sum(r["tokens"] for r in got) / wall,
-                         "mean_ttft_s": sum(r["ttft_s"] for r in got) / len(got),
-                         "mean_tpot_s": sum(r["tpot_s"] for r in got) / len(got), "wall_s": wall})
-            print(f"{name:<9} rate {rate:>5} slots {slots:>3} attainment {rows[-1]['attainment']:.2f} "
-                  f"tok/s {rows[-1]['tokens_per_s']:.1f}", flush=True)
-
-    goodput = {}
-    for name in arms:
-        met = [r["rate"] for r in rows if r["arm"] == name and r["attainment"] >= ATTAINMENT]
-        goodput[name] = max(met) if met else 0.0
-    peak = {name: max(r["tokens_per_s"] for r in rows if r["arm"] == name) for name in arms}
     result = run_info(__file__, argv, device) | {
         "model": "smoke" if args.smoke else "Ouro-1.4B shapes, random weights", "dtype": str(dtype),
-        "budget_gib": args.budget_gib, "max_len": args.max_len, "requests": args.requests, "seed": args.seed,
-        "slo": {"ttft_s": TTFT_SLO_S, "tpot_s": tpot_slo, "bf16_batch1_step_s": base, "attainment": ATTAINMENT},
-        "rows": rows, "goodput_rps": goodput, "peak_tokens_per_s": peak,
-        "goodput_vs_bf16": {n: (g / goodput["bf16"] if goodput.get("bf16") else None) for n, g in goodput.items()},
-    }
-    write_json(args.out, result)
-    print(f"{'arm':<10}{'goodput req/s':>15}{'x BF16':>8}{'peak tok/s':>12}")
-    for name in arms:
-        ratio = result["goodput_vs_bf16"][name]
-        print(f"{name:<10}{goodput[name]:>15.3g}{(f'{ratio:.2f}' if ratio else '-'):>8}{peak[name]:>12.1f}")
+        "budget_gib": args.budget_gib, "max_len": args.max_len, "requests": args.requests, "trace_s": args.trace_s,
+        "seed": args.seed, "arms": {}, "rows": []}
+
+    # the SLO's step: BF16 with one slot, through the same engine (after a warm-up request)
+    bf16 = plans(cfg)["bf16"]
+    engine = Engine(model, bf16, slots=1, pages=budget_split(bf16, cfg, budget, args.max_len, dtype_bytes)[1],
+                    max_len=args.max_len)
+    try:
+        engine.run_all({"warm": (400, 4)}, timeout)
+        base = engine.run_all({"one": (args.max_len // 4, small_new)}, timeout)[0]["tpot_s"]
+    finally:
+        engine.close()
+    tpot_slo = TPOT_SLO_X * base
+    result["slo"] = {"ttft_s": TTFT_SLO_S, "tpot_s": tpot_slo, "bf16_batch1_step_s": base, "attainment": ATTAINMENT}
+    log(f"BF16 batch-1 step {1e3 * base:.1f} ms: TPOT bound {1e3 * tpot_slo:.1f} ms")
+
+    reqs = trace(1.0, args.requests, args.max_len, args.seed, args.smoke)
+    mean_ctx = sum(p + n for _, p, n in reqs) / len(reqs)
+    for k, (name, plan) in enumerate(arm_plans.items()):
+        stop_at = time.perf_counter() + (stop_all - time.perf_counter()) / (len(arm_plans) - k)
+        slots, pages = budget_split(plan, cfg, budget, mean_ctx, dtype_bytes)
+        arm = result["arms"][name] = {"slots": slots, "pool_pages": pages, "peak": None}
+        log(f"{name}: {slots} slots, {pages} pool pages; {stop_at - time.perf_counter():.0f} s for this arm")
+        engine = Engine(model, plan, slots=slots, pages=pages, max_len=args.max_len)
+        try:
+            engine.run_all({"warm": (400, 4)}, timeout)
+            batch = min(slots, args.peak_batch or slots)
+            arm["peak"] = peak_decode(engine, batch, args.peak_prompt, small_new, timeout)
+            log(f"{name}: peak decode {arm['peak']['tokens_per_s'] or 0:.1f} tok/s at batch {batch}")
+            for rate in rates:
+                rated = [(a / rate, p, n) for a, p, n in reqs]
+                row = run_rate(engine, name, rate, rated, tpot_slo=tpot_slo, trace_s=args.trace_s,
+                               stop_at=stop_at) | {"slots": slots, "pool_pages": pages}
+                result["rows"].append(row)
+                result |= summarize(result["arms"], result["rows"])
+                write_json(args.out, result)
+                log(f"{name} rate {rate:g}: {row['requests']} requests, attainment {row['attainment']:.2f} "
+                    f"({row['ttft_misses']} TTFT / {row['tpot_misses']} TPOT misses), {row['tokens_per_s']:.1f} "
+                    f"tok/s, {row['wall_s']:.0f} s{'' if row['complete'] else ', cut short: incomplete'}")
+                if not row["complete"] or row["attainment"] < ATTAINMENT:
+                    break
+        finally:
+            engine.close()
+        result |= summarize(result["arms"], result["rows"])
+        write_json(args.out, result)
+    plot(result, pathlib.Path(args.out).with_suffix(".png"))
+    print(f"{'arm':<10}{'slots':>6}{'goodput req/s':>15}{'x BF16':>8}{'x KIVI-4':>10}{'peak tok/s':>12}")
+    for name in arm_plans:
+        vs_b, vs_k = result["goodput_vs_bf16"].get(name), result["goodput_vs_kivi4"].get(name)
+        peak = result["peak_tokens_per_s"].get(name)
+        print(f"{name:<10}{result['arms'][name]['slots']:>6}{result['goodput_rps'][name]:>15.3g}"
+              f"{(f'{vs_b:.2f}' if vs_b else '-'):>8}{(f'{vs_k:.2f}' if vs_k else '-'):>10}"
+              f"{(f'{peak:.1f}' if peak else '-'):>12}")
     return result
 
 

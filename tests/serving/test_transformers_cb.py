@@ -199,3 +199,24 @@ def test_a_request_longer_than_max_len_fails_alone_in_a_running_engine(model, ca
         alone = model.generate(torch.tensor([prompts[rid]]), past_key_values=cache, max_new_tokens=8,
                                do_sample=False, eos_token_id=None, pad_token_id=0)[0, len(prompts[rid]):].tolist()
         assert results[rid].generated_tokens == alone, rid
+
+
+@needs_engine
+def test_a_decode_step_reads_nothing_back_from_the_device(tmp_path):
+    """The segments come from the engine's host-side scheduling and the decoding rows go to the device once per
+    step: in a decode step, loopkv's cache and shim make no call that would wait for a GPU (``tolist``, ``item``,
+    ``bool``/``int`` of a tensor, a tensor built from host data on a device), while the counter does see the engine's
+    own (it builds its index tensors from host lists every step)."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "profile_serving.py"
+    spec = importlib.util.spec_from_file_location("profile_serving", path)
+    profile_serving = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(profile_serving)
+    result = profile_serving.main(["--loops", "2", "--layers", "2", "--requests", "3", "--prompt", "8", "--new", "8",
+                                   "--top", "3", "--out", str(tmp_path / "profile.json")])
+    syncs = result["host_syncs_per_decode_step"]
+    assert result["decode_steps_measured"] >= 3
+    assert syncs.get("transformers:tensor(device=)", 0) > 0  # the counter counts
+    assert not {name: n for name, n in syncs.items() if name.startswith("loopkv:")}
