@@ -159,7 +159,6 @@ class HuginnBlock(nn.Module):
 
 class HuginnPreTrainedModel(PreTrainedModel):
     config_class = HuginnConfig
-    attention_from_cache = True  # a cache naming an attention function gets it (loopkv.serving relies on this)
     config: HuginnConfig
     base_model_prefix = "model"  # the released model has no base model: its modules hang off the LM itself
     supports_gradient_checkpointing = False

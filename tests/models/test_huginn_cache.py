@@ -177,3 +177,12 @@ def test_a_plan_for_another_family_is_refused(model):
                                     max_cache_len=40, dtype=torch.float32, device="cpu")
     with pytest.raises(ValueError, match="laid out for a ouro model, not a Huginn model"):
         model(_prompt(4), past_key_values=ouro_cache)
+
+
+def test_continuous_batching_refuses_huginn_by_name(model):
+    """Serving through transformers' engine is Ouro's only (Huginn's forward does not take the engine's packed
+    steps): generate_batch's check names the model."""
+    from loopkv.serving.transformers_cb import check_model
+
+    with pytest.raises(NotImplementedError, match="HuginnForCausalLM"):
+        check_model(model)
