@@ -21,7 +21,6 @@ import logging
 import threading
 import time
 from concurrent.futures import Future
-from concurrent.futures import TimeoutError as FutureTimeout
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -209,26 +208,19 @@ class CompletionServer:
         with self._lock:
             return len(self._pending)
 
-    def complete(self, ids: list[int], max_tokens: int, *, timeout: float | None = None):
-        """Add one request to the engine and wait for its ``GenerationOutput``."""
+    def complete(self, ids: list[int], max_tokens: int):
+        """Add one request to the engine and wait for its ``GenerationOutput`` (or the 503 of :meth:`close`)."""
         request_id = f"cmpl-{next(self._ids)}"
         future: Future = Future()
         with self._lock:
             if self._closed.is_set():
                 raise RequestError(503, "the server is shutting down; retry on another server")
             self._pending[request_id] = future
-        added = self.manager.add_request(ids, request_id=request_id, max_new_tokens=max_tokens)
-        if added is None:  # the engine refused it: stopping or dead (it logs why)
-            with self._lock:
+        if self.manager.add_request(ids, request_id=request_id, max_new_tokens=max_tokens) is None:
+            with self._lock:  # the engine refused it: stopping or dead (it logs why)
                 self._pending.pop(request_id, None)
             raise RequestError(503, f"the engine is not accepting requests ({self.healthy()[1]})")
-        try:
-            return request_id, future.result(timeout=timeout)
-        except FutureTimeout:
-            self.manager.cancel_request(request_id)
-            with self._lock:
-                self._pending.pop(request_id, None)
-            raise RequestError(504, f"no result within {timeout} s; the request was cancelled") from None
+        return request_id, future.result()
 
     def completion(self, body) -> dict:
         """The OpenAI ``text_completion`` object answering a ``/v1/completions`` body (or :class:`RequestError`)."""

@@ -98,7 +98,8 @@ def alone(model, plan, prompt: list[int], new: int) -> list[int]:
 
 def test_concurrent_completions_equal_each_prompt_generated_alone(server, model, plan, tokenizer):
     """Two requests sent at once (one long enough for quantized history pages, 330 tokens): each completion's tokens
-    are what generate gives its prompt alone with the same plan; a text prompt is the tokenizer's ids."""
+    are what generate gives its prompt alone with the same plan, and the pool is empty again; a text prompt is the
+    tokenizer's ids."""
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(3, 250, (330,), generator=g).tolist(), torch.randint(3, 250, (9,), generator=g).tolist()]
     with ThreadPoolExecutor(2) as pool:
@@ -112,6 +113,8 @@ def test_concurrent_completions_equal_each_prompt_generated_alone(server, model,
         assert choice["finish_reason"] == "length"
         assert body["usage"] == {"prompt_tokens": len(prompt), "completion_tokens": 12,
                                  "total_tokens": len(prompt) + 12}
+    assert server.engine.cache.pages_in_use == 0  # every page back in the pool once both are answered
+    assert server.engine.free_block_count() == server.engine.num_blocks
     text = "def fibonacci(n):"
     status, body = request(server.url, "POST", "/v1/completions", {"prompt": text, "max_tokens": 5})
     assert status == 200, body
