@@ -149,7 +149,7 @@ def test_generate_past_a_short_cache_is_refused_before_it_starts(model):
     ids, mask = _prompts([6, 9])
     cache = loopkv.LoopKVCache(_plan("int4"), config=model.config, max_batch_size=2, max_cache_len=20,
                                dtype=torch.float32, device="cpu")
-    with pytest.raises(ValueError, match="max_cache_len=20"):
+    with pytest.raises(ValueError, match="21 tokens exceeds the cache's max_cache_len 20"):
         model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=12, do_sample=False,
                        pad_token_id=0)
     assert cache.get_seq_length() == 0
@@ -192,3 +192,30 @@ def test_triton_kernels_decode_a_short_cache_as_a_long_one():
     assert tuple(cache.storage(0).win_k.shape) == (2, 2, 44 - SINK, 64)
     assert torch.equal(short, long)
     torch.testing.assert_close(short_logits, long_logits, atol=LOGITS_FP32_ATOL, rtol=LOGITS_FP32_RTOL)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("plan", ["int4", "share"])
+@pytest.mark.parametrize("max_cache_len", [20, 45, 64])
+def test_gpu_compiled_short_cache_decodes_what_a_long_one_does(plan, max_cache_len):
+    """The compiled kernels in one CUDA graph per step (bf16, head_dim 64): no ring (20), a ring whose slot count
+    Triton does not specialize as a multiple of 16 (45: 13 slots) and one it does (64). The reader runs the same near
+    programs over the same slots and the long cache's history programs hold no page and exit, so the outputs are
+    bit-identical."""
+    from transformers import CompileConfig
+
+    model = tiny_ouro(head_dim=64, device="cuda").to(torch.bfloat16)
+    ids, mask = (t.cuda() for t in _prompts([6, 9]))
+    outs = []
+    for length in (max_cache_len, 400):
+        cache = loopkv.LoopKVCache(_plan(plan), config=model.config, max_batch_size=2, max_cache_len=length,
+                                   dtype=torch.bfloat16, device="cuda")
+        cache.warmup()
+        out = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=max_cache_len - 9,
+                             do_sample=False, eos_token_id=None, pad_token_id=0, output_logits=True,
+                             return_dict_in_generate=True,
+                             compile_config=CompileConfig(fullgraph=True, mode="reduce-overhead"))
+        outs.append((out.sequences, torch.stack(out.logits)))
+    assert torch.equal(outs[0][0], outs[1][0])
+    assert torch.equal(outs[0][1], outs[1][1])
