@@ -2,8 +2,8 @@
 LoopKV storage (loopkv/serving), one arm per plan under the same KV budget, in one process (paper §5.1, §5.4).
 
     python benchmarks/bench_serving.py [--arms bf16,kivi4,loopkv-r,loopkv-m] [--budget-gib 96] [--max-len 16384]
-        [--rates 0.25,0.5,1,2,4,8] [--requests 32] [--trace-s 30] [--time-budget-s 420] [--seed 0] [--smoke]
-        [--out benchmarks/results/serving.json]
+        [--rates 0.125,0.25,0.5,1,2,4,8] [--requests 24] [--trace-s 30] [--start auto|lowest]
+        [--time-budget-s 420] [--seed 0] [--smoke] [--out benchmarks/results/serving.json]
     python benchmarks/bench_serving.py --plot benchmarks/results/serving.json   # the figure from a JSON
 
 Model: Ouro-1.4B's shapes with random weights, bf16 (``--smoke``: a tiny one, on the CPU if there is no GPU). Trace:
@@ -17,16 +17,22 @@ mean context)``, the rest pages.
 
 SLO, per request: time to first token <= 10 s and mean time per output token <= 3x the BF16 batch-1 decode step
 (measured first, in this run, through the same engine with one slot). Attainment = the share of a rate's requests
-meeting it; goodput = the highest rate of the ladder with attainment >= 95%, every lower rate meeting it too.
+meeting it; goodput = the highest tested rate with attainment >= 95% below the lowest tested rate under it
+(``goodput_status``: ``measured`` when such a rate under 95% exists, ``at least`` when none does, ``below lowest``).
 
-Each arm runs in one engine (built and started once): a warm-up request (builds the kernels), the peak decode
-throughput (``slots`` requests of ``--peak-prompt`` tokens sent at once, decoding together: tokens per second while
-every one of them decodes), then the ladder in increasing rate. A rate's trace is its first ``--requests`` arrivals
+Each arm runs in one engine (built and started once): a warm-up request (builds the kernels; the BF16 batch-1
+engine has one too), the peak decode
+throughput (``--peak-batch`` requests, default the arm's slots, of ``--peak-prompt`` tokens sent at once: tokens per
+second while every one of them decodes), then the ladder. It starts (``--start auto``) at the highest rate at most
+half of what the peak could finish (peak tok/s / mean output tokens), goes up while a rate meets 95% and down while
+it does not, and stops once two neighbouring rates bracket the goodput, at the ends of ``--rates``, or when the arm's
+share of ``--time-budget-s`` (what is left, split over the arms left) runs out: that rate is marked incomplete and
+does not count. ``--start lowest`` walks up from the lowest rate. A rate's trace is its first ``--requests`` arrivals
 within ``--trace-s`` seconds. It ends when every request is finished or past its SLO deadline (arrival + 10 s +
 (tokens - 1) x the TPOT bound: a request unfinished then cannot meet the SLO, so it counts as a miss and is
-cancelled), or as soon as misses make 95% impossible. The ladder stops at the first rate below 95%, and when the
-arm's share of ``--time-budget-s`` runs out (that rate is then marked incomplete and does not count). The JSON is
-rewritten after every rate, so a run cut short keeps what finished; progress lines carry timings.
+cancelled), or as soon as misses make 95% impossible (``stopped_early``; its attainment is then an upper bound). The
+JSON is rewritten after every rate, so a run cut short keeps what finished; progress lines carry timings; the figure
+(attainment against rate per arm) goes next to the JSON (``.png``).
 
 The engine runs eagerly (no CUDA graphs: loopkv's shim splits prompts from decode tokens on the host), so these
 numbers include the engine's and the shim's host time; compare the peak with bench_decode.py's static-batch graphs
@@ -38,6 +44,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import math
 import pathlib
 import random
 import sys
@@ -220,23 +227,50 @@ def run_rate(engine: Engine, name: str, rate: float, reqs, *, tpot_slo: float, t
             "tpot_misses": sum(r["tpot_s"] > tpot_slo for r in results.values())}
 
 
+def capacity(rows: list[dict]) -> tuple[float, str]:
+    """An arm's goodput from its complete rows: the highest rate meeting 95% below the lowest rate missing it, and
+    whether that is bracketed (``measured``: the next tested rate up missed), ``at least`` (no tested rate missed) or
+    ``below lowest`` (the lowest tested rate missed: 0)."""
+    rows = [r for r in rows if r["complete"]]
+    failed = [r["rate"] for r in rows if r["attainment"] < ATTAINMENT]
+    ceiling = min(failed, default=math.inf)
+    met = [r["rate"] for r in rows if r["attainment"] >= ATTAINMENT and r["rate"] < ceiling]
+    if not met:
+        return 0.0, "below lowest" if failed else "no complete rate"
+    return max(met), "measured" if failed else "at least"
+
+
 def summarize(arms: dict, rows: list[dict]) -> dict:
-    """Goodput per arm (the highest rate before the first rate below 95% or cut short), its ratios, the peaks."""
-    goodput = {}
-    for name in arms:
-        met = 0.0
-        for row in (r for r in rows if r["arm"] == name):
-            if not row["complete"]:
-                break
-            if row["attainment"] < ATTAINMENT:
-                break
-            met = row["rate"]
-        goodput[name] = met
+    """Goodput per arm (:func:`capacity`), its ratios to BF16 and KIVI-4, the peaks."""
+    found = {name: capacity([r for r in rows if r["arm"] == name]) for name in arms}
+    goodput = {name: g for name, (g, _) in found.items()}
     ratio = {base: {n: (g / goodput[base] if goodput.get(base) else None) for n, g in goodput.items()}
              for base in ("bf16", "kivi4") if base in goodput}
-    return {"goodput_rps": goodput, "goodput_vs_bf16": ratio.get("bf16", {}),
-            "goodput_vs_kivi4": ratio.get("kivi4", {}),
+    return {"goodput_rps": goodput, "goodput_status": {name: status for name, (_, status) in found.items()},
+            "goodput_vs_bf16": ratio.get("bf16", {}), "goodput_vs_kivi4": ratio.get("kivi4", {}),
             "peak_tokens_per_s": {n: a["peak"]["tokens_per_s"] for n, a in arms.items() if a.get("peak")}}
+
+
+def ladder(rates: list[float], first: int, run) -> list[dict]:
+    """Run ``run(rate) -> row`` from ``rates[first]``: up while a rate meets 95%, down while it does not, until two
+    neighbouring rates bracket the goodput, an end of ``rates`` is passed, or a row is incomplete."""
+    rows, tested, i = [], set(), first
+    while 0 <= i < len(rates) and i not in tested:
+        rows.append(run(rates[i]))
+        if not rows[-1]["complete"]:
+            break
+        tested.add(i)
+        i += 1 if rows[-1]["attainment"] >= ATTAINMENT else -1
+    return rows
+
+
+def first_rate(rates: list[float], peak_tokens_per_s: float | None, mean_new: float, start: str) -> int:
+    """The ladder's first rate: the lowest, or (``auto``) the highest at most half the rate the arm's peak decode
+    throughput could finish (peak tok/s / mean output tokens; prefill and queueing make the real one lower)."""
+    if start == "lowest" or not peak_tokens_per_s:
+        return 0
+    estimate = peak_tokens_per_s / mean_new / 2
+    return max([i for i, r in enumerate(rates) if r <= estimate], default=0)
 
 
 def plot(result: dict, path) -> None:
@@ -268,17 +302,55 @@ def plot(result: dict, path) -> None:
     plt.close(fig)
 
 
+def run_arm(model, name: str, plan, split: tuple[int, int], reqs, args, result: dict, *, tpot_slo: float,
+            stop_at: float) -> None:
+    """One arm in one engine: warm-up, peak, ladder (module docstring); ``result`` is updated and written after
+    every rate."""
+    slots, pages = split
+    small_new, timeout = (8, 120) if args.smoke else (64, 300)
+    arm = result["arms"][name] = {"slots": slots, "pool_pages": pages, "peak": None}
+    log(f"{name}: {slots} slots, {pages} pool pages; {stop_at - time.perf_counter():.0f} s for this arm")
+    engine = Engine(model, plan, slots=slots, pages=pages, max_len=args.max_len)
+
+    def one(rate: float) -> dict:
+        row = run_rate(engine, name, rate, [(a / rate, p, n) for a, p, n in reqs], tpot_slo=tpot_slo,
+                       trace_s=args.trace_s, stop_at=stop_at) | {"slots": slots, "pool_pages": pages}
+        result["rows"].append(row)
+        result.update(summarize(result["arms"], result["rows"]))
+        write_json(args.out, result)
+        log(f"{name} rate {rate:g}: {row['requests']} requests, attainment {row['attainment']:.2f} "
+            f"({row['ttft_misses']} TTFT / {row['tpot_misses']} TPOT misses), {row['tokens_per_s']:.1f} tok/s, "
+            f"{row['wall_s']:.0f} s{'' if row['complete'] else ', cut short: incomplete'}")
+        return row
+
+    try:
+        engine.run_all({"warm": (args.peak_prompt, 4)}, timeout)
+        batch = min(slots, args.peak_batch or slots)
+        arm["peak"] = peak_decode(engine, batch, args.peak_prompt, small_new, timeout)
+        log(f"{name}: peak decode {arm['peak']['tokens_per_s'] or 0:.1f} tok/s at batch {batch}")
+        rates = [float(r) for r in args.rates.split(",")]
+        mean_new = sum(n for _, _, n in reqs) / len(reqs)
+        ladder(rates, first_rate(rates, arm["peak"]["tokens_per_s"], mean_new, args.start), one)
+    finally:
+        engine.close()
+        result.update(summarize(result["arms"], result["rows"]))
+        write_json(args.out, result)
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--arms", default="bf16,kivi4,loopkv-r,loopkv-m")
     ap.add_argument("--budget-gib", type=float, default=96.0)
     ap.add_argument("--max-len", type=int, default=16384)
-    ap.add_argument("--rates", default="0.25,0.5,1,2,4,8", help="requests per second, increasing")
-    ap.add_argument("--requests", type=int, default=32, help="requests per rate at most")
+    ap.add_argument("--rates", default="0.125,0.25,0.5,1,2,4,8", help="requests per second, increasing")
+    ap.add_argument("--requests", type=int, default=24, help="requests per rate at most")
     ap.add_argument("--trace-s", type=float, default=30.0, help="arrivals per rate within this many seconds")
-    ap.add_argument("--peak-prompt", type=int, default=512, help="prompt tokens of the peak-throughput requests")
+    ap.add_argument("--peak-prompt", type=int, default=512,
+                    help="prompt tokens of the warm-up and peak-throughput requests (past 319: pages get written)")
     ap.add_argument("--peak-batch", type=int, default=0, help="peak-throughput requests (0: the arm's slots)")
     ap.add_argument("--time-budget-s", type=float, default=420.0, help="the whole run, model building included")
+    ap.add_argument("--start", choices=("auto", "lowest"), default="auto",
+                    help="the ladder's first rate: from the arm's peak throughput, or the lowest (first_rate)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--smoke", action="store_true", help="a tiny model and trace: checks the script, measures nothing")
     ap.add_argument("--out", default=str(RESULTS / "serving.json"))
@@ -291,7 +363,7 @@ def main(argv=None) -> dict:
     if args.smoke:  # sizes the smoke run overrides unless given
         given = set(argv if argv is not None else sys.argv[1:])
         for flag, value in (("--max-len", 640), ("--requests", 3), ("--rates", "8"), ("--budget-gib", 0.02),
-                            ("--arms", "loopkv-m"), ("--peak-prompt", 330), ("--peak-batch", 2), ("--trace-s", 5.0)):
+                            ("--arms", "loopkv-m"), ("--peak-prompt", 64), ("--peak-batch", 2), ("--trace-s", 5.0)):
             if flag not in given:
                 setattr(args, flag[2:].replace("-", "_"), value)
     stop_all = T0 + args.time_budget_s
@@ -299,16 +371,16 @@ def main(argv=None) -> dict:
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     dtype_bytes = torch.empty(0, dtype=dtype).element_size()
     cfg = smoke_config() if args.smoke else ouro_1p4b_config()
-    torch.manual_seed(0)
-    model = OuroForCausalLM(cfg).to(device=device, dtype=dtype).eval()
     names = args.arms.split(",")
     unknown = set(names) - set(plans(cfg))
     if unknown:
         raise SystemExit(f"unknown arms {sorted(unknown)}; choose from {sorted(plans(cfg))}")
     arm_plans = {name: plans(cfg)[name] for name in names}
     rates = [float(r) for r in args.rates.split(",")]
-    if rates != sorted(rates):
+    if rates != sorted(set(rates)):
         raise SystemExit("--rates must increase")
+    torch.manual_seed(0)
+    model = OuroForCausalLM(cfg).to(device=device, dtype=dtype).eval()
     budget = int(args.budget_gib * 2**30)
     small_new = 8 if args.smoke else 64
     timeout = 120 if args.smoke else 300
@@ -324,49 +396,28 @@ def main(argv=None) -> dict:
     engine = Engine(model, bf16, slots=1, pages=budget_split(bf16, cfg, budget, args.max_len, dtype_bytes)[1],
                     max_len=args.max_len)
     try:
-        engine.run_all({"warm": (400, 4)}, timeout)
+        engine.run_all({"warm": (args.peak_prompt, 4)}, timeout)
         base = engine.run_all({"one": (args.max_len // 4, small_new)}, timeout)[0]["tpot_s"]
     finally:
         engine.close()
     tpot_slo = TPOT_SLO_X * base
     result["slo"] = {"ttft_s": TTFT_SLO_S, "tpot_s": tpot_slo, "bf16_batch1_step_s": base, "attainment": ATTAINMENT}
     log(f"BF16 batch-1 step {1e3 * base:.1f} ms: TPOT bound {1e3 * tpot_slo:.1f} ms")
+    write_json(args.out, result)
 
     reqs = trace(1.0, args.requests, args.max_len, args.seed, args.smoke)
     mean_ctx = sum(p + n for _, p, n in reqs) / len(reqs)
     for k, (name, plan) in enumerate(arm_plans.items()):
         stop_at = time.perf_counter() + (stop_all - time.perf_counter()) / (len(arm_plans) - k)
-        slots, pages = budget_split(plan, cfg, budget, mean_ctx, dtype_bytes)
-        arm = result["arms"][name] = {"slots": slots, "pool_pages": pages, "peak": None}
-        log(f"{name}: {slots} slots, {pages} pool pages; {stop_at - time.perf_counter():.0f} s for this arm")
-        engine = Engine(model, plan, slots=slots, pages=pages, max_len=args.max_len)
-        try:
-            engine.run_all({"warm": (400, 4)}, timeout)
-            batch = min(slots, args.peak_batch or slots)
-            arm["peak"] = peak_decode(engine, batch, args.peak_prompt, small_new, timeout)
-            log(f"{name}: peak decode {arm['peak']['tokens_per_s'] or 0:.1f} tok/s at batch {batch}")
-            for rate in rates:
-                rated = [(a / rate, p, n) for a, p, n in reqs]
-                row = run_rate(engine, name, rate, rated, tpot_slo=tpot_slo, trace_s=args.trace_s,
-                               stop_at=stop_at) | {"slots": slots, "pool_pages": pages}
-                result["rows"].append(row)
-                result |= summarize(result["arms"], result["rows"])
-                write_json(args.out, result)
-                log(f"{name} rate {rate:g}: {row['requests']} requests, attainment {row['attainment']:.2f} "
-                    f"({row['ttft_misses']} TTFT / {row['tpot_misses']} TPOT misses), {row['tokens_per_s']:.1f} "
-                    f"tok/s, {row['wall_s']:.0f} s{'' if row['complete'] else ', cut short: incomplete'}")
-                if not row["complete"] or row["attainment"] < ATTAINMENT:
-                    break
-        finally:
-            engine.close()
-        result |= summarize(result["arms"], result["rows"])
-        write_json(args.out, result)
+        run_arm(model, name, plan, budget_split(plan, cfg, budget, mean_ctx, dtype_bytes), reqs, args, result,
+                tpot_slo=tpot_slo, stop_at=stop_at)
     plot(result, pathlib.Path(args.out).with_suffix(".png"))
-    print(f"{'arm':<10}{'slots':>6}{'goodput req/s':>15}{'x BF16':>8}{'x KIVI-4':>10}{'peak tok/s':>12}")
+    print(f"{'arm':<10}{'slots':>6}{'goodput req/s':>15}{'':>14}{'x BF16':>8}{'x KIVI-4':>10}{'peak tok/s':>12}")
     for name in arm_plans:
         vs_b, vs_k = result["goodput_vs_bf16"].get(name), result["goodput_vs_kivi4"].get(name)
         peak = result["peak_tokens_per_s"].get(name)
         print(f"{name:<10}{result['arms'][name]['slots']:>6}{result['goodput_rps'][name]:>15.3g}"
+              f"{result['goodput_status'][name]:>14}"
               f"{(f'{vs_b:.2f}' if vs_b else '-'):>8}{(f'{vs_k:.2f}' if vs_k else '-'):>10}"
               f"{(f'{peak:.1f}' if peak else '-'):>12}")
     return result
