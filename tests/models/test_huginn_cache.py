@@ -186,3 +186,36 @@ def test_continuous_batching_refuses_huginn_by_name(model):
 
     with pytest.raises(NotImplementedError, match="HuginnForCausalLM"):
         check_model(model)
+
+
+@pytest.mark.slow
+def test_decode_step_is_one_graph_equal_to_eager(model, error_on_recompile):
+    """The decode step with a share + INT4 plan compiles to one graph (dynamo, fullgraph: no break, no recompile)
+    and equals the eager step over the first window exit (the rows pass 319 and 320 tokens)."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    plan = loopkv.Plan.from_config(model.config, option="int4", shared_loops=[0])
+    compiled_cache, eager_cache = (_cache(model, plan, 400, batch=2) for _ in range(2))
+
+    def step(ids, pos):
+        return model(input_ids=ids, position_ids=pos, past_key_values=compiled_cache, init_scale=0.0).logits
+
+    torch._dynamo.reset()
+    compiled = torch.compile(step, fullgraph=True, backend="eager")
+    counters.clear()
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        ids = torch.randint(3, VOCAB, (2, 300), generator=g)
+        for cache in (compiled_cache, eager_cache):
+            model(input_ids=ids, past_key_values=cache, init_scale=0.0)
+        tok = torch.randint(3, VOCAB, (2, 1), generator=g)
+        for i in range(24):
+            pos = torch.full((2, 1), 300 + i)
+            got = compiled(tok, pos)
+            want = model(input_ids=tok, position_ids=pos, past_key_values=eager_cache, init_scale=0.0).logits
+            torch.testing.assert_close(got, want, atol=LOGITS_FP32_ATOL, rtol=LOGITS_FP32_RTOL)
+            tok = got[:, -1].argmax(-1, keepdim=True)
+    assert compiled_cache.get_seq_length() == 324
+    assert counters["stats"]["unique_graphs"] == 1
+    assert not counters["graph_break"]
