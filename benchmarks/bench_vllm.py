@@ -139,8 +139,10 @@ def run_vllm(args, batches: list[int]) -> dict:
                      skip_tokenizer_init=True, max_model_len=max_len, enforce_eager=args.enforce_eager,
                      gpu_memory_utilization=args.gpu_memory_utilization, enable_prefix_caching=False,
                      max_num_seqs=max(batches), seed=0)
+    if args.attention_backend:
+        engine_kw["attention_backend"] = args.attention_backend
     if not args.enforce_eager:  # capture only the batch sizes measured (and a few small ones)
-        engine_kw["compilation_config"] = {"cudagraph_capture_sizes": sorted({1, 2, 4, 8, *batches})}
+        engine_kw["compilation_config"] = {"cudagraph_capture_sizes": sorted({1, 2, 4, *batches})}
     result["engine_kwargs"] = {k: v for k, v in engine_kw.items() if k != "model"}
     with Step(f"vllm.LLM(max_model_len={max_len}, enforce_eager={args.enforce_eager})") as s:
         llm = LLM(**engine_kw)
@@ -206,14 +208,15 @@ def print_table(result: dict) -> None:
     static = result.get("static_bf16", {}).get("rows", {})
     print(f"\n{'engine':28s} {'ctx':>6s} {'B':>3s} {'decode tok/s':>12s} {'step ms':>8s}")
     for p in result.get("vllm", {}).get("points", []):
-        print(f"{'vLLM ' + result['vllm']['vllm'] + ' BF16':28s} {p['context']:6d} {p['batch']:3d} "
+        print(f"{'vLLM ' + str(result['vllm']['vllm']) + ' BF16':28s} {p['context']:6d} {p['batch']:3d} "
               f"{p['tok_s']:12.1f} {p['step_ms']:8.3f}")
         s = static.get(str(p["batch"])) or static.get(p["batch"])
         if s:
             print(f"{'StaticCache BF16 (graph)':28s} {p['context']:6d} {p['batch']:3d} {s['tok_s']:12.1f} "
                   f"{s['step_ms']:8.3f}   vLLM / StaticCache = {p['tok_s'] / s['tok_s']:.2f}")
     for e in result.get("vllm", {}).get("errors", []):
-        print(f"vLLM B={e['batch']} failed (see errors in the JSON)")
+        print(f"vLLM {'B=' + str(e['batch']) if e['batch'] else 'start'} failed: "
+              f"{e['error'].strip().splitlines()[-1]}")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -227,6 +230,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-budget-gib", type=float, default=96.0, help="passed to bench_decode.py")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--enforce-eager", action="store_true", help="no torch.compile and no CUDA graphs in vLLM")
+    p.add_argument("--attention-backend", default=None,
+                   help="vLLM's attention backend, e.g. FLASH_ATTN or TRITON_ATTN (default: vLLM chooses)")
     p.add_argument("--in-process", action="store_true",
                    help="vLLM's engine in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0)")
     p.add_argument("--skip-static", action="store_true", help="no StaticCache BF16 run")
@@ -260,15 +265,35 @@ def main(argv=None) -> dict:
             except Exception as exc:  # vLLM is the point of this run: go on without the baseline
                 result["static_bf16"] = {"error": repr(exc)}
                 log(f"StaticCache run failed: {exc!r}")
-    with Step("vLLM"):
-        result["vllm"] = run_vllm(args, batches)
-    result = {**run_info(__file__, argv, "cuda"), **result, "wall_s": round(time.perf_counter() - t0, 1)}
+    try:
+        with Step("vLLM"):
+            result["vllm"] = run_vllm(args, batches)
+    except Exception:  # vLLM did not start or died: the error is Stage 1's answer, so it goes into the JSON
+        import traceback
+
+        traceback.print_exc()
+        result["vllm"] = {"vllm": _vllm_version(), "points": [], "errors": [{"batch": None,
+                                                                              "error": traceback.format_exc()[-6000:]}]}
+    import torch
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    result = {**run_info(__file__, argv, device), **result, "wall_s": round(time.perf_counter() - t0, 1)}
     result["versions"]["vllm"] = result["vllm"]["vllm"]
-    result["complete"] = not result["vllm"]["errors"]
+    result["complete"] = bool(result["vllm"]["points"]) and not result["vllm"]["errors"]
     write_json(out, result)
     log(f"wrote {out}")
     print_table(result)
+    if not result["complete"]:
+        raise SystemExit(1)
     return result
+
+
+def _vllm_version() -> str | None:
+    try:
+        import vllm
+    except Exception:
+        return None
+    return vllm.__version__
 
 
 if __name__ == "__main__":
