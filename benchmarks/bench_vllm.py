@@ -182,7 +182,7 @@ def run_vllm(args, batches: list[int]) -> dict:
                         generate(ps, n)
                     times[n].append(s.seconds)
             t1, t2 = min(times[n1]), min(times[n2])
-            point = {"batch": batch, "context": args.context, "base_tokens": n1, "tokens": n2,
+            point = {"batch": batch, "context": args.context, "base_tokens": n1, "full_tokens": n2,
                      "t_base_s": [round(t, 4) for t in times[n1]], "t_full_s": [round(t, 4) for t in times[n2]],
                      "decode_s": round(t2 - t1, 4), "tok_s": round(decode_tok_s(batch, n1, n2 - n1, t1, t2), 1),
                      "step_ms": round((t2 - t1) / (n2 - n1) * 1e3, 3),
