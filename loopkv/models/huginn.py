@@ -42,7 +42,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
 
 from loopkv.models.generation_checks import GENERATED, check_capacity, check_continues
 from loopkv.models.huginn_config import FAMILY, HuginnCells, HuginnConfig, dense_cache
-from loopkv.models.ouro import eager_attention_forward
+from loopkv.models.ouro import _mask_piece, eager_attention_forward
 
 __all__ = ["HuginnCells", "HuginnConfig", "HuginnForCausalLM", "dense_cache", "register_huginn"]
 
@@ -300,6 +300,13 @@ class HuginnForCausalLM(HuginnPreTrainedModel, GenerationMixin):
             inputs_embeds = self.transformer.wte(input_ids)
         embeds = inputs_embeds * self.config.embed_scale
         position_ids = self._positions(position_ids, attention_mask, cache, embeds)
+        limit = getattr(cache, "continuation_limit", None)
+        if limit is not None and embeds.shape[1] > limit and not torch.compiler.is_compiling() \
+                and cache.get_seq_length():
+            call = dict(num_steps=steps, init_scale=init_scale, state_generator=state_generator, use_cache=use_cache,
+                        **kwargs)
+            logits = self._logits_in_pieces(limit, inputs_embeds, attention_mask, position_ids, cache, **call)
+            return self._output(_keep(logits, logits_to_keep), labels, cache if use_cache else None, **kwargs)
         if isinstance(attention_mask, dict):
             mask = attention_mask["full_attention"]
         else:
@@ -320,16 +327,27 @@ class HuginnForCausalLM(HuginnPreTrainedModel, GenerationMixin):
             x = block(x, cache_index=self.cells.coda_index(i), **layer)
         x = self.transformer.ln_f(x)
 
-        if isinstance(logits_to_keep, int):
-            x = x[:, -logits_to_keep:] if logits_to_keep else x
-        else:
-            x = x[:, logits_to_keep]
-        logits = at_least_fp32(self.lm_head(x))
+        return self._output(at_least_fp32(self.lm_head(_keep(x, logits_to_keep))), labels, cache if use_cache else None,
+                            **kwargs)
+
+    def _output(self, logits: torch.Tensor, labels, cache: Cache | None, **kwargs: Any) -> CausalLMOutputWithPast:
         loss = None
         if labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.padded_vocab_size,
                                       **kwargs)
-        return CausalLMOutputWithPast(loss=loss, logits=logits, **{_OUTPUT_CACHE_FIELD: cache if use_cache else None})
+        return CausalLMOutputWithPast(loss=loss, logits=logits, **{_OUTPUT_CACHE_FIELD: cache})
+
+    def _logits_in_pieces(self, limit, inputs_embeds, attention_mask, position_ids, cache, **call) -> torch.Tensor:
+        """A later turn longer than the cache's ``continuation_limit`` (a LoopKVCache plan with ``share`` cells), run
+        as consecutive forwards of at most ``limit`` tokens: the same tokens, positions and mask columns."""
+        q_len = inputs_embeds.shape[1]
+        pieces = []
+        for start in range(0, q_len, limit):
+            end = min(q_len, start + limit)
+            pieces.append(self.forward(
+                inputs_embeds=inputs_embeds[:, start:end], position_ids=position_ids[..., start:end], cache=cache,
+                attention_mask=_mask_piece(attention_mask, q_len, end, end - start), **call).logits)
+        return torch.cat(pieces, dim=1)
 
     @staticmethod
     def _positions(position_ids, attention_mask, cache, embeds) -> torch.Tensor:
@@ -385,6 +403,14 @@ class HuginnForCausalLM(HuginnPreTrainedModel, GenerationMixin):
         if cache is not None and isinstance(sequences, torch.Tensor):
             GENERATED[cache] = sequences.detach().clone()
         return out
+
+
+def _keep(x: torch.Tensor, logits_to_keep: int | torch.Tensor) -> torch.Tensor:
+    """The positions ``[B, S, ...]`` whose logits a call asks for: the last ``logits_to_keep`` (0: all), or those
+    indexed."""
+    if isinstance(logits_to_keep, int):
+        return x[:, -logits_to_keep:] if logits_to_keep else x
+    return x[:, logits_to_keep]
 
 
 def register_huginn() -> None:

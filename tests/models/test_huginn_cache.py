@@ -165,6 +165,37 @@ def test_a_used_cache_takes_its_continuation_only(model):
                                       init_scale=0.0), fresh)
 
 
+def _turn(model, cache, first, turn):
+    """A prompt, then a later turn in one forward; the turn's logits."""
+    with torch.no_grad():
+        model(first, past_key_values=cache, init_scale=0.0)
+        return model(turn, past_key_values=cache, init_scale=0.0).logits
+
+
+def test_a_long_later_turn_with_share_cells_is_split(model):
+    """A share plan takes at most continuation_limit new tokens per forward on a used cache; the model splits a longer
+    turn. Below 320 tokens nothing is history, so the turn's logits are the dense cache's."""
+    plan = loopkv.Plan.from_config(model.config, option="int4", shared_loops=[0])
+    cache = _cache(model, plan, 300)
+    first, turn = _prompt(20, seed=12), _prompt(cache.continuation_limit + 10, seed=13)
+    torch.testing.assert_close(_turn(model, cache, first, turn), _turn(model, DynamicCache(), first, turn),
+                               atol=LOGITS_FP32_ATOL, rtol=LOGITS_FP32_RTOL)
+
+
+@pytest.mark.slow
+def test_a_long_later_turn_equals_decoding_it_token_by_token(model):
+    """Across history pages: the split turn reads what decoding its tokens one by one reads."""
+    plan = loopkv.Plan.from_config(model.config, option="int4", shared_loops=[0])
+    first, turn = _prompt(100, seed=14), _prompt(300, seed=15)
+    got = _turn(model, _cache(model, plan, 400), first, turn)
+    stepped = _cache(model, plan, 400)
+    with torch.no_grad():
+        model(first, past_key_values=stepped, init_scale=0.0)
+        want = torch.cat([model(turn[:, i:i + 1], past_key_values=stepped, init_scale=0.0).logits
+                          for i in range(turn.shape[1])], 1)
+    torch.testing.assert_close(got, want, atol=LOGITS_FP32_ATOL, rtol=LOGITS_FP32_RTOL)
+
+
 def test_a_plan_for_another_family_is_refused(model):
     ouro = OuroConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                       num_attention_heads=2, total_ut_steps=STEPS)
