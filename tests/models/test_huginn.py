@@ -17,6 +17,8 @@ from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.cache_utils import DynamicCache
 
+from loopkv.cells import Cell
+from loopkv.families import family_of, layout_of
 from loopkv.models.huginn import HuginnCells, HuginnConfig, HuginnForCausalLM, register_huginn
 from tests.tolerances import LOGITS_FP32_ATOL, LOGITS_FP32_RTOL
 
@@ -317,3 +319,24 @@ def test_cache_indices_of_a_call():
     core = [cells.core_index(s, j) for s in range(2) for j in range(CORE)]
     assert seen == [cells.prelude_index(0), *core, cells.coda_index(0)]
     assert sorted(seen) == list(range(PRELUDE + CODA + 2 * CORE))
+
+
+@pytest.mark.parametrize("loops", [None, 5])
+def test_family_layout(loops):
+    """The Huginn family: cells (step, core layer) at the model's indices, prelude and coda fixed exact slots; the
+    same from a config.json mapping (what the CLI reads)."""
+    config = HuginnConfig(**released_config())
+    layout = layout_of(config, loops=loops)
+    steps = STEPS if loops is None else loops
+    cells = HuginnCells.of(config)
+    assert family_of(config) == family_of(released_config()) == layout.family == "huginn"
+    assert (layout.loops, layout.layers, layout.num_indices) == (steps, CORE, cells.num_indices(steps))
+    for t in range(steps):
+        for j in range(CORE):
+            assert layout.flat_index(Cell(t, j)) == cells.core_index(t, j)
+            assert layout.slot(cells.core_index(t, j)).layer == PRELUDE + j  # the physical core layer
+    fixed = [(s.index, s.kind) for s in layout.fixed()]
+    assert fixed == [(cells.prelude_index(0), "exact"), (cells.coda_index(0), "exact")]
+    assert layout.call_order[0] == cells.prelude_index(0)
+    assert layout.last_index == cells.coda_index(CODA - 1)  # the coda runs last: where a decode step is counted
+    assert layout_of(released_config(), loops=loops) == layout
