@@ -122,6 +122,9 @@ def test_compare_plans_smoke_on_the_cpu(bench, tmp_path, capsys):
     assert json.loads(out.read_text())["summary"] == result["summary"]
     assert result["command"] == f"python benchmarks/bench_profile.py --compare-plans --smoke --out {out}"
     assert "arms" not in result  # the Ouro-shaped arms do not run
+    measured = {json.dumps(r["kl"]["fp32_plan"]): r["kl"]["fp32_plan"]["seconds"]  # one per distinct measurement
+                for r in result["plans"] if r["kl"].get("fp32_plan")}
+    assert 0 < sum(measured.values()) < result["seconds"]
     assert result["tf32_acts"] is False
     # on a CPU TF32 is a no-op: the two profiles and therefore every plan are equal
     assert result["profiles"]["same_damages"] is True
