@@ -26,7 +26,6 @@ Cache indices (the ``layer_idx`` of ``Cache.update``) are :class:`HuginnCells`' 
 
 from __future__ import annotations
 
-import dataclasses
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -42,15 +41,14 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
 
 from loopkv.models.generation_checks import GENERATED, check_capacity, check_continues
 from loopkv.models.huginn_config import FAMILY, HuginnCells, HuginnConfig, dense_cache
-from loopkv.models.ouro import _mask_piece, eager_attention_forward
-
-__all__ = ["HuginnCells", "HuginnConfig", "HuginnForCausalLM", "dense_cache", "register_huginn"]
-
-# The name CausalLMOutputWithPast gives the cache: "past_key_values" up to ~5.2x, "cache" afterwards.
-_OUTPUT_CACHE_FIELD = (
-    "cache" if "cache" in {f.name for f in dataclasses.fields(CausalLMOutputWithPast)} else "past_key_values"
+from loopkv.models.ouro import (  # alike in both models: the cache's two names, eager attention, a turn's mask slices
+    _OUTPUT_CACHE_FIELD,
+    _mask_piece,
+    _pick_cache,
+    eager_attention_forward,
 )
 
+__all__ = ["HuginnCells", "HuginnConfig", "HuginnForCausalLM", "dense_cache", "register_huginn"]
 
 class HuginnRMSNorm(nn.Module):
     """``weight * (x * rsqrt(mean(x^2) + eps))``, normalised in fp32 and cast back before the weight."""
@@ -213,12 +211,6 @@ def check_steps(cache: Cache | None, steps: int) -> None:
         raise ValueError(f"this cache holds tokens run with num_steps={_STEPS_HELD[cache]}; a call with "
                          f"num_steps={steps} would read steps it never wrote (or skip some): keep num_steps, or "
                          "cache.reset() and send the whole conversation again")
-
-
-def _pick_cache(past_key_values: Cache | None, cache: Cache | None) -> Cache | None:
-    if past_key_values is not None and cache is not None and past_key_values is not cache:
-        raise ValueError("pass the cache once, as past_key_values= or as cache=, not two different caches")
-    return cache if cache is not None else past_key_values
 
 
 class HuginnForCausalLM(HuginnPreTrainedModel, GenerationMixin):
