@@ -380,7 +380,8 @@ def main(argv=None) -> dict:
     if rates != sorted(set(rates)):
         raise SystemExit("--rates must increase")
     torch.manual_seed(0)
-    model = OuroForCausalLM(cfg).to(device=device, dtype=dtype).eval()
+    with torch.device(device):  # initialized where it runs: minutes less on the host for 1.4B parameters
+        model = OuroForCausalLM(cfg).to(dtype=dtype).eval()
     budget = int(args.budget_gib * 2**30)
     small_new = 8 if args.smoke else 64
     timeout = 120 if args.smoke else 300

@@ -83,6 +83,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--requests", type=int, default=8)
     ap.add_argument("--prompt", type=int, default=40, help="tokens per prompt; more than --requests")
     ap.add_argument("--new", type=int, default=48)
+    ap.add_argument("--max-batch-tokens", type=int, default=512, help="the engine's tokens per step (chunks)")
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--out", default=str(RESULTS / "serving_profile.json"))
     args = ap.parse_args(argv)
@@ -98,7 +99,7 @@ def main(argv=None) -> dict:
 
     gen = GenerationConfig(max_new_tokens=args.new, do_sample=False, eos_token_id=-1, pad_token_id=0)
     prompts = [[3 + (i * 7 + j) % 90 for j in range(args.prompt)] for i in range(args.requests)]
-    cb = engine_config(plan, pool_pages=args.requests * 4)
+    cb = engine_config(plan, pool_pages=args.requests * 4, max_batch_tokens=args.max_batch_tokens)
 
     # per forward: when its first cell ran, whether every token decoded, and the sync counts so far
     steps: list[tuple[float, bool, collections.Counter]] = []
@@ -128,6 +129,11 @@ def main(argv=None) -> dict:
     for _, c in decode:
         per_step.update(c)
     syncs = {f"{who}:{what}": n / len(decode) for (who, what), n in sorted(per_step.items())}
+    prompt = [steps[i + 1][2] - steps[i][2] for i in range(len(steps) - 1) if not steps[i][1]]
+    per_prompt_step = collections.Counter()
+    for c in prompt:
+        per_prompt_step.update(c)
+    prompt_syncs = {f"{who}:{what}": n / len(prompt) for (who, what), n in sorted(per_prompt_step.items())}
     by_package = collections.Counter()
     stats = pstats.Stats(profiler)
     rows = []
@@ -141,6 +147,7 @@ def main(argv=None) -> dict:
         "cells": args.loops * args.layers, "requests": args.requests, "decode_steps_measured": len(decode),
         "decode_step_ms_median": step_ms, "host_syncs_per_decode_step": syncs,
         "host_syncs_per_decode_step_total": sum(syncs.values()),
+        "prompt_steps_measured": len(prompt), "host_syncs_per_prompt_step": prompt_syncs,
         "own_time_s_by_package": dict(by_package),
         "top_own_time": [{"own_s": o, "total_s": t, "calls": c, "function": f} for o, t, c, f in rows[:args.top]],
     }
@@ -151,6 +158,9 @@ def main(argv=None) -> dict:
     print(f"{args.loops * args.layers} cells, {args.requests} requests: decode step {step_ms:.1f} ms (median of "
           f"{len(decode)}), host syncs per decode step {result['host_syncs_per_decode_step_total']:.1f}:")
     for name, n in syncs.items():
+        print(f"  {name:<40}{n:8.1f}")
+    print(f"host syncs per step with prompts or chunks ({len(prompt)} steps):")
+    for name, n in prompt_syncs.items():
         print(f"  {name:<40}{n:8.1f}")
     return result
 

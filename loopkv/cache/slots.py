@@ -32,11 +32,12 @@ def prefill(cache, cell: int, slot: int, k: Tensor, v: Tensor) -> None:
     cache.prefill_cell(cell, k[None], v[None], torch.zeros(1, dtype=torch.long), rows=[slot])
 
 
-def extend(cache, cell: int, slot: int, query: Tensor, k: Tensor, v: Tensor, *, scale: float) -> Tensor:
-    """Several tokens (k, v [H, n, D], query [Hq, n, D]) after what ``slot`` holds; returns [n, Hq, D]."""
+def extend(cache, cell: int, slot: int, held: int, query: Tensor, k: Tensor, v: Tensor, *, scale: float) -> Tensor:
+    """Several tokens (k, v [H, n, D], query [Hq, n, D]) after the ``held`` tokens ``slot`` holds (the caller's
+    count: reading it from the device would wait for it); returns [n, Hq, D]."""
     from loopkv.cache.continuation import continue_rows
 
-    if k.shape[1] + int(cache.layers[cell].storage.lengths[slot]) > cache.max_cache_len:
+    if k.shape[1] + held > cache.max_cache_len:
         raise ValueError(f"slot {slot} would pass max_cache_len={cache.max_cache_len}")
     return continue_rows(cache, cell, query[None], k[None], v[None], scale=scale, rows=[slot])[0]
 

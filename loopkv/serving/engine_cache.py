@@ -174,7 +174,7 @@ class EngineCache:
                 zero = torch.zeros(1, dtype=torch.long, device=q.device)
                 written.append((seg, _prompt_attention(qs[None], ks[None], vs[None], zero, scale)[0]))
             else:  # a prompt's next chunk
-                written.append((seg, slots.extend(self.cache, cell, slot, qs, ks, vs, scale=scale)))
+                written.append((seg, slots.extend(self.cache, cell, slot, pos, qs, ks, vs, scale=scale)))
         if step.decode is not None:
             out = slots.decode(self.cache, cell, step.decode, q, kk, vv, scale=scale)
             if cell == len(self.cache.layers) - 1:

@@ -15,13 +15,16 @@ method names, chosen by the installed version (:func:`engine_class`):
   budget never binds and the attention mask it builds for ``sdpa``/``eager`` covers only the step's new tokens).
 
 What this relies on, and is checked by the tests on 5.17 and 5.24: the engine looks the class up in that module when
-it builds a processor, calls the allocation and index methods below, passes ``write_index`` (a list with one index
-tensor per attention type) and ``cu_seq_lens_q`` to the model, takes the model's configured attention
-implementation as it is (``sdpa`` or ``eager``: loopkv's Ouro runs the cache's own ``"loopkv"`` attention and ignores
-the engine's mask), and runs without CUDA graphs, async batching or CPU offloading (all off in :func:`engine_config`:
-a graph would freeze the host-side split of the batch, async preparation would race it, and offloading copies engine
-blocks loopkv does not have) and without compilation (the engine's default; a compile config, which also pads the
-batch, is untested here).
+it builds a processor, calls the allocation and index methods below, prepares each batch by calling
+``extend_read_and_write_indices`` once per request in packing order with a fresh ``write_index`` list (one list per
+attention type, empty at the batch's first request: loopkv records the step's segments there, on the host) and runs
+that batch's forward before preparing the next, and takes the model's configured attention implementation as it is
+(``sdpa`` or ``eager``: loopkv's Ouro runs the cache's own ``"loopkv"`` attention and ignores the engine's mask). It
+runs without CUDA graphs, async batching or CPU offloading (all off in :func:`engine_config`: the engine keys its
+graphs by its padded token and read counts, not by which requests are prompts, so a graph would replay one step's
+split into prompts and decodes for another; async preparation would record the next batch's segments while the
+current one runs; offloading copies engine blocks loopkv does not have) and without compilation (the engine's
+default; a compile config, which also pads the batch, is untested here).
 """
 
 from __future__ import annotations

@@ -69,7 +69,9 @@ def _prompt_attention(q, k, v):
 def _step(cache, cells, active):
     """One engine step: ``active`` maps slot -> request; each request adds its next piece."""
     decoding = [s for s, r in active.items() if r.pieces[r.done] == 1 and r.done > 0]
-    cache.reserve({s: int(cache.storage(0).lengths[s]) + r.pieces[r.done] for s, r in active.items()})
+    held = {s: sum(r.pieces[:r.done]) for s, r in active.items()}
+    assert held == {s: int(cache.storage(0).lengths[s]) for s in active}  # what the engine's count would be
+    cache.reserve({s: held[s] + r.pieces[r.done] for s, r in active.items()})
     packed = decoding[::-1]
     step = slots.DecodeStep.build([(s, i) for i, s in enumerate(packed)], rows=cache.max_batch_size,
                                   tokens=len(packed), device=cache.device)
@@ -80,7 +82,7 @@ def _step(cache, cells, active):
                 slots.prefill(cache, cell, s, k, v)
                 r.outs[cell].append(_prompt_attention(q, k, v))
             elif s not in decoding:
-                r.outs[cell].append(slots.extend(cache, cell, s, q, k, v, scale=SCALE))
+                r.outs[cell].append(slots.extend(cache, cell, s, held[s], q, k, v, scale=SCALE))
         if decoding:  # packed as an engine packs them: one token per decoding slot, in reverse slot order
             q = torch.stack([active[s].piece(cell)[0][:, 0] for s in packed])
             k = torch.stack([active[s].piece(cell)[1][:, 0] for s in packed])
