@@ -272,6 +272,19 @@ def test_bad_num_steps_is_refused():
             model.generate(ids, num_steps=bad, max_new_tokens=2)
 
 
+def test_a_dense_cache_keeps_its_step_count():
+    """A cache filled with r steps holds no cells for other steps: another r is refused until it is empty."""
+    model = build_model(released_config())
+    cache = DynamicCache()
+    ids = torch.randint(3, VOCAB, (1, 5))
+    with torch.no_grad():
+        model(ids, past_key_values=cache, num_steps=2, init_scale=0.0)
+        with pytest.raises(ValueError, match="holds tokens run with num_steps=2"):
+            model(ids[:, :1], past_key_values=cache, num_steps=3, init_scale=0.0)
+        model(ids[:, :1], past_key_values=cache, num_steps=2, init_scale=0.0)
+    assert cache.get_seq_length() == 6
+
+
 def greedy_recompute(model, ids, mask, new, steps):
     out, mask = ids, mask
     for _ in range(new):
