@@ -110,10 +110,10 @@ def _prompts(lengths, seed=0):
     ("bf16", 20, None, "cpu"), ("int4", 45, None, "cpu"), ("int2", 20, None, {0: "cpu", 1: "cpu:0"}),
     ("share", 45, None, {0: "cpu", 1: "cpu:0"}), ("share", 20, 2, "cpu")])
 def test_a_short_cache_decodes_what_a_long_one_does(model, plan, max_cache_len, pool_pages, device):
-    """Rows of 6 and 9 prompt tokens decoded until the longer one is full: below the sink's end (20: no ring at all)
-    and past it (45), with a shared pool (which then has no pages) and in two shards (each layer's cells stacked
-    apart, ``loopkv/cache/placement.py``), against one long cache that could store pages."""
-    ids, mask = _prompts([6, 9])
+    """Rows of n - 16 and n - 12 prompt tokens decoded 12 steps, until the longer one is full: below the sink's end
+    (20: no ring at all) and across it (45), with a shared pool (which then has no pages) and in two shards (each
+    layer's cells stacked apart, ``loopkv/cache/placement.py``), against one long cache that could store pages."""
+    ids, mask = _prompts([max_cache_len - 16, max_cache_len - 12])
     new = max_cache_len - ids.shape[1]
     short, short_logits, cache = _generate(model, _plan(plan), max_cache_len, ids, mask, new, pool_pages=pool_pages,
                                            device=device)
@@ -183,13 +183,15 @@ def triton_on_cpu(monkeypatch):
 @pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1 (set on machines without CUDA)")
 @pytest.mark.usefixtures("triton_on_cpu")
 def test_triton_kernels_decode_a_short_cache_as_a_long_one():
-    """head_dim 64 (the kernels serve 64 to 256), int4: the fused reader's sink and ring strides and the token write
-    on a ring of 6 slots, against the same kernels on the full sink and ring."""
-    model = tiny_ouro(head_dim=64)
-    ids, mask = _prompts([4, 6])
-    short, short_logits, cache = _generate(model, _plan("int4"), 44, ids, mask, 44 - 6)
-    long, long_logits, _ = _generate(model, _plan("int4"), 320, ids, mask, 44 - 6)
-    assert tuple(cache.storage(0).win_k.shape) == (2, 2, 44 - SINK, 64)
+    """head_dim 64 (the kernels serve 64 to 256), int4, one layer: a row of 31 prompt tokens decoded into the sink's
+    last slot and a ring of 4 until it is full (the fused reader's sink and ring strides, the token write), against
+    the same kernels on the full sink and ring. One row, few steps: the interpreter runs every program in Python."""
+    model = tiny_ouro(layers=1, head_dim=64)
+    plan = loopkv.Plan.from_loops(loops=2, layers=1, per_loop=["int4", "int4"], tau=14.0)
+    ids, mask = _prompts([31])
+    short, short_logits, cache = _generate(model, plan, 36, ids, mask, 5)
+    long, long_logits, _ = _generate(model, plan, 320, ids, mask, 5)
+    assert tuple(cache.storage(0).win_k.shape) == (1, 2, 36 - SINK, 64)
     assert torch.equal(short, long)
     torch.testing.assert_close(short_logits, long_logits, atol=LOGITS_FP32_ATOL, rtol=LOGITS_FP32_RTOL)
 
