@@ -120,6 +120,9 @@ def run_vllm(args, batches: list[int]) -> dict:
     """Start vLLM on the dummy Ouro-1.4B and measure decode tok/s at each batch (module docstring, step 4)."""
     if args.in_process:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    # vLLM's sampler imports FlashInfer unless told not to; the greedy runs here do not need it, and the carried
+    # wheels leave it out (the device has no package index).
+    os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
     with Step("import vllm") as s:
         import vllm
         from vllm import LLM, SamplingParams
