@@ -276,6 +276,11 @@ def family_of(config: Any) -> str:
         "model_type 'dory'. A new family describes itself in loopkv/families.py")
 
 
+def known_family(config: Any) -> bool:
+    """Whether some family recognises ``config``."""
+    return any(recognises(config) for recognises, _, _ in FAMILIES.values())
+
+
 def check_transformers(family: str) -> None:
     """Refuse a family whose model the installed transformers does not have, naming the release that does."""
     oldest = FAMILIES[family][2]
@@ -303,4 +308,5 @@ def layout_of(config: Any, *, loops: int | None = None) -> ModelLayout:
 
 
 __all__ = ["DORY_MIN_TRANSFORMERS", "FAMILIES", "KINDS", "Layer", "ModelLayout", "Slot", "build_layout",
-           "check_transformers", "default_loops", "dory_layout", "family_of", "layout_of", "ouro_layout"]
+           "check_transformers", "default_loops", "dory_layout", "family_of", "known_family", "layout_of",
+           "ouro_layout"]

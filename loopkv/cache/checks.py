@@ -9,22 +9,46 @@ import torch
 from torch import Tensor
 
 from loopkv.cache.storage import CellStorage
+from loopkv.families import ModelLayout, layout_of
 from loopkv.ops.codec import FP16_MAX
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def model_shape(config) -> tuple[int, int, int, int]:
-    """(loops, layers, kv_heads, head_dim) of an Ouro-style config."""
-    needed = ("total_ut_steps", "num_hidden_layers", "num_attention_heads")
-    missing = [a for a in needed if not hasattr(config, a)]
-    if missing:
-        raise ValueError(f"config lacks {missing}: LoopKVCache needs a looped model's config "
-                         "(e.g. OuroConfig)")
+    """(loops, layers, kv_heads, head_dim) of a looped model's config: its planned cells (the family's layout,
+    :mod:`loopkv.families`; Ouro: ``total_ut_steps`` x ``num_hidden_layers``) and their K/V shape."""
+    layout = model_layout(config)
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    return config.total_ut_steps, config.num_hidden_layers, kv_heads, head_dim
+    return layout.loops, layout.layers, kv_heads, head_dim
+
+
+def model_layout(config) -> ModelLayout:
+    """The :class:`~loopkv.families.ModelLayout` of ``config``, or a ValueError naming what it lacks."""
+    needed = ("num_hidden_layers", "num_attention_heads")
+    missing = [a for a in needed if not hasattr(config, a)]
+    if missing:
+        raise ValueError(f"config lacks {missing}: LoopKVCache needs a looped model's config "
+                         "(e.g. OuroConfig, or transformers' DoryConfig)")
+    return layout_of(config)
+
+
+def check_layout(layout: ModelLayout, max_cache_len: int) -> None:
+    """Refuse, before allocating, a model whose cache a LoopKVCache cannot serve as the model reads it."""
+    if layout.reads_without_update:
+        raise ValueError(
+            f"in this {layout.family} model, loops {sorted({c.loop for c in layout.reads_without_update})} read the "
+            "last loop's cache as dense tensors (cache.layers[i].keys) instead of calling update() (Dory's "
+            "recurrent_kv_cache_mode='last_loop'), which a LoopKVCache cannot serve. Set "
+            "config.recurrent_kv_cache_mode = 'per_loop' and give the earlier loops 'share' in the plan "
+            "(Plan.from_config(config, shared_loops=[...])): they then store no history of their own")
+    if layout.fixed("window") and max_cache_len > layout.sliding_window:
+        raise ValueError(
+            f"this {layout.family} model has sliding-window layers (window {layout.sliding_window}); LoopKVCache "
+            "keeps them as exact cells that read every token of a row, which is the window's attention only while a "
+            f"row holds at most sliding_window tokens: build it with max_cache_len <= {layout.sliding_window}")
 
 
 def resolve_dtype(config, dtype) -> torch.dtype:

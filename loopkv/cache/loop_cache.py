@@ -32,7 +32,7 @@ from loopkv.cache import layer as cell_layer
 from loopkv.cache.layer import LoopKVCell, LoopKVHandle
 from loopkv.cache.paging import PagePool
 from loopkv.cache.storage import OWN_FIELDS, POOL_FIELDS, CellStorage, allocate_cell
-from loopkv.cells import Cell, CellLayout
+from loopkv.cells import Cell
 from loopkv.format import PAGE, RING, SINK, WINDOW, capacity, check_head_dim, max_pages, n_pages, stored_pages
 from loopkv.ops import cache_ops, cell_attention, step_ops  # noqa: F401  (registers torch.ops.loopkv.*)
 
@@ -42,7 +42,9 @@ class LoopKVCache(Cache):
 
     Args:
         plan: a :class:`loopkv.Plan` (one option per cell, V precision ``tau``, one value or one per loop).
-        config: the model config (Ouro: ``total_ut_steps``, ``num_hidden_layers``, heads, ``head_dim``).
+        config: the model config (Ouro: ``total_ut_steps``, ``num_hidden_layers``, heads, ``head_dim``; transformers'
+            ``DoryConfig``); its family's layout (``loopkv/families.py``) gives the cache indices: planned cells,
+            and fixed exact cells for layers outside the loop and sliding-window layers.
         max_batch_size: rows preallocated; a batch may be smaller.
         max_cache_len: tokens per row (prompt + generated).
         dtype: the model's activation dtype (exact sink/window/bf16 pages); default ``config.dtype`` or fp32.
@@ -77,11 +79,12 @@ class LoopKVCache(Cache):
             pool_pages = checks.positive_int("pool_pages", pool_pages)
         register()
         plan.validate_for(config)
-        loops, layers, kv_heads, head_dim = checks.model_shape(config)
+        self.layout = checks.model_layout(config)  # planned cells and fixed exact slots, by cache index
+        checks.check_layout(self.layout, max_cache_len)
+        _, _, kv_heads, head_dim = checks.model_shape(config)
         if any(o != "bf16" for o in plan.options):
             check_head_dim(head_dim)
         dtype = checks.resolve_dtype(config, dtype)
-        self.layout = CellLayout(loops, layers)
         devices = placement.cell_devices(device, self.layout)
         device = devices[0]
 
@@ -103,7 +106,9 @@ class LoopKVCache(Cache):
             option = plan.option(cell)
             source = storages.get(self.layout.source(cell)) if option == "share" else None
             storages[cell] = allocate_cell(option, source=source, **dims)
-        ordered = [storages[c] for c in self.layout]
+        # by cache index; a fixed slot (prelude/coda, sliding layer: loopkv/families.py) is an exact cell
+        ordered = [storages[s.cell] if s.cell is not None else allocate_cell("bf16", source=None, **dims)
+                   for s in self.layout.slots]
         for d in dict.fromkeys(devices):
             checks.check_fits([st for st, dd in zip(ordered, devices, strict=True) if dd == d], d)
         self._devices = devices
@@ -185,8 +190,8 @@ class LoopKVCache(Cache):
                     "model does); after an interrupted step call cache.reset()")
             if layer_idx in self._read:  # a new step for this cell: count the tokens read so far first
                 self.flush()
-            # one host check per step (cell 0; every cell holds as many tokens)
-            if layer_idx == 0:
+            # one host check per step (the first cell updated; every cell holds as many tokens)
+            if layer_idx == self.layout.first_index:
                 lengths = self.layers[0].storage.lengths.cpu()
                 if int(lengths[:B].max()) >= self.max_cache_len:
                     raise ValueError(f"a row already holds max_cache_len={self.max_cache_len} tokens; build the "
@@ -311,7 +316,7 @@ class LoopKVCache(Cache):
 
     def _tau(self, layer_idx: int, st: CellStorage) -> float:
         """The V precision threshold cell ``layer_idx`` reads with: its loop's, for INT4 pages only."""
-        return self.taus[layer_idx // self.layout.layers] if st.read_bits == 4 else math.inf
+        return self.taus[self.layout.cell(layer_idx).loop] if st.read_bits == 4 else math.inf
 
     def read_cell(self, layer_idx: int, query: Tensor, *, scale: float) -> Tensor:
         """Attention of cell ``layer_idx`` over what it holds, writing nothing: query [B, Hq, D] -> [B, Hq, D]."""
@@ -335,7 +340,7 @@ class LoopKVCache(Cache):
                 raise NotImplementedError(
                     "a shared page pool (pool_pages) hands pages out on the host between steps, which a compiled "
                     "step cannot do: compile with a LoopKVCache without pool_pages")
-            if layer_idx == len(self.layers) - 1:
+            if layer_idx == self.layout.last_index:
                 for shard in self._shards:
                     self._advance(shard, B, shard.stacks.own["lengths"], shard.groups)
             return out
@@ -346,7 +351,7 @@ class LoopKVCache(Cache):
         self._unread.discard(layer_idx)
         self._read.add(layer_idx)
         self._read_batch = B
-        if layer_idx == len(self.layers) - 1:  # the step's last cell has been read
+        if layer_idx == self.layout.last_index:  # the step's last cell has been read
             self.flush()
         return out
 

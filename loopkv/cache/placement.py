@@ -16,22 +16,22 @@ import torch
 from torch import Tensor
 
 from loopkv.cache.storage import CellStacks, CellStorage, stack_cells
-from loopkv.cells import CellLayout
+from loopkv.families import ModelLayout
 
 
-def cell_devices(device, layout: CellLayout) -> list[torch.device]:
-    """The device of every cell (flat index order) from ``device``: ``None`` (CUDA if available, else CPU), one
+def cell_devices(device, layout: ModelLayout) -> list[torch.device]:
+    """The device of every cache index from ``device``: ``None`` (CUDA if available, else CPU), one
     device, or a mapping ``{physical layer: device}`` covering every layer (:func:`layer_devices` builds it)."""
     if isinstance(device, Mapping):
-        if set(device) != set(range(layout.layers)):
-            raise ValueError(f"a device map must name each of the model's {layout.layers} layers (keys 0.."
-                             f"{layout.layers - 1}), got keys {list(device)}; loopkv.layer_devices(model) "
+        if set(device) != set(range(layout.num_layers)):
+            raise ValueError(f"a device map must name each of the model's {layout.num_layers} layers (keys 0.."
+                             f"{layout.num_layers - 1}), got keys {list(device)}; loopkv.layer_devices(model) "
                              "builds it from where the model's layers are")
-        per_layer = [torch.device(device[i]) for i in range(layout.layers)]
-        return [per_layer[cell.layer] for cell in layout]
+        per_layer = [torch.device(device[i]) for i in range(layout.num_layers)]
+        return [per_layer[layer] for layer in layout.physical_layers]
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    return [torch.device(device)] * layout.num_cells
+    return [torch.device(device)] * layout.num_indices
 
 
 def layer_devices(model) -> dict[int, torch.device]:

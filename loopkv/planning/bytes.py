@@ -40,19 +40,22 @@ KIB = 1024
 
 @dataclass(frozen=True)
 class ModelShape:
-    """The shape of a looped model's KV cache: ``loops`` (T) x ``layers`` (L) cells of
-    ``kv_heads`` x ``head_dim``."""
+    """The shape of a looped model's planned KV cache: ``loops`` (T) x ``layers`` (L) cells of
+    ``kv_heads`` x ``head_dim``, of the model ``family`` (:mod:`loopkv.families`; plans record it)."""
 
     loops: int
     layers: int
     kv_heads: int
     head_dim: int
+    family: str = "ouro"
 
     def __post_init__(self) -> None:
         for name in ("loops", "layers", "kv_heads", "head_dim"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"ModelShape.{name} must be a positive int, got {value!r}")
+        if not isinstance(self.family, str) or not self.family:
+            raise ValueError(f"ModelShape.family must be a family name (e.g. 'ouro'), got {self.family!r}")
 
     @property
     def elements(self) -> int:
@@ -65,17 +68,20 @@ class ModelShape:
 
     @classmethod
     def from_config(cls, config: Any) -> ModelShape:
-        """Read T, L, KV heads and head_dim from an Ouro-style ``transformers`` config.
+        """Read the family, T, L, KV heads and head_dim from a looped model's ``transformers`` config.
 
-        Uses ``total_ut_steps``, ``num_hidden_layers``, ``num_key_value_heads`` (falling back to
-        ``num_attention_heads``) and ``head_dim`` (falling back to ``hidden_size // num_attention_heads``).
+        T and L are the planned cells of the family's layout (:func:`loopkv.families.layout_of`; Ouro:
+        ``total_ut_steps`` x ``num_hidden_layers``); ``num_key_value_heads`` falls back to
+        ``num_attention_heads`` and ``head_dim`` to ``hidden_size // num_attention_heads``.
         """
-        missing = [n for n in ("total_ut_steps", "num_hidden_layers") if getattr(config, n, None) is None]
-        if missing:
+        from loopkv.families import layout_of
+
+        if getattr(config, "num_hidden_layers", None) is None:
             raise ValueError(
-                f"config {type(config).__name__} has no {', '.join(missing)}; pass a looped-model config "
+                f"config {type(config).__name__} has no num_hidden_layers; pass a looped-model config "
                 "(Ouro: total_ut_steps, num_hidden_layers, num_key_value_heads, head_dim) or a ModelShape"
             )
+        layout = layout_of(config)
         heads = getattr(config, "num_attention_heads", None)
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
         head_dim = getattr(config, "head_dim", None)
@@ -86,12 +92,8 @@ class ModelShape:
                 f"config {type(config).__name__} gives neither num_key_value_heads/num_attention_heads nor "
                 "head_dim/hidden_size; pass a ModelShape instead"
             )
-        return cls(
-            loops=int(config.total_ut_steps),
-            layers=int(config.num_hidden_layers),
-            kv_heads=int(kv_heads),
-            head_dim=int(head_dim),
-        )
+        return cls(loops=layout.loops, layers=layout.layers, kv_heads=int(kv_heads), head_dim=int(head_dim),
+                   family=layout.family)
 
 
 def as_shape(config: Any) -> ModelShape:

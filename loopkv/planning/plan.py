@@ -39,8 +39,11 @@ PLAN_VERSION = 1
 SUPPORTED_CODEC = {"sink": SINK, "window": WINDOW, "page": PAGE, "group": GROUP}
 _DATA_KEYS = (
     "loops", "layers", "tau", "sink", "window", "page", "group", "kv_heads", "head_dim",
-    "provenance", "predicted", "cells",
+    "provenance", "predicted", "cells", "family",
 )
+DEFAULT_FAMILY = "ouro"  # plan files without "family" were made for Ouro-style models
+# what a family's config calls the plan's loops and layers (for error messages)
+_SHAPE_NAMES = {"ouro": ("total_ut_steps", "num_hidden_layers")}
 
 
 class PlanEnvironmentWarning(UserWarning):
@@ -70,6 +73,8 @@ class Plan:
     sink, window, page, group: codec parameters; only the storage format's (:mod:`loopkv.format`: 32 / 256 /
         32 / 32) are implemented.
     kv_heads, head_dim: the shape the plan was made for, if known (checked by :meth:`validate_for`).
+    family: the model family the plan was made for (:mod:`loopkv.families`: ``"ouro"``, ``"dory"``); its
+        ``loops x layers`` cells are that family's planned cells. Written to JSON when not ``"ouro"``.
     provenance: how the plan was made (solver, budgets, profile hash, ...), a read-only JSON mapping.
     predicted: what the planner predicts (damage, stored/read KiB, ...), a read-only JSON mapping.
 
@@ -86,6 +91,7 @@ class Plan:
     group: int = GROUP
     kv_heads: int | None = None
     head_dim: int | None = None
+    family: str = DEFAULT_FAMILY
     provenance: Mapping[str, Any] = field(default_factory=dict, hash=False)
     predicted: Mapping[str, Any] = field(default_factory=dict, hash=False)
 
@@ -126,6 +132,8 @@ class Plan:
                 raise ValueError(f"Plan.{name} must be a positive int or None, got {value!r}")
         if self.head_dim is not None and self.quantized:
             check_head_dim(self.head_dim)
+        if not isinstance(self.family, str) or not self.family:
+            raise ValueError(f"Plan.family must be a model family name (e.g. 'ouro', 'dory'), got {self.family!r}")
         object.__setattr__(self, "provenance", _freeze(dict(self.provenance), "Plan.provenance"))
         object.__setattr__(self, "predicted", _freeze(dict(self.predicted), "Plan.predicted"))
 
@@ -290,7 +298,7 @@ class Plan:
         """
         shape = _bytes.as_shape(config)
         kw = dict(loops=shape.loops, layers=shape.layers, tau=tau, kv_heads=shape.kv_heads,
-                  head_dim=shape.head_dim, **fields)
+                  head_dim=shape.head_dim, family=shape.family, **fields)
         if per_loop is not None and shared_loops is not None:
             raise ValueError("pass per_loop or shared_loops, not both")
         if per_loop is not None:
@@ -304,11 +312,18 @@ class Plan:
         """Raise ``ValueError`` naming every way this plan does not fit the model of ``config`` (a
         ``transformers`` config or a :class:`~loopkv.planning.bytes.ModelShape`)."""
         shape = _bytes.as_shape(config)
+        if self.family != shape.family:
+            raise ValueError(
+                f"this plan was made for a {self.family} model and the model is a {shape.family} model: their "
+                "cells are different layers. Make a plan for this model (Plan.from_config(config) or re-solve "
+                "its profile)"
+            )
         diffs = []
+        loops_name, layers_name = _SHAPE_NAMES.get(shape.family, ("loops", "looped full-attention layers"))
         if self.loops != shape.loops:
-            diffs.append(f"loops={self.loops} but the model has total_ut_steps={shape.loops}")
+            diffs.append(f"loops={self.loops} but the model has {loops_name}={shape.loops}")
         if self.layers != shape.layers:
-            diffs.append(f"layers={self.layers} but the model has num_hidden_layers={shape.layers}")
+            diffs.append(f"layers={self.layers} but the model has {layers_name}={shape.layers}")
         if self.kv_heads is not None and self.kv_heads != shape.kv_heads:
             diffs.append(f"kv_heads={self.kv_heads} but the model has num_key_value_heads={shape.kv_heads}")
         if self.head_dim is not None and self.head_dim != shape.head_dim:
@@ -371,6 +386,8 @@ class Plan:
             "predicted": _thaw(self.predicted),
             "cells": self.grid(),
         }
+        if self.family != DEFAULT_FAMILY:
+            data["family"] = self.family
         return {
             "_type": PLAN_TYPE,
             "_version": PLAN_VERSION,

@@ -47,6 +47,7 @@ from types import MappingProxyType
 from typing import Any
 
 from loopkv.cells import Cell, CellLayout
+from loopkv.families import known_family, layout_of
 
 PROFILE_TYPE = "loopkv.Profile"
 PROFILE_VERSION = 1
@@ -81,7 +82,11 @@ def config_shape(config: Any) -> tuple[int, int, int, int]:
             head_dim = get("hidden_size") // get("num_attention_heads")
         kv_heads = get("num_key_value_heads") or get("num_attention_heads")
         names = ("total_ut_steps", "num_hidden_layers", "num_key_value_heads", "head_dim")
-        vals = [get("total_ut_steps"), get("num_hidden_layers"), kv_heads, head_dim]
+        loops, layers = get("total_ut_steps"), get("num_hidden_layers")
+        if layers is not None and known_family(config):  # the family's planned cells (Ouro: T x L)
+            layout = layout_of(config)
+            loops, layers = layout.loops, layout.layers
+        vals = [loops, layers, kv_heads, head_dim]
     missing = [n for n, v in zip(names, vals, strict=True) if v is None]
     if missing:
         raise ValueError(
