@@ -28,7 +28,8 @@ class MemoryReport:
     by_cell: bytes each cell allocated itself (a ``share`` cell's pool is its source's), flat index order.
     history_stored_kib: allocated history bytes per history token slot (pools / (rows * pages * 32)),
         summed over cells; equals the byte model's ``stored_kib``.
-    model_stored_kib, model_read_kib: the byte model for this plan (``plan.bytes_per_token``).
+    model_stored_kib, model_read_kib: the byte model for this plan (``plan.bytes_per_token``), the model's fixed
+        exact slots included (``fixed_kib``: prelude/coda and sliding layers; 0 for Ouro).
     exact_bytes_per_row: sink + window ring bytes per row, over all cells.
     """
 
@@ -73,11 +74,12 @@ def memory_report(cache) -> MemoryReport:
             slots = max(slots, pages * PAGE)
             history_cell = sum(nbytes(own[n]) for n in POOL_FIELDS if n in own)
             history += history_cell / max(pages * PAGE, 1)
-    shape = ModelShape(cache.layout.loops, cache.layout.layers, cache.kv_heads, cache.head_dim)
+    shape = ModelShape(cache.layout.loops, cache.layout.layers, cache.kv_heads, cache.head_dim,
+                       family=cache.layout.family, fixed=len(cache.layout.fixed()))
     model = cache.plan.bytes_per_token(shape, dtype_bytes=cache.dtype.itemsize)
     return MemoryReport(
         total_bytes=sum(by_cell), by_component=by_component, by_cell=tuple(by_cell),
         history_stored_kib=history / KIB if slots else 0.0,
-        model_stored_kib=model.stored_kib, model_read_kib=model.read_kib,
+        model_stored_kib=model.stored_kib + model.fixed_kib, model_read_kib=model.read_kib + model.fixed_kib,
         exact_bytes_per_row=exact // cache.max_batch_size,
     )

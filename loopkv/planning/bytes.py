@@ -17,6 +17,10 @@ token and cell, a lo plane of 0.5 KiB, 768 KiB BF16 and 240 KiB uniform INT4 per
 The sink and the window (``SINK + WINDOW = 288`` tokens) are exact in every cell, shared cells included:
 a constant per request (216 MiB for Ouro-1.4B), reported by :func:`exact_bytes_per_request`.
 
+A model's fixed slots (:mod:`loopkv.families`: prelude/coda and sliding layers, never planned) are exact
+cells: they store and read ``E * dtype_bytes`` per token each, whatever the plan
+(:attr:`BytesPerToken.fixed_kib`, :func:`fixed_kib`), and keep a sink and window like every cell.
+
 This module knows nothing of :class:`~loopkv.planning.plan.Plan`: it prices a sequence of options
 (:func:`per_token`), and ``Plan.bytes_per_token`` calls it.
 """
@@ -40,20 +44,25 @@ KIB = 1024
 
 @dataclass(frozen=True)
 class ModelShape:
-    """The shape of a looped model's planned KV cache: ``loops`` (T) x ``layers`` (L) cells of
-    ``kv_heads`` x ``head_dim``, of the model ``family`` (:mod:`loopkv.families`; plans record it)."""
+    """The shape of a looped model's KV cache: ``loops`` (T) x ``layers`` (L) planned cells of
+    ``kv_heads`` x ``head_dim``, of the model ``family`` (:mod:`loopkv.families`; plans record it), and
+    ``fixed`` cache slots outside the plan (prelude/coda and sliding layers), kept exact: they store and
+    read every token in the cache's dtype, whatever the plan."""
 
     loops: int
     layers: int
     kv_heads: int
     head_dim: int
     family: str = "ouro"
+    fixed: int = 0
 
     def __post_init__(self) -> None:
         for name in ("loops", "layers", "kv_heads", "head_dim"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"ModelShape.{name} must be a positive int, got {value!r}")
+        if not isinstance(self.fixed, int) or isinstance(self.fixed, bool) or self.fixed < 0:
+            raise ValueError(f"ModelShape.fixed must be an int >= 0, got {self.fixed!r}")
         if not isinstance(self.family, str) or not self.family:
             raise ValueError(f"ModelShape.family must be a family name (e.g. 'ouro'), got {self.family!r}")
 
@@ -93,7 +102,7 @@ class ModelShape:
                 "head_dim/hidden_size; pass a ModelShape instead"
             )
         return cls(loops=layout.loops, layers=layout.layers, kv_heads=int(kv_heads), head_dim=int(head_dim),
-                   family=layout.family)
+                   family=layout.family, fixed=len(layout.fixed()))
 
 
 def as_shape(config: Any) -> ModelShape:
@@ -107,14 +116,17 @@ def as_shape(config: Any) -> ModelShape:
 class BytesPerToken:
     """Bytes per history token, summed over cells (KiB), and per cell.
 
-    stored_kib: what the cache holds per history token.
-    read_kib: what one decode step reads per history token (the expected value under ``hot_fraction``).
+    stored_kib: what the planned cells hold per history token.
+    read_kib: what one decode step reads from them per history token (the expected value under ``hot_fraction``).
     per_cell: ``(stored_kib, read_kib)`` per cell, indexed by the flat cell index ``t * L + l``.
+    fixed_kib: what the model's fixed exact slots (:attr:`ModelShape.fixed`) store, and a step reads, per
+        token: the same for every plan, so not in ``stored_kib`` / ``read_kib`` (0 for Ouro).
     """
 
     stored_kib: float
     read_kib: float
     per_cell: tuple[tuple[float, float], ...] = field(repr=False)
+    fixed_kib: float = 0.0
 
 
 def _check_dtype_bytes(dtype_bytes: int) -> None:
@@ -133,6 +145,11 @@ def _option_bits(option: str, shape: ModelShape, dtype_bytes: int) -> int:
     if option in CODE_BITS_PER_ELEMENT:
         return shape.elements * CODE_BITS_PER_ELEMENT[option]
     raise ValueError(f"option must be one of 'bf16', 'int4', 'int2', 'share', got {option!r}")
+
+
+def _fixed_bits(shape: ModelShape, dtype_bytes: int) -> int:
+    """Bits per token the fixed exact slots store (and a step reads)."""
+    return shape.fixed * _option_bits("bf16", shape, dtype_bytes)
 
 
 def _lo_plane_bits(shape: ModelShape) -> int:
@@ -167,11 +184,19 @@ def unit_kib(config: Any, *, dtype_bytes: int = 2) -> float:
 
 
 def exact_bytes_per_request(config: Any, *, dtype_bytes: int = 2) -> int:
-    """Bytes of the exact sink and window of one request, over all cells (shared cells keep their own):
-    ``(SINK + WINDOW) * T * L * E * dtype_bytes``. Ouro-1.4B in BF16: 216 MiB."""
+    """Bytes of the exact sink and window of one request, over all cells (shared cells keep their own) and
+    fixed slots: ``(SINK + WINDOW) * (T * L + fixed) * E * dtype_bytes``. Ouro-1.4B in BF16: 216 MiB."""
     _check_dtype_bytes(dtype_bytes)
     shape = as_shape(config)
-    return (SINK + WINDOW) * shape.num_cells * shape.elements * dtype_bytes
+    return (SINK + WINDOW) * (shape.num_cells + shape.fixed) * shape.elements * dtype_bytes
+
+
+def fixed_kib(config: Any, *, dtype_bytes: int = 2) -> float:
+    """KiB per history token of the fixed exact slots (prelude/coda and sliding layers), stored and read
+    alike: ``fixed * E * dtype_bytes``; 0 for Ouro."""
+    _check_dtype_bytes(dtype_bytes)
+    shape = as_shape(config)
+    return _fixed_bits(shape, dtype_bytes) / 8 / KIB
 
 
 def per_token(
@@ -205,6 +230,7 @@ def per_token(
         stored_kib=sum(s for s, _ in per_cell),
         read_kib=sum(r for _, r in per_cell),
         per_cell=tuple(per_cell),
+        fixed_kib=_fixed_bits(shape, dtype_bytes) / 8 / KIB,
     )
 
 

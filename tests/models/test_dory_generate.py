@@ -185,3 +185,16 @@ def test_a_plan_for_another_family_is_refused(model):
         loopkv.LoopKVCache(dory_plan, config=ouro, max_batch_size=1, max_cache_len=40, dtype=torch.float32,
                            device="cpu")
     assert loopkv.Plan.from_json_str(dory_plan.to_json_str()) == dory_plan  # the family survives the file
+
+
+@pytest.mark.parametrize("option", ["int4", "int2", "bf16"])
+def test_allocated_history_is_the_byte_model_with_the_fixed_slots(model, option):
+    """The cache's pools per history token (measured from its tensors) are the plan's planned cells plus the fixed
+    exact slots (2 exact, 2 + 3 loops x 1 sliding: 7 slots of 2 x 2 x 32 fp32 elements = 3.5 KiB per token)."""
+    plan = loopkv.Plan.from_config(model.config, option=option)
+    modeled = plan.bytes_per_token(model.config, dtype_bytes=4)
+    assert modeled.fixed_kib == pytest.approx(7 * 2 * 2 * 32 * 4 / 1024)
+    assert loopkv.planning.bytes.fixed_kib(model.config, dtype_bytes=4) == modeled.fixed_kib
+    report = _cache(model, plan, 400, batch=2).memory_report()
+    assert report.history_stored_kib == pytest.approx(modeled.stored_kib + modeled.fixed_kib, rel=1e-12)
+    assert report.model_stored_kib == pytest.approx(report.history_stored_kib, rel=1e-12)
