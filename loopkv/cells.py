@@ -1,7 +1,9 @@
 """Cells: one (loop, layer) pair of a looped transformer, and the map to a flat cache index.
 
-Ouro passes ``layer_idx = t * L + l`` to ``Cache.update`` (docs/design.md). Bare ints never cross a
-module boundary as cell identities: use :class:`Cell` and :class:`CellLayout`.
+Ouro passes ``layer_idx = t * L + l`` to ``Cache.update`` (docs/design.md). A model with layers outside the
+loop or sliding layers (Dory, Huginn) passes other indices: :mod:`loopkv.families` maps its cells to them, with a
+:class:`CellLayout` for the planned cells. Bare ints never cross a module boundary as cell identities: use
+:class:`Cell` and :class:`CellLayout`.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ class CellLayout:
         return self.loops - 1
 
     def flat_index(self, cell: Cell) -> int:
-        """Ouro's cache index of ``cell``: ``loop * L + layer``."""
+        """The flat index of ``cell`` in a plan, and Ouro's cache index: ``loop * L + layer``."""
         self._check(cell)
         return cell.loop * self.layers + cell.layer
 
