@@ -25,9 +25,9 @@ How a new family describes itself: write ``def my_layout(config, loops) -> Model
 the core and the coda as :class:`Layer` entries (physical index, attention type, and for prelude/coda the cache
 index) and gives ``core_index(t, j)``, the cache index core layer ``j`` writes in loop ``t``, then returns
 :func:`build_layout` of them; add it to :data:`FAMILIES` with how its configs are recognised
-(:func:`family_of`). ``loops`` is the loop count of the call: ``None`` means the config's default
-(:func:`default_loops`); a model whose loop count is chosen per call (recurrent depth, Huginn's ``r``) is laid out
-once per count, and a plan is made for one count.
+(:func:`family_of`), and the oldest transformers that has the model (or ``None``). ``loops`` is the loop count
+(:func:`layout_of`'s ``loops=``): ``None`` means the config's default; a model whose loop count is chosen per call
+(recurrent depth, Huginn's ``r``) is laid out for the largest count it will run, and a plan is made for that count.
 """
 
 from __future__ import annotations
@@ -62,6 +62,10 @@ class Slot:
     kind: str
     loop: int | None = None
     cell: Cell | None = None
+
+    def __post_init__(self) -> None:
+        assert self.kind in KINDS, f"slot kind {self.kind!r} is not one of {KINDS}"
+        assert (self.cell is not None) == (self.kind == "looped"), "planned slots, and only they, have a cell"
 
 
 @dataclass(frozen=True)
@@ -294,11 +298,6 @@ def check_transformers(family: str) -> None:
                          f"transformers {transformers.__version__}: pip install 'transformers>={oldest}'")
 
 
-def default_loops(config: Any) -> int:
-    """The loop count the config runs by default (a call may choose another: :func:`layout_of`'s ``loops``)."""
-    return layout_of(config).loops
-
-
 def layout_of(config: Any, *, loops: int | None = None) -> ModelLayout:
     """The :class:`ModelLayout` of ``config`` (a transformers config or a mapping with its fields), for ``loops``
     loops (``None``: the config's own count)."""
@@ -308,5 +307,5 @@ def layout_of(config: Any, *, loops: int | None = None) -> ModelLayout:
 
 
 __all__ = ["DORY_MIN_TRANSFORMERS", "FAMILIES", "KINDS", "Layer", "ModelLayout", "Slot", "build_layout",
-           "check_transformers", "default_loops", "dory_layout", "family_of", "known_family", "layout_of",
+           "check_transformers", "dory_layout", "family_of", "known_family", "layout_of",
            "ouro_layout"]
