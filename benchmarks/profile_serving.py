@@ -1,7 +1,8 @@
 """Where a continuous-batching step's host time goes: transformers' engine with LoopKV storage (loopkv/serving) at a
 tiny shape with Ouro-1.4B's 96 cells, on the CPU (or a GPU if there is one).
 
-    python benchmarks/profile_serving.py [--loops 4] [--layers 24] [--requests 8] [--new 48] [--top 25]
+    python benchmarks/profile_serving.py [--loops 4] [--layers 24] [--requests 8] [--new 48]
+        [--max-batch-tokens 512] [--cprofile 25]
         [--out benchmarks/results/serving_profile.json]
 
 Reports, per decode-only step (every request decoding one token):
@@ -10,7 +11,8 @@ Reports, per decode-only step (every request decoding one token):
 * the calls that would synchronize the host with a GPU, counted by caller (transformers' engine, loopkv, the rest):
   ``Tensor.tolist``, ``Tensor.item``, ``bool``/``int`` of a tensor, and tensors built from host data with a device
   argument (``torch.tensor(..., device=)``, a blocking host-to-device copy on a GPU);
-* a cProfile of the whole run, its top functions by own time, and their total by package.
+* with ``--cprofile TOP``, a cProfile of the engine's thread (which slows its steps), its TOP functions by own time,
+  and their total by package.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import time
 import torch
 
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent))
-from run_info import RESULTS, run_info, write_json  # noqa: E402
+from run_info import RESULTS, ROOT, run_info, write_json  # noqa: E402
 
 import loopkv  # noqa: E402
 from loopkv.models.ouro import OuroConfig, OuroForCausalLM  # noqa: E402
@@ -84,7 +86,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--prompt", type=int, default=40, help="tokens per prompt; more than --requests")
     ap.add_argument("--new", type=int, default=48)
     ap.add_argument("--max-batch-tokens", type=int, default=512, help="the engine's tokens per step (chunks)")
-    ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--cprofile", type=int, default=0, metavar="TOP",
+                    help="also profile the engine's thread (slows every step) and list its TOP functions")
     ap.add_argument("--out", default=str(RESULTS / "serving_profile.json"))
     args = ap.parse_args(argv)
 
@@ -108,7 +111,7 @@ def main(argv=None) -> dict:
 
     def timed_attend(self, cell, query, *a, **k):
         if cell == 0:
-            if not steps:  # the engine's thread: profile it from its first forward on
+            if not steps and args.cprofile:  # the engine's thread: profile it from its first forward on
                 profiler.enable()
             steps.append((time.perf_counter(), query.shape[2] <= args.requests, counts.copy()))  # prompts are longer
         return attend(self, cell, query, *a, **k)
@@ -135,13 +138,12 @@ def main(argv=None) -> dict:
         per_prompt_step.update(c)
     prompt_syncs = {f"{who}:{what}": n / len(prompt) for (who, what), n in sorted(per_prompt_step.items())}
     by_package = collections.Counter()
-    stats = pstats.Stats(profiler)
     rows = []
-    for (file, line, fn), (_, calls, own, total, _) in stats.stats.items():
+    for (file, line, fn), (_, calls, own, total, _) in (pstats.Stats(profiler).stats.items() if args.cprofile else ()):
         pkg = ("transformers" if "/transformers/" in file else "loopkv" if "/loopkv/" in file
                else "torch" if "/torch/" in file or file == "~" else "other")
         by_package[pkg] += own
-        rows.append((own, total, calls, f"{file.split('site-packages/')[-1].split('/work/main/')[-1]}:{line}({fn})"))
+        rows.append((own, total, calls, f"{file.split('site-packages/')[-1].removeprefix(f'{ROOT}/')}:{line}({fn})"))
     rows.sort(reverse=True)
     result = run_info(__file__, argv, device) | {
         "cells": args.loops * args.layers, "requests": args.requests, "decode_steps_measured": len(decode),
@@ -149,12 +151,13 @@ def main(argv=None) -> dict:
         "host_syncs_per_decode_step_total": sum(syncs.values()),
         "prompt_steps_measured": len(prompt), "host_syncs_per_prompt_step": prompt_syncs,
         "own_time_s_by_package": dict(by_package),
-        "top_own_time": [{"own_s": o, "total_s": t, "calls": c, "function": f} for o, t, c, f in rows[:args.top]],
+        "top_own_time": [{"own_s": o, "total_s": t, "calls": c, "function": f} for o, t, c, f in rows[:args.cprofile]],
     }
     write_json(args.out, result)
-    for o, t, c, f in rows[:args.top]:
+    for o, t, c, f in rows[:args.cprofile]:
         print(f"{o:8.3f} {t:8.3f} {c:8d}  {f}")
-    print("own time by package:", {k: round(v, 2) for k, v in by_package.most_common()})
+    if args.cprofile:
+        print("own time by package:", {k: round(v, 2) for k, v in by_package.most_common()})
     print(f"{args.loops * args.layers} cells, {args.requests} requests: decode step {step_ms:.1f} ms (median of "
           f"{len(decode)}), host syncs per decode step {result['host_syncs_per_decode_step_total']:.1f}:")
     for name, n in syncs.items():

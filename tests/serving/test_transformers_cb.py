@@ -215,7 +215,7 @@ def test_a_decode_step_reads_nothing_back_from_the_device(tmp_path):
     profile_serving = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(profile_serving)
     result = profile_serving.main(["--loops", "2", "--layers", "2", "--requests", "3", "--prompt", "8", "--new", "8",
-                                   "--top", "3", "--out", str(tmp_path / "profile.json")])
+                                   "--out", str(tmp_path / "profile.json")])
     syncs = result["host_syncs_per_decode_step"]
     assert result["decode_steps_measured"] >= 3
     assert syncs.get("transformers:tensor(device=)", 0) > 0  # the counter counts
