@@ -2,13 +2,14 @@
 LoopKV storage (loopkv/serving), one arm per plan under the same KV budget, in one process (paper §5.1, §5.4).
 
     python benchmarks/bench_serving.py [--arms bf16,kivi4,loopkv-r,loopkv-m] [--budget-gib 96] [--max-len 16384]
-        [--rates 0.125,0.25,0.5,1,2,4,8] [--requests 24] [--trace-s 30] [--start auto|lowest]
-        [--time-budget-s 420] [--seed 0] [--smoke] [--out benchmarks/results/serving.json]
+        [--rates 0.125,0.25,0.5,1,2,4,8,16] [--requests 24] [--trace-s 20] [--start auto|lowest]
+        [--peak-prompt 512] [--peak-batch N] [--ttft-s 10] [--tpot-x 3] [--time-budget-s 420] [--seed 0] [--smoke]
+        [--out benchmarks/results/serving.json]
     python benchmarks/bench_serving.py --plot benchmarks/results/serving.json   # the figure from a JSON
 
 Model: Ouro-1.4B's shapes with random weights, bf16 (``--smoke``: a tiny one, on the CPU if there is no GPU). Trace:
 seeded Poisson arrivals at each rate, the same requests at every rate; prompts uniform in [max_len / 16, max_len / 2],
-outputs uniform in [32, 256] tokens (capped to max_len): the paper's SLO workload (AIME, 11K output tokens on
+outputs uniform in [16, 128] tokens (capped to max_len): the paper's SLO workload (AIME, 11K output tokens on
 average) takes hours per ladder, this one minutes. Arms: ``bf16`` stores every cell exact (an all-bf16 plan:
 transformers' own paged cache has one layer per physical layer and cannot hold a looped model's cells), ``kivi4``
 INT4 in every cell, ``loopkv-r`` and ``loopkv-m`` the paper's compositions (as in bench_decode.py). Each arm gets the
@@ -22,19 +23,19 @@ of a rate's requests meeting it; goodput = the highest tested rate with attainme
 under it (``goodput_status``: ``measured`` when such a rate under 95% exists, ``at least`` when none does, ``below
 lowest``).
 
-Each arm runs in one engine (built and started once): a warm-up request (builds the kernels; the BF16 batch-1
-engine has one too), the peak decode throughput (``--peak-batch`` requests, default the arm's slots, of
-``--peak-prompt`` tokens sent at once: tokens per second while every one of them decodes), then the ladder. It
-starts (``--start auto``) at the highest rate at most half of what the peak could finish (peak tok/s / mean output
-tokens), goes up while a rate meets 95% and down while it does not, and stops once two neighbouring rates bracket
-the goodput, at the ends of ``--rates``, or when the arm's share of ``--time-budget-s`` (what is left, split over
-the arms left) runs out: that rate is marked incomplete and does not count. ``--start lowest`` walks up from the
-lowest rate. A rate's trace is its first ``--requests`` arrivals within ``--trace-s`` seconds. It ends when every
-request is finished or past its SLO deadline (arrival + TTFT bound + (tokens - 1) x TPOT bound: a request unfinished
-then cannot meet the SLO, so it counts as a miss and is cancelled), or as soon as misses make 95% impossible
-(``stopped_early``; its attainment is then an upper bound). The JSON is rewritten after every rate, so a run cut
-short keeps what finished; progress lines carry timings; the figure (attainment against rate per arm) goes next to
-the JSON (``.png``).
+Each arm runs in one engine (built and started once): a warm-up request (builds the kernels; the BF16 batch-1 engine
+has one too), the peak decode throughput (``--peak-batch`` requests, default the arm's slots, of ``--peak-prompt``
+tokens sent at once: prompt tokens per second until the last first token, then decode tokens per second while every
+one of them decodes), then the ladder. It starts (``--start auto``) at the highest rate at most half of what the arm
+could finish at its peak's speeds (:func:`first_rate`), goes up while a rate meets 95% and down while it does not,
+and stops once two neighbouring rates bracket the goodput, at the ends of ``--rates``, or when the arm's share of
+``--time-budget-s`` (what is left, split over the arms left) runs out: that rate is marked incomplete and does not
+count. ``--start lowest`` walks up from the lowest rate. A rate's trace is its first ``--requests`` arrivals within
+``--trace-s`` seconds. It ends when every request is finished or past its SLO deadline (arrival + TTFT bound +
+(tokens - 1) x TPOT bound: a request unfinished then cannot meet the SLO, so it counts as a miss and is cancelled),
+or as soon as misses make 95% impossible (``stopped_early``; its attainment is then an upper bound). The JSON is
+rewritten after every rate, so a run cut short keeps what finished; progress lines carry timings; the figure
+(attainment against rate per arm) goes next to the JSON (``.png``).
 
 The engine runs eagerly (no CUDA graphs: loopkv's shim splits prompts from decode tokens on the host), so these
 numbers include the engine's and the shim's host time; compare the peak with bench_decode.py's static-batch graphs
@@ -85,7 +86,7 @@ def trace(rate: float, n: int, max_len: int, seed: int, smoke: bool) -> list[tup
     """(arrival s, prompt tokens, output tokens) per request; the same requests at every rate."""
     rng = random.Random(seed)
     t, out = 0.0, []
-    lo_out, hi_out = (4, 12) if smoke else (32, 256)
+    lo_out, hi_out = (4, 12) if smoke else (16, 128)
     for _ in range(n):
         t += rng.expovariate(1.0) / rate
         prompt = rng.randint(max_len // 16, max_len // 2)
@@ -172,14 +173,16 @@ class Engine:
 
 
 def peak_decode(engine: Engine, slots: int, prompt: int, new: int, timeout: float) -> dict:
-    """``slots`` requests at once; decode tokens per second while all of them decode (from the last first token to
-    the first finish)."""
+    """``slots`` requests at once: decode tokens per second while all of them decode (from the last first token to
+    the first finish), and prompt tokens per second until the last first token."""
+    sent = time.perf_counter()
     done = engine.run_all({f"peak{i}": (prompt, new) for i in range(slots)}, timeout)
     start = max(r["stamps"][0] for r in done)
     end = min(r["stamps"][-1] for r in done)
     tokens = sum(start < t <= end for r in done for t in r["stamps"])
     return {"batch": slots, "prompt": prompt, "new": new, "window_s": end - start,
-            "tokens_per_s": tokens / (end - start) if end > start else None}
+            "tokens_per_s": tokens / (end - start) if end > start else None,
+            "prompt_tokens_per_s": slots * prompt / (start - sent)}
 
 
 def run_rate(engine: Engine, name: str, rate: float, reqs, *, ttft_slo: float, tpot_slo: float, trace_s: float,
@@ -266,12 +269,13 @@ def ladder(rates: list[float], first: int, run) -> list[dict]:
     return rows
 
 
-def first_rate(rates: list[float], peak_tokens_per_s: float | None, mean_new: float, start: str) -> int:
-    """The ladder's first rate: the lowest, or (``auto``) the highest at most half the rate the arm's peak decode
-    throughput could finish (peak tok/s / mean output tokens; prefill and queueing make the real one lower)."""
-    if start == "lowest" or not peak_tokens_per_s:
+def first_rate(rates: list[float], peak: dict, mean_prompt: float, mean_new: float, start: str) -> int:
+    """The ladder's first rate: the lowest, or (``auto``) the highest at most half the rate the arm could finish at
+    its peak's speeds (1 / (mean prompt / prompt tok/s + mean output / decode tok/s); queueing, longer contexts and
+    the SLO make the real one lower)."""
+    if start == "lowest" or not peak["tokens_per_s"]:
         return 0
-    estimate = peak_tokens_per_s / mean_new / 2
+    estimate = 1 / (mean_prompt / peak["prompt_tokens_per_s"] + mean_new / peak["tokens_per_s"]) / 2
     return max([i for i, r in enumerate(rates) if r <= estimate], default=0)
 
 
@@ -331,8 +335,8 @@ def run_arm(model, name: str, plan, split: tuple[int, int], reqs, args, result: 
         arm["peak"] = peak_decode(engine, batch, args.peak_prompt, small_new, timeout)
         log(f"{name}: peak decode {arm['peak']['tokens_per_s'] or 0:.1f} tok/s at batch {batch}")
         rates = [float(r) for r in args.rates.split(",")]
-        mean_new = sum(n for _, _, n in reqs) / len(reqs)
-        ladder(rates, first_rate(rates, arm["peak"]["tokens_per_s"], mean_new, args.start), one)
+        mean_prompt, mean_new = (sum(r[i] for r in reqs) / len(reqs) for i in (1, 2))
+        ladder(rates, first_rate(rates, arm["peak"], mean_prompt, mean_new, args.start), one)
     finally:
         engine.close()
         result.update(summarize(result["arms"], result["rows"]))
@@ -344,9 +348,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--arms", default="bf16,kivi4,loopkv-r,loopkv-m")
     ap.add_argument("--budget-gib", type=float, default=96.0)
     ap.add_argument("--max-len", type=int, default=16384)
-    ap.add_argument("--rates", default="0.125,0.25,0.5,1,2,4,8", help="requests per second, increasing")
+    ap.add_argument("--rates", default="0.125,0.25,0.5,1,2,4,8,16", help="requests per second, increasing")
     ap.add_argument("--requests", type=int, default=24, help="requests per rate at most")
-    ap.add_argument("--trace-s", type=float, default=30.0, help="arrivals per rate within this many seconds")
+    ap.add_argument("--trace-s", type=float, default=20.0, help="arrivals per rate within this many seconds")
     ap.add_argument("--peak-prompt", type=int, default=512,
                     help="prompt tokens of the warm-up and peak-throughput requests (past 319: pages get written)")
     ap.add_argument("--peak-batch", type=int, default=0, help="peak-throughput requests (0: the arm's slots)")

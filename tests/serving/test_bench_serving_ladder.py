@@ -42,8 +42,10 @@ def test_censored_ladders_say_so(bench):
     assert bench.capacity(cut) == (0.5, "at least")  # an incomplete rate counts for nothing
 
 
-def test_the_first_rate_is_half_what_the_peak_could_finish(bench):
-    # 400 tok/s over 100-token outputs finishes 4 req/s at most: start at the highest rate <= 2
-    assert RATES[bench.first_rate(RATES, 400.0, 100.0, "auto")] == 2.0
-    assert bench.first_rate(RATES, 400.0, 100.0, "lowest") == 0
-    assert bench.first_rate(RATES, 1.0, 100.0, "auto") == 0
+def test_the_first_rate_is_half_what_the_peak_speeds_could_finish(bench):
+    # 100-token prompts at 1000 tok/s and 100-token outputs at 400 tok/s: 0.35 s a request, 2.86 req/s; half is 1.43
+    peak = {"prompt_tokens_per_s": 1000.0, "tokens_per_s": 400.0}
+    assert RATES[bench.first_rate(RATES, peak, 100.0, 100.0, "auto")] == 1.0
+    assert bench.first_rate(RATES, peak, 100.0, 100.0, "lowest") == 0
+    assert bench.first_rate(RATES, {"prompt_tokens_per_s": 1.0, "tokens_per_s": 1.0}, 100.0, 100.0, "auto") == 0
+    assert bench.first_rate(RATES, {"prompt_tokens_per_s": 1.0, "tokens_per_s": None}, 1.0, 1.0, "auto") == 0
