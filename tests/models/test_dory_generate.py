@@ -93,12 +93,12 @@ def test_bf16_plan_equals_dense_cache_over_a_window_exit(model, keyword):
 
 
 def test_left_padded_rows_equal_the_dense_cache(model):
-    ids, new = _prompt(40, seed=2, batch=3), 16
+    ids, new = _prompt(24, seed=2, batch=3), 8
     mask = torch.ones_like(ids)
-    mask[1, :7], mask[2, :33] = 0, 0
+    mask[1, :7], mask[2, :19] = 0, 0
     ref_tokens, ref_logits = _generate(model, ids, new, mask=mask)
     plan = loopkv.Plan.from_config(model.config, option="bf16")
-    tokens, logits = _generate(model, ids, new, _cache(model, plan, 40 + new, batch=3), mask=mask)
+    tokens, logits = _generate(model, ids, new, _cache(model, plan, 24 + new, batch=3), mask=mask)
     assert torch.equal(tokens, ref_tokens)
     torch.testing.assert_close(logits, ref_logits, atol=LOGITS_FP32_ATOL, rtol=LOGITS_FP32_RTOL)
 
