@@ -116,8 +116,12 @@ class Engine:
         cb = engine_config(plan, pool_pages=pages, max_batch_tokens=256 if "share" in plan.options else 1024)
         self._context = engine_cache(plan, max_slots=slots, max_len=max_len)
         self._context.__enter__()
-        self.manager = model.init_continuous_batching(generation_config=gen, continuous_batching_config=cb)
-        self.manager.start()
+        try:
+            self.manager = model.init_continuous_batching(generation_config=gen, continuous_batching_config=cb)
+            self.manager.start()
+        except BaseException:
+            self._context.__exit__(None, None, None)
+            raise
         self.submitted: dict[str, float] = {}
 
     def submit(self, request_id: str, prompt: int, new: int) -> None:
@@ -421,15 +425,21 @@ def main(argv=None) -> dict:
     mean_ctx = sum(p + n for _, p, n in reqs) / len(reqs)
     for k, (name, plan) in enumerate(arm_plans.items()):
         stop_at = time.perf_counter() + (stop_all - time.perf_counter()) / (len(arm_plans) - k)
-        run_arm(model, name, plan, budget_split(plan, cfg, budget, mean_ctx, dtype_bytes), reqs, args, result,
-                tpot_slo=tpot_slo, stop_at=stop_at)
+        try:
+            run_arm(model, name, plan, budget_split(plan, cfg, budget, mean_ctx, dtype_bytes), reqs, args, result,
+                    tpot_slo=tpot_slo, stop_at=stop_at)
+        except (RuntimeError, ValueError) as error:  # this arm failed (out of memory, a stopped engine): the next runs
+            log(f"{name} failed: {error!r}")
+            result["arms"].setdefault(name, {})["error"] = repr(error)
+            result |= summarize(result["arms"], result["rows"])
+            write_json(args.out, result)
     plot(result, pathlib.Path(args.out).with_suffix(".png"))
     print(f"{'arm':<10}{'slots':>6}{'goodput req/s':>15}{'':>14}{'x BF16':>8}{'x KIVI-4':>10}{'peak tok/s':>12}")
     for name in arm_plans:
         vs_b, vs_k = result["goodput_vs_bf16"].get(name), result["goodput_vs_kivi4"].get(name)
         peak = result["peak_tokens_per_s"].get(name)
-        print(f"{name:<10}{result['arms'][name]['slots']:>6}{result['goodput_rps'][name]:>15.3g}"
-              f"{result['goodput_status'][name]:>14}"
+        status = "failed" if "error" in result["arms"][name] else result["goodput_status"][name]
+        print(f"{name:<10}{result['arms'][name].get('slots', '-'):>6}{result['goodput_rps'][name]:>15.3g}{status:>14}"
               f"{(f'{vs_b:.2f}' if vs_b else '-'):>8}{(f'{vs_k:.2f}' if vs_k else '-'):>10}"
               f"{(f'{peak:.1f}' if peak else '-'):>12}")
     return result
