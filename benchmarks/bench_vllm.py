@@ -27,6 +27,18 @@ On one H200 (the numbers the issue asks for; about 6 minutes):
 
 ``--quick``: 1K context, 32 + 16 tokens, batches 1 and 4, ``enforce_eager``, no StaticCache run: proves that vLLM
 starts and generates (about 2 minutes).
+
+``--plan PLAN.json`` (issue 31 stage 2; docs/vllm.md, "Checks on the GPU") measures nothing: it checks that loopkv's
+vLLM plugin serving an all-bf16 plan gives vLLM's own greedy tokens. The plan is checked against the dummy model's
+config first (no GPU spent on a plan that does not fit or has cells the plugin cannot serve). Then three arms, each
+vLLM in a fresh process of this script (``--arm``, engine in process): ``vllm`` (vLLM's Ouro, no plugin),
+``vllm_again`` (the same, again: vLLM need not repeat itself across processes) and ``loopkv``
+(``LOOPKV_PLAN=PLAN.json`` and ``loopkv.vllm.plugin.register()``, so vLLM builds ``LoopKVOuroForCausalLM``). Each
+generates ``PLAN_NEW_TOKENS`` greedy tokens for the same seeded prompts (``PLAN_PROMPT_LENGTHS``, one batch) from the
+same dummy weights (vLLM seeds every parameter with 1234, so equal shapes give equal weights), and reports its model
+class. Prints a table and writes ``benchmarks/results/vllm_plan.json``; exits 1 unless ``loopkv`` equals ``vllm``:
+
+    python benchmarks/bench_vllm.py --plan PLAN.json
 """
 
 from __future__ import annotations
@@ -222,6 +234,154 @@ def print_table(result: dict) -> None:
               f"{e['error'].strip().splitlines()[-1]}")
 
 
+PLAN_PROMPT_LENGTHS = (17, 290, 1000, 2100)  # inside the sink, just past sink + window (288), a few pages, more
+PLAN_NEW_TOKENS = 48
+PLAN_ARMS = ("vllm", "vllm_again", "loopkv")
+PLAN_CLASSES = {"vllm": "OuroForCausalLM", "vllm_again": "OuroForCausalLM", "loopkv": "LoopKVOuroForCausalLM"}
+
+
+def plan_prompts(lengths=PLAN_PROMPT_LENGTHS, *, vocab: int, seed: int = 0) -> list[list[int]]:
+    """Seeded random token-id prompts of ``lengths`` (ids in ``[1, vocab)``), the same in every arm."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    return [rng.integers(1, vocab, size=n).tolist() for n in lengths]
+
+
+def first_divergence(a: list[int], b: list[int]) -> int | None:
+    """The first index where two token lists differ (a shorter list differs where it ends), or None if equal."""
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def compare_tokens(reference: list[list[int]], other: list[list[int]]) -> dict:
+    """Per prompt, where ``other``'s tokens leave ``reference``'s; ``equal`` when no prompt does."""
+    if len(reference) != len(other):
+        raise ValueError(f"{len(reference)} reference prompts against {len(other)}")
+    diverge = [first_divergence(r, o) for r, o in zip(reference, other, strict=True)]
+    return {"equal": all(d is None for d in diverge), "prompts_equal": sum(d is None for d in diverge),
+            "first_divergence": diverge}
+
+
+def check_plan(path: str):
+    """The plan at ``path``, checked as the plugin will check it on the dummy model's config (fails before vLLM)."""
+    from bench_decode import ouro_1p4b_config
+
+    from loopkv.vllm.settings import PLAN_ENV, check_servable, load_plan, validate_for_vllm
+
+    plan = load_plan(None, environ={PLAN_ENV: path})
+    validate_for_vllm(plan, ouro_1p4b_config())  # the config ouro_config_dict writes
+    check_servable(plan)
+    return plan
+
+
+def run_plan_arm(args) -> dict:
+    """One arm of ``--plan``, in this (fresh) process: vLLM in process, greedy tokens of the seeded prompts."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the plugin's registration must reach the engine
+    os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # apply_model's function
+    if args.arm == "loopkv":
+        os.environ["LOOPKV_PLAN"] = os.path.abspath(args.plan)
+        from loopkv.vllm import plugin
+
+        plugin.register()  # what vLLM's entry point does where loopkv is pip-installed
+    else:
+        os.environ.pop("LOOPKV_PLAN", None)
+        os.environ["VLLM_PLUGINS"] = ""  # no general plugin, loopkv's included: vLLM's own Ouro
+    import vllm
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    import loopkv.models
+
+    loopkv.models.register_ouro()
+    prompts = plan_prompts(vocab=ouro_config_dict()["vocab_size"])
+    tmp = tempfile.TemporaryDirectory()
+    engine_kw = dict(model=str(write_model_dir(tmp.name)), load_format="dummy", dtype="bfloat16",
+                     kv_cache_dtype="auto", skip_tokenizer_init=True,
+                     max_model_len=max(PLAN_PROMPT_LENGTHS) + PLAN_NEW_TOKENS + 64, enforce_eager=args.enforce_eager,
+                     gpu_memory_utilization=args.gpu_memory_utilization, enable_prefix_caching=False,
+                     max_num_seqs=len(prompts), seed=0)
+    if args.attention_backend:
+        engine_kw["attention_backend"] = args.attention_backend
+    with Step(f"[{args.arm}] vllm.LLM") as s:
+        llm = LLM(**engine_kw)
+    result = {"arm": args.arm, "vllm": vllm.__version__, "engine_start_s": round(s.seconds, 1),
+              "engine_kwargs": {k: v for k, v in engine_kw.items() if k != "model"},
+              "num_gpu_blocks": getattr(llm.llm_engine.vllm_config.cache_config, "num_gpu_blocks", None)}
+    try:
+        result["model_class"] = llm.apply_model(lambda model: type(model).__name__)
+    except Exception as exc:  # the class is a check, not the point: record why it is unknown
+        result["model_class"] = None
+        result["model_class_error"] = repr(exc)
+    sp = SamplingParams(max_tokens=PLAN_NEW_TOKENS, min_tokens=PLAN_NEW_TOKENS, ignore_eos=True, temperature=0.0,
+                        detokenize=False)
+    with Step(f"[{args.arm}] generate {PLAN_NEW_TOKENS} greedy tokens for prompts of {PLAN_PROMPT_LENGTHS}"):
+        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False)
+    result["tokens"] = [list(o.outputs[0].token_ids) for o in outs]
+    tmp.cleanup()
+    return result
+
+
+def run_plan(args, out: str) -> dict:
+    """``--plan``: check the plan, run the three arms in fresh processes, compare their tokens (module docstring)."""
+    from run_info import run_info, write_json
+
+    t0 = time.perf_counter()
+    plan = check_plan(args.plan)
+    result = {"plan": os.path.abspath(args.plan), "plan_options": sorted(set(plan.options)),
+              "prompt_lengths": list(PLAN_PROMPT_LENGTHS), "new_tokens": PLAN_NEW_TOKENS, "arms": {}, "errors": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        for arm in PLAN_ARMS:
+            arm_out = os.path.join(tmp, f"{arm}.json")
+            cmd = [sys.executable, str(HERE / "bench_vllm.py"), "--plan", args.plan, "--arm", arm, "--out", arm_out,
+                   "--gpu-memory-utilization", str(args.gpu_memory_utilization)]
+            cmd += ["--enforce-eager"] if args.enforce_eager else []
+            cmd += ["--attention-backend", args.attention_backend] if args.attention_backend else []
+            with Step(f"arm {arm} (subprocess)"):
+                proc = subprocess.run(cmd, cwd=HERE.parent, timeout=args.arm_timeout, check=False)
+            if proc.returncode or not os.path.exists(arm_out):
+                result["errors"].append({"arm": arm, "exit_status": proc.returncode})
+                continue
+            result["arms"][arm] = json.loads(pathlib.Path(arm_out).read_text())
+    arms = result["arms"]
+    for arm, got in arms.items():
+        classes = got.get("model_class")
+        got["model_class_ok"] = None if classes is None else all(c == PLAN_CLASSES[arm] for c in classes)
+    if "vllm" in arms:
+        for arm in ("vllm_again", "loopkv"):
+            if arm in arms:
+                result[f"{arm}_vs_vllm"] = compare_tokens(arms["vllm"]["tokens"], arms[arm]["tokens"])
+    import torch
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    result = {**run_info(__file__, None, device), **result, "wall_s": round(time.perf_counter() - t0, 1)}
+    result["complete"] = not result["errors"] and len(arms) == len(PLAN_ARMS)
+    result["loopkv_equals_vllm"] = bool(result.get("loopkv_vs_vllm", {}).get("equal")) and (
+        arms.get("loopkv", {}).get("model_class_ok") is True)
+    write_json(out, result)
+    log(f"wrote {out}")
+    print_plan_table(result)
+    return result
+
+
+def print_plan_table(result: dict) -> None:
+    print(f"\n{'arm':12s} {'model class':24s} {'blocks':>8s} {'prompts equal to vllm':>22s}  first divergence")
+    for arm in PLAN_ARMS:
+        got = result["arms"].get(arm)
+        if got is None:
+            print(f"{arm:12s} FAILED (see the log)")
+            continue
+        cmp = result.get(f"{arm}_vs_vllm")
+        equal = "reference" if arm == "vllm" else (f"{cmp['prompts_equal']}/{len(cmp['first_divergence'])}"
+                                                   if cmp else "?")
+        print(f"{arm:12s} {str((got.get('model_class') or ['?'])[0]):24s} {str(got.get('num_gpu_blocks')):>8s} "
+              f"{equal:>22s}  {cmp['first_divergence'] if cmp else ''}")
+    print(f"loopkv equals vllm: {result['loopkv_equals_vllm']}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--context", type=int, default=16384, help="prompt tokens per request")
@@ -241,8 +401,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--static-timeout", type=int, default=240, help="seconds allowed to bench_decode.py")
     p.add_argument("--quick", action="store_true",
                    help=f"first attempt: {QUICK}, enforce_eager, no StaticCache run")
+    p.add_argument("--plan", default=None,
+                   help="an all-bf16 plan JSON: check the plugin's greedy tokens against vLLM's (no measurement)")
+    p.add_argument("--arm", choices=PLAN_ARMS, default=None, help="with --plan: run one arm in this process")
+    p.add_argument("--arm-timeout", type=int, default=420, help="with --plan: seconds allowed to each arm")
     p.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/vllm.json; "
-                                               "with --quick vllm_quick.json)")
+                                               "with --quick vllm_quick.json, with --plan vllm_plan.json)")
     return p
 
 
@@ -255,6 +419,16 @@ def main(argv=None) -> dict:
     batches = [int(b) for b in args.batches.split(",") if b]
     out = args.out or str(HERE / "results" / ("vllm_quick.json" if args.quick else "vllm.json"))
     sys.path.insert(0, str(HERE))  # bench_decode and run_info, when imported as a module
+    if args.arm is not None:
+        if args.plan is None:
+            raise SystemExit("--arm needs --plan")
+        pathlib.Path(args.out).write_text(json.dumps(run_plan_arm(args)) + "\n")
+        return {}
+    if args.plan is not None:
+        result = run_plan(args, args.out or str(HERE / "results" / "vllm_plan.json"))
+        if not result["loopkv_equals_vllm"]:
+            raise SystemExit(1)
+        return result
     from run_info import run_info, write_json
 
     t0 = time.perf_counter()

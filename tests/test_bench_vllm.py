@@ -5,6 +5,7 @@ import importlib
 import json
 import pathlib
 import sys
+from types import SimpleNamespace
 
 import pytest
 
@@ -55,3 +56,73 @@ def test_vllm_reads_the_folder_as_its_ouro(bench, tmp_path):
     assert model_config.architectures == ["OuroForCausalLM"]
     assert model_config.get_head_size() == 128
     assert model_config.hf_config.total_ut_steps == 4
+
+
+# --plan (issue 31 stage 2): the plugin's greedy tokens against vLLM's; the comparison and the plan check, on CPU
+
+def test_plan_prompts_seeded_and_in_vocab(bench):
+    a = bench.plan_prompts(vocab=50)
+    assert [len(p) for p in a] == list(bench.PLAN_PROMPT_LENGTHS)
+    assert a == bench.plan_prompts(vocab=50)
+    assert a != bench.plan_prompts(vocab=50, seed=1)
+    assert min(min(p) for p in a) >= 1
+    assert max(max(p) for p in a) < 50
+
+
+def test_compare_tokens(bench):
+    ref = [[1, 2, 3], [4, 5, 6], [7, 8]]
+    assert bench.compare_tokens(ref, [list(r) for r in ref]) == {"equal": True, "prompts_equal": 3,
+                                                                 "first_divergence": [None, None, None]}
+    got = bench.compare_tokens(ref, [[1, 2, 3], [4, 9, 6], [7, 8, 9]])
+    assert got == {"equal": False, "prompts_equal": 1, "first_divergence": [None, 1, 2]}
+    with pytest.raises(ValueError, match="3 reference prompts against 2"):
+        bench.compare_tokens(ref, ref[:2])
+
+
+def test_check_plan_refuses_before_the_gpu(bench, tmp_path):
+    from loopkv.planning.plan import Plan
+
+    config = importlib.import_module("bench_decode").ouro_1p4b_config()
+    path = tmp_path / "plan.json"
+    Plan.from_config(config, option="bf16").to_json(path)
+    assert set(bench.check_plan(str(path)).options) == {"bf16"}
+    Plan.from_config(config, option="int4").to_json(path)
+    with pytest.raises(ValueError, match="96 cells that are not bf16"):
+        bench.check_plan(str(path))
+    Plan.from_config(importlib.import_module("bench_decode").smoke_config(), option="bf16").to_json(path)
+    with pytest.raises(ValueError, match="does not fit the model"):
+        bench.check_plan(str(path))
+
+
+@pytest.mark.parametrize(("loopkv_tokens", "loopkv_class", "equal"), [
+    (None, "LoopKVOuroForCausalLM", True),
+    ([[5, 6, 0]], "LoopKVOuroForCausalLM", False),  # a different token at index 2 of the first prompt
+    (None, "OuroForCausalLM", False),  # equal tokens, but the plugin's class was not built: not a pass
+])
+def test_run_plan_compares_the_arms(bench, tmp_path, monkeypatch, loopkv_tokens, loopkv_class, equal):
+    from loopkv.planning.plan import Plan
+
+    config = importlib.import_module("bench_decode").ouro_1p4b_config()
+    plan_path = tmp_path / "plan.json"
+    Plan.from_config(config, option="bf16").to_json(plan_path)
+    reference = [[5, 6, 7], [8, 9, 10]]
+    arms = {"vllm": (reference, "OuroForCausalLM"), "vllm_again": (reference, "OuroForCausalLM"),
+            "loopkv": ((loopkv_tokens or []) + reference[len(loopkv_tokens or []):], loopkv_class)}
+
+    def fake_run(cmd, **kwargs):  # stands for the arm's process: writes what the arm would
+        arm, out = cmd[cmd.index("--arm") + 1], cmd[cmd.index("--out") + 1]
+        tokens, cls = arms[arm]
+        pathlib.Path(out).write_text(json.dumps({"arm": arm, "tokens": tokens, "model_class": [cls],
+                                                 "num_gpu_blocks": 100}))
+        return SimpleNamespace(returncode=0)
+
+    monkeypatch.setattr(bench.subprocess, "run", fake_run)
+    args = bench.build_parser().parse_args(["--plan", str(plan_path)])
+    result = bench.run_plan(args, str(tmp_path / "out.json"))
+    assert result["loopkv_equals_vllm"] is equal
+    assert result["complete"]
+    assert result["vllm_again_vs_vllm"]["equal"]
+    if loopkv_tokens:
+        assert result["loopkv_vs_vllm"]["first_divergence"] == [2, None]
+    written = json.loads((tmp_path / "out.json").read_text())
+    assert written["loopkv_equals_vllm"] is equal

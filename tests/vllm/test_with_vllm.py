@@ -128,6 +128,8 @@ def test_per_cell_page_sizes_share_one_block_table(vllm_kv):
 def test_register_is_idempotent_and_serves_ouro_through_loopkv(vllm_kv, monkeypatch, tmp_path):
     from vllm import ModelRegistry
 
+    arch = plugin.OURO_ARCHITECTURE
+    monkeypatch.setitem(ModelRegistry.models, arch, ModelRegistry.models[arch])  # vLLM's Ouro back afterwards
     monkeypatch.setattr(plugin, "_registered", False)
     monkeypatch.delenv("LOOPKV_PLAN", raising=False)
     plugin.register()
