@@ -141,3 +141,32 @@ def test_register_is_idempotent_and_serves_ouro_through_loopkv(vllm_kv, monkeypa
     monkeypatch.setenv("LOOPKV_PLAN", str(tmp_path / "missing.json"))
     with pytest.raises(ValueError, match="LOOPKV_PLAN names .* not a file"):
         plugin.register()
+
+
+def test_vllm_builds_ouro_from_loopkvs_class(vllm_kv, monkeypatch, tmp_path):
+    # vLLM's own resolution (model config from a folder, architecture to class, its inspection of the class)
+    import json
+
+    from vllm import ModelRegistry
+    from vllm.engine.arg_utils import EngineArgs
+
+    import loopkv.models
+
+    arch = plugin.OURO_ARCHITECTURE
+    monkeypatch.setitem(ModelRegistry.models, arch, ModelRegistry.models[arch])
+    monkeypatch.setattr(plugin, "_registered", False)
+    monkeypatch.delenv("LOOPKV_PLAN", raising=False)
+    plugin.register()
+    loopkv.models.register_ouro()
+    config = OuroConfig(num_hidden_layers=2, hidden_size=256, num_attention_heads=2, num_key_value_heads=2,
+                        head_dim=128, intermediate_size=64, vocab_size=128).to_dict()
+    config.update(architectures=[arch], model_type="ouro")
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    model_config = EngineArgs(model=str(tmp_path), load_format="dummy", dtype="bfloat16", skip_tokenizer_init=True,
+                              max_model_len=1024).create_model_config()
+    cls, resolved = ModelRegistry.resolve_model_cls(model_config.architectures, model_config=model_config)
+    assert resolved == arch
+    assert f"{cls.__module__}:{cls.__name__}" == plugin.MODEL_CLASS
+    from vllm.model_executor.models.ouro import OuroForCausalLM
+
+    assert issubclass(cls, OuroForCausalLM)
