@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from loopkv.cells import Cell
-from loopkv.format import BITS, PAGE, page_bytes
+from loopkv.format import BITS, page_bytes
 from loopkv.planning.bytes import as_shape
 from loopkv.planning.bytes import exact_bytes_per_request as _exact_bytes_per_request
 from loopkv.planning.plan import Plan
@@ -110,8 +110,3 @@ def exact_bytes_per_request(plan: Plan, config: Any, *, tensor_parallel_size: in
     shape = as_shape(config)
     total = _exact_bytes_per_request(shape, dtype_bytes=dtype_bytes)
     return total * rank_kv_heads(shape.kv_heads, tensor_parallel_size) // shape.kv_heads
-
-
-def tokens_per_block() -> int:
-    """vLLM's ``block_size`` the plugin serves with: one loopkv page."""
-    return PAGE
