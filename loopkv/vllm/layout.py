@@ -2,8 +2,9 @@
 
 vLLM's Ouro (vllm/model_executor/models/ouro.py) builds one ``Attention`` per cell, named
 ``model.layers.{t * L + l}.self_attn.attn``: loopkv's flat cell index is vLLM's layer index. vLLM counts KV in
-blocks of ``block_size`` tokens; loopkv's plugin uses ``block_size = PAGE`` (32), so one vLLM block of a cell is
-one loopkv page, and the bytes of a cell's block are the bytes of its pool's page (:func:`loopkv.format.page_bytes`,
+blocks of ``block_size`` tokens; the design for quantized cells (docs/vllm.md, not built) serves with ``block_size =
+PAGE`` (32), so one vLLM block of a cell is one loopkv page, and the bytes of a cell's block are the bytes of its pool's
+page (:func:`loopkv.format.page_bytes`,
 the format's one home; per token they equal the byte model's, :mod:`loopkv.planning.bytes`). A ``share`` cell
 stores no blocks and reads its source's (the final loop's cell at the same layer).
 
