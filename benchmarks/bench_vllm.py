@@ -343,7 +343,8 @@ def run_plan(args, out: str) -> dict:
             with Step(f"arm {arm} (subprocess)"):
                 proc = subprocess.run(cmd, cwd=HERE.parent, timeout=args.arm_timeout, check=False)
             if proc.returncode or not os.path.exists(arm_out):
-                result["errors"].append({"arm": arm, "exit_status": proc.returncode})
+                written = json.loads(pathlib.Path(arm_out).read_text()) if os.path.exists(arm_out) else {}
+                result["errors"].append({"arm": arm, "exit_status": proc.returncode, "error": written.get("error")})
                 continue
             result["arms"][arm] = json.loads(pathlib.Path(arm_out).read_text())
     arms = result["arms"]
@@ -422,7 +423,15 @@ def main(argv=None) -> dict:
     if args.arm is not None:
         if args.plan is None:
             raise SystemExit("--arm needs --plan")
-        pathlib.Path(args.out).write_text(json.dumps(run_plan_arm(args)) + "\n")
+        try:
+            arm = run_plan_arm(args)
+        except Exception:  # the parent records why this arm failed
+            import traceback
+
+            traceback.print_exc()
+            pathlib.Path(args.out).write_text(json.dumps({"arm": args.arm, "error": traceback.format_exc()[-4000:]}))
+            raise SystemExit(1) from None
+        pathlib.Path(args.out).write_text(json.dumps(arm) + "\n")
         return {}
     if args.plan is not None:
         result = run_plan(args, args.out or str(HERE / "results" / "vllm_plan.json"))
