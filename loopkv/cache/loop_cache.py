@@ -130,9 +130,11 @@ class LoopKVCache(Cache):
         # input makes CUDA-graph trees skip the whole step.
         for t in (t for shard in self._shards for t in shard.tensors()):
             torch._dynamo.mark_static_address(t)
+            torch._dynamo.mark_static(t)
         for layer in cells:  # the views too (a compiled step reads cell 0's lengths through get_seq_length)
             for t in layer.storage.own_tensors().values():
                 torch._dynamo.mark_static_address(t)
+                torch._dynamo.mark_static(t)
         if any(d.type == "cuda" for d in devices):
             from loopkv.ops.triton_register import register_triton_kernels
 

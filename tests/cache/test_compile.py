@@ -52,3 +52,35 @@ def test_decode_step_is_one_graph_across_exits_and_reset(backend, error_on_recom
     assert counters["stats"]["unique_graphs"] == 1
     assert not counters["graph_break"]
     assert counters["stats"]["calls_captured"] > 0
+
+
+def test_one_compiled_step_serves_caches_of_two_lengths():
+    """transformers keeps one compiled forward per model, so a second cache of another ``max_cache_len`` reaches the
+    same compiled function. Its tensors are marked static, so dynamo recompiles for the new shapes instead of making
+    them dynamic (which failed in dynamo's guard building: "sources must not be empty for symbol")."""
+    torch.manual_seed(0)
+    cfg = OuroConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2, head_dim=32, total_ut_steps=2, max_position_embeddings=4096,
+                     rope_theta=10000.0)
+    model = OuroForCausalLM(cfg).eval()
+    plan = loopkv.Plan.from_loops(loops=2, layers=2, per_loop=["int4", "int4"], tau=14.0)
+
+    def step(ids, pos, cache):
+        return model(input_ids=ids, position_ids=pos, past_key_values=cache).logits
+
+    torch._dynamo.reset()
+    compiled = torch.compile(step, fullgraph=True)
+    ids = torch.randint(3, 97, (2, 9), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        for length in (400, 700):
+            caches = [loopkv.LoopKVCache(plan, config=cfg, max_batch_size=2, max_cache_len=length,
+                                         dtype=torch.float32, device="cpu") for _ in range(2)]
+            for cache in caches:
+                model(input_ids=ids, past_key_values=cache)
+            tok = ids[:, -1:]
+            for i in range(3):
+                pos = torch.full((2, 1), 9 + i)
+                got = compiled(tok, pos, caches[0])
+                want = model(input_ids=tok, position_ids=pos, past_key_values=caches[1]).logits
+                torch.testing.assert_close(got, want, atol=LOGITS_FP32_ATOL, rtol=LOGITS_FP32_RTOL)
+                tok = got[:, -1].argmax(-1, keepdim=True)
