@@ -9,7 +9,7 @@ from types import FrameType
 from typing import Any
 
 import torch
-from transformers.cache_utils import Cache
+from transformers.cache_utils import Cache, DynamicCache
 
 
 def _declared_max_cache_len(cache: Any) -> int | None:
@@ -102,3 +102,23 @@ def check_continues(cache: Any, input_ids: torch.Tensor | None) -> None:
             f"this cache holds {held} positions from an earlier generate and the new input differs from them (row "
             f"{row}, position {position}): a new, unrelated prompt on a used cache would be read as a continuation "
             f"of the old one; {_FRESH_CACHE_FIX}")
+
+
+def refuse_layer_cache(generation_config: Any, user_cache: Any, *, model: str, cell: str) -> None:
+    """Refuse a ``cache_implementation`` that transformers would build with one layer per physical layer when the
+    user passes no cache: a looped ``model`` needs one per ``cell``."""
+    implementation = generation_config.cache_implementation
+    if user_cache is None and generation_config.use_cache is not False and implementation not in (None, "dynamic"):
+        raise ValueError(
+            f"cache_implementation={implementation!r} builds a cache with one layer per physical layer, but "
+            f"{model} needs one per {cell} cell; pass past_key_values=dense_cache(model.config) or a "
+            "loopkv.LoopKVCache instead"
+        )
+
+
+def replace_default_cache(model_kwargs: dict, dense: Any) -> None:
+    """Swap the ``DynamicCache`` transformers built for a looped model (one layer per physical layer) for
+    ``dense``, built with one layer per cell."""
+    for name in ("cache", "past_key_values"):
+        if isinstance(model_kwargs.get(name), DynamicCache):
+            model_kwargs[name] = dense

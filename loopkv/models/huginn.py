@@ -33,13 +33,19 @@ from typing import Any
 import torch
 from torch import nn
 from transformers import initialization as init
-from transformers.cache_utils import Cache, DynamicCache
+from transformers.cache_utils import Cache
 from transformers.generation import GenerationMixin
 from transformers.masking_utils import create_causal_mask
 from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
 
-from loopkv.models.generation_checks import GENERATED, check_capacity, check_continues
+from loopkv.models.generation_checks import (
+    GENERATED,
+    check_capacity,
+    check_continues,
+    refuse_layer_cache,
+    replace_default_cache,
+)
 from loopkv.models.huginn_config import FAMILY, HuginnCells, HuginnConfig, dense_cache
 from loopkv.models.ouro import (  # alike in both models: the cache's two names, eager attention, a turn's mask slices
     _OUTPUT_CACHE_FIELD,
@@ -359,18 +365,10 @@ class HuginnForCausalLM(HuginnPreTrainedModel, GenerationMixin):
         if user_cache is not None:
             check_capacity(user_cache, generation_config)
             check_steps(user_cache, self.config.steps(model_kwargs.get("num_steps")))
-        implementation = generation_config.cache_implementation
-        if user_cache is None and generation_config.use_cache is not False and implementation not in (None, "dynamic"):
-            raise ValueError(
-                f"cache_implementation={implementation!r} builds a cache with one layer per physical layer, but "
-                "Huginn needs one per (step, core layer) cell; pass past_key_values=dense_cache(model.config) or "
-                "a loopkv.LoopKVCache instead"
-            )
+        refuse_layer_cache(generation_config, user_cache, model="Huginn", cell="(step, core layer)")
         super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
         if user_cache is None:
-            for name in ("cache", "past_key_values"):
-                if isinstance(model_kwargs.get(name), DynamicCache):
-                    model_kwargs[name] = dense_cache(self.config)
+            replace_default_cache(model_kwargs, dense_cache(self.config))
 
     def generate(self, inputs: torch.Tensor | None = None, generation_config=None, **kwargs: Any):
         """``GenerationMixin.generate``; ``num_steps``, ``init_scale`` and ``state_generator`` reach every forward

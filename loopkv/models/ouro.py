@@ -27,13 +27,19 @@ import torch
 from torch import nn
 from transformers import initialization as init
 from transformers.activations import ACT2FN
-from transformers.cache_utils import Cache, DynamicCache
+from transformers.cache_utils import Cache
 from transformers.generation import GenerationMixin
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 from transformers.modeling_outputs import CausalLMOutputWithPast, ModelOutput
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
 
-from loopkv.models.generation_checks import GENERATED, check_capacity, check_continues
+from loopkv.models.generation_checks import (
+    GENERATED,
+    check_capacity,
+    check_continues,
+    refuse_layer_cache,
+    replace_default_cache,
+)
 from loopkv.models.ouro_config import OuroConfig, dense_cache, static_dense_cache
 
 __all__ = [
@@ -484,19 +490,10 @@ class OuroForCausalLM(OuroPreTrainedModel, GenerationMixin):
         user_cache = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
         if user_cache is not None:
             check_capacity(user_cache, generation_config)
-        implementation = generation_config.cache_implementation
-        builds_cache = user_cache is None and generation_config.use_cache is not False
-        if builds_cache and implementation not in (None, "dynamic"):
-            raise ValueError(
-                f"cache_implementation={implementation!r} builds a cache with one layer per physical layer, "
-                "but Ouro needs one per (loop, layer) cell; pass past_key_values=dense_cache(model.config) "
-                "or a loopkv.LoopKVCache instead"
-            )
+        refuse_layer_cache(generation_config, user_cache, model="Ouro", cell="(loop, layer)")
         super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
         if user_cache is None:
-            for name in ("cache", "past_key_values"):
-                if isinstance(model_kwargs.get(name), DynamicCache):
-                    model_kwargs[name] = dense_cache(self.config)
+            replace_default_cache(model_kwargs, dense_cache(self.config))
 
     def generate(self, inputs: torch.Tensor | None = None, generation_config=None, **kwargs: Any):
         """``GenerationMixin.generate``; a request longer than the cache's capacity is refused before the
