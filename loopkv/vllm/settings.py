@@ -116,22 +116,46 @@ def validate_for_vllm(plan: Plan, hf_config: Any, *, tensor_parallel_size: int =
         raise ValueError("the loopkv plan cannot be served by vLLM: " + "; ".join(problems))
 
 
+SERVED_OPTIONS = ("bf16", "int4")  # plans of one of these in every cell (docs/vllm.md, "What is built")
+
+
 def check_servable(plan: Plan) -> None:
     """Refuse, at start-up, a plan with cells this version of the plugin cannot serve inside vLLM.
 
-    Only ``bf16`` cells are served (vLLM's own attention and KV cache). ``int4``/``int2`` cells need the plugin's
-    quantized attention backend and ``share`` cells need to read their source's blocks; neither is built yet
-    (docs/vllm.md, "Not built").
+    Served: every cell ``bf16`` (vLLM's own attention and KV cache) or every cell ``int4`` (loopkv's backend, one KV
+    spec for all cells). Mixed plans and ``share`` cells are not built yet (docs/vllm.md, "Not built").
     """
-    other = [c for c in plan.layout if plan.option(c) != "bf16"]
-    if other:
-        counts = {}
-        for c in other:
-            counts[plan.option(c)] = counts.get(plan.option(c), 0) + 1
-        first = ", ".join(f"(loop {c.loop}, layer {c.layer}): {plan.option(c)}" for c in other[:3])
-        tally = ", ".join(f"{n} {o}" for o, n in counts.items())
-        raise ValueError(
-            f"the loopkv plan has {len(other)} cells that are not bf16 ({tally}; e.g. {first}); loopkv's vLLM "
-            "plugin serves only all-bf16 plans so far (docs/vllm.md, \"Not built\"). "
-            "Serve this plan with loopkv's own engine (loopkv serve, loopkv.serving), or use an all-bf16 plan "
-            "(Plan.from_config(config, option='bf16')) in vLLM")
+    options = sorted(set(plan.options))
+    if len(options) == 1 and options[0] in SERVED_OPTIONS:
+        return
+    counts = {}
+    for c in plan.layout:
+        counts[plan.option(c)] = counts.get(plan.option(c), 0) + 1
+    tally = ", ".join(f"{n} {o}" for o, n in sorted(counts.items()))
+    raise ValueError(
+        f"the loopkv plan has cells of {len(options)} options ({tally}); loopkv's vLLM plugin serves only plans with "
+        "one option for every cell, bf16 or int4, so far (docs/vllm.md, \"Not built\"). Serve this plan with "
+        "loopkv's own engine (loopkv serve, loopkv.serving), or use a uniform plan "
+        "(Plan.from_config(config, option='int4')) in vLLM")
+
+
+def check_engine(plan: Plan, *, block_size: int | None, prefix_caching: bool, speculative: bool) -> None:
+    """Refuse, at start-up, vLLM engine settings a plan with loopkv-stored cells cannot run under (none for an
+    all-bf16 plan): ``--block-size 32`` (one vLLM block is one loopkv page), prefix caching off (a cached block of a
+    quantized cell holds codes whose exact window is gone), no speculative decoding."""
+    from loopkv.format import PAGE
+
+    if set(plan.options) == {"bf16"}:
+        return
+    problems = []
+    if block_size != PAGE:
+        problems.append(f"--block-size is {block_size}: pass --block-size {PAGE} (block_size={PAGE}), one vLLM block "
+                        "per loopkv page")
+    if prefix_caching:
+        problems.append("prefix caching is on: pass --no-enable-prefix-caching (enable_prefix_caching=False); a "
+                        "cached block of a quantized cell has lost the exact window its tokens were read with")
+    if speculative:
+        problems.append("speculative decoding is configured: loopkv's backend decodes one token per request and step")
+    if problems:
+        raise ValueError("loopkv's vLLM plugin cannot serve this plan with these engine settings: "
+                         + "; ".join(problems))

@@ -1,0 +1,331 @@
+"""A quantized loopkv cell inside vLLM's batches: the step's host plan and the cell's write + read (docs/vllm.md).
+
+Imports no vLLM: the backend (``loopkv/vllm/backend.py``) turns vLLM's per-step metadata into a :class:`Step` once
+per step (:func:`plan_step`, on the host) and calls :func:`forward_cell` for each cell, so the served semantics are
+tested on CPU without vLLM against ``LoopKVCache`` (``tests/vllm/test_cells.py``).
+
+Where things live, per cell (``--block-size 32``: one vLLM block is one loopkv page):
+
+* history pages: in the cell's vLLM KV tensor, ``[num_blocks, page_bytes]`` bytes, read as loopkv's seven pool
+  fields laid out field after field (:func:`pool_views`); a request's block ``b >= 1`` holds its page ``b - 1``
+  (positions ``32 b .. 32 b + 31``), its block 0 is unused (the sink's positions, kept exact);
+* the exact sink and window ring: :class:`CellExact`, ``slots`` rows allocated when the model is built, one row per
+  running request (its *slot*, found from the request's first block id by :class:`SlotMap`).
+
+Served semantics, as ``LoopKVCache`` serves them (docs/design.md, "Serving"): a prompt on an empty slot is written
+and attended exactly; a later chunk (chunked prefill) is the one-pass continuation
+(``loopkv.cache.continuation.continue_rows``); a decode token is written and read with ``token_attention_`` over all
+slots (the decoding slots' tokens gathered in, as ``loopkv.cache.slots.decode`` does), and a page that leaves the
+window is quantized into its block with ``write_pages_``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from loopkv.format import (PAGE, POOL_FIELDS, QUANTIZE_LENGTH, RING, SINK, n_pages, page_bytes, pool_field_kind,
+                           pool_field_shapes, stored_pages)
+
+_KINDS = {"float16": torch.float16, "uint8": torch.uint8}
+
+
+def pool_views(kv: Tensor, bits: int, heads: int, head_dim: int, *, dtype: torch.dtype = torch.bfloat16
+               ) -> tuple[Tensor, ...]:
+    """vLLM's KV tensor of one cell (``[num_blocks, page_bytes(bits, heads, head_dim)]`` bytes) as loopkv's seven
+    pool fields (``POOL_FIELDS`` order), each contiguous: field after field, block ``i`` of a field at its row ``i``.
+    A field the pool does not use is an empty tensor. ``dtype``: the exact dtype (bits 16 only)."""
+    if kv.dtype != torch.uint8 or kv.dim() != 2:
+        raise ValueError(f"a loopkv cell's vLLM KV tensor is uint8 [num_blocks, page_bytes], got {kv.dtype} "
+                         f"{tuple(kv.shape)}")
+    num_blocks, size = kv.shape
+    if size != page_bytes(bits, heads, head_dim, exact_bytes=torch.empty(0, dtype=dtype).element_size()):
+        raise ValueError(f"the KV tensor's blocks have {size} bytes; a {bits}-bit page of {heads} heads x "
+                         f"{head_dim} has {page_bytes(bits, heads, head_dim)}")
+    flat = kv.view(-1)
+    views, offset = [], 0
+    for name, shape in pool_field_shapes(bits, num_blocks, heads, head_dim).items():
+        kind = pool_field_kind(bits, name)
+        t_dtype = dtype if kind == "exact" else _KINDS[kind]
+        if shape == (0,):
+            views.append(torch.empty(0, dtype=t_dtype, device=kv.device))
+            continue
+        nbytes = math.prod(shape) * torch.empty(0, dtype=t_dtype).element_size()
+        views.append(flat[offset:offset + nbytes].view(t_dtype).view(shape))
+        offset += nbytes
+    assert offset == flat.numel()
+    return tuple(views)
+
+
+@dataclass(eq=False)
+class CellExact:
+    """One cell's exact sink and window ring for ``slots`` requests: [slots, H, SINK | RING, D], model dtype."""
+
+    sink_k: Tensor
+    sink_v: Tensor
+    win_k: Tensor
+    win_v: Tensor
+
+    @classmethod
+    def allocate(cls, slots: int, heads: int, head_dim: int, *, dtype: torch.dtype, device=None) -> CellExact:
+        def z(n):
+            return torch.zeros(slots, heads, n, head_dim, dtype=dtype, device=device)
+
+        return cls(z(SINK), z(SINK), z(RING), z(RING))
+
+    @staticmethod
+    def nbytes(slots: int, heads: int, head_dim: int, *, dtype_bytes: int = 2) -> int:
+        return 2 * slots * heads * (SINK + RING) * head_dim * dtype_bytes
+
+
+class SlotMap:
+    """Which slot of the exact buffers each running request uses, keyed by the request's first block id (unique
+    among live requests while prefix caching is off, and fixed for a request's life), with the tokens each slot
+    holds (host ints, the step's plan reads them instead of the device).
+
+    A request whose chunk starts at position 0 takes a slot (its own again, or a free one, or the one least recently
+    seen that this step does not use); one that continues must find its slot holding exactly the tokens before its
+    chunk, else :meth:`assign` raises rather than serve from a wrong state (e.g. a request left unscheduled for so
+    long that its slot went to another: more requests in flight than ``slots``)."""
+
+    def __init__(self, slots: int):
+        if slots < 1:
+            raise ValueError(f"a SlotMap needs at least one slot, got {slots}")
+        self.slots = slots
+        self.held = [0] * slots
+        self._of: dict[int, int] = {}  # first block id -> slot
+        self._key = [None] * slots  # slot -> first block id
+        self._seen = [-1] * slots
+        self._step = 0
+
+    def assign(self, first_blocks: list[int], starts: list[int], ends: list[int]) -> list[int]:
+        """Slots of this step's requests (first block id, tokens held before the step, after it); updates the held
+        counts."""
+        self._step += 1
+        live = set(first_blocks)
+        if len(live) != len(first_blocks):
+            raise RuntimeError(f"two requests of one step share a first block ({first_blocks}): loopkv's vLLM backend "
+                               "needs prefix caching off (--no-enable-prefix-caching)")
+        out = []
+        for fb, start, end in zip(first_blocks, starts, ends, strict=True):
+            slot = self._of.get(fb)
+            if start == 0:
+                if slot is None:
+                    slot = self._take(live)
+                    self._of[fb], self._key[slot] = slot, fb
+            elif slot is None or self.held[slot] != start:
+                raise RuntimeError(
+                    f"a request continues at position {start}, but loopkv's exact sink and window for it "
+                    f"{'are gone' if slot is None else f'hold {self.held[slot]} tokens'}: more requests were in "
+                    f"flight than the {self.slots} exact slots (vLLM's max_num_seqs) or a step was skipped")
+            self.held[slot] = end
+            self._seen[slot] = self._step
+            out.append(slot)
+        return out
+
+    def _take(self, live: set[int]) -> int:
+        candidates = [s for s in range(self.slots) if self._key[s] is None or self._key[s] not in live]
+        candidates = [s for s in candidates if self._seen[s] < self._step]
+        if not candidates:
+            raise RuntimeError(f"more requests in one step than loopkv's {self.slots} exact slots (max_num_seqs)")
+        slot = min(candidates, key=lambda s: (self._key[s] is not None, self._seen[s]))
+        if self._key[slot] is not None:
+            del self._of[self._key[slot]]
+            self._key[slot] = None
+        self.held[slot] = 0
+        return slot
+
+
+@dataclass(frozen=True)
+class Row:
+    """One request of the step: its slot, tokens held before the step, and its tokens ``[begin, end)`` in the
+    packed batch."""
+
+    slot: int
+    start: int
+    begin: int
+    end: int
+
+    @property
+    def decodes(self) -> bool:
+        return self.end - self.begin == 1 and self.start > 0
+
+
+@dataclass(frozen=True)
+class Step:
+    """A step's plan, built on the host once and read by every cell.
+
+    prompts: rows that are not single decode tokens (a prompt on an empty slot, or a later chunk).
+    decode: ``(token, decoding, out_rows, out_tokens)``: per slot the packed token it decodes and whether it does
+    (``loopkv.cache.slots.DecodeStep``'s fields), and the decoding slots with their packed tokens; ``None`` when no
+    row decodes.
+    lengths: int32 [slots] on the device: per slot the tokens held before its decode token (decoding slots) or after
+    the step (others: ``token_attention_`` writes a zero token at that next position, which no read reaches before
+    the slot writes it again).
+    page_table: int32 [slots, pages] on the device: per slot its blocks ``1..`` (its pages).
+    quantize: ``(slots, ring slots [n, PAGE], blocks)`` on the device for the pages that decode tokens complete this
+    step, or ``None``.
+    """
+
+    num_tokens: int
+    prompts: tuple[Row, ...]
+    decode: tuple[Tensor, Tensor, Tensor, Tensor] | None
+    lengths: Tensor
+    page_table: Tensor
+    quantize: tuple[Tensor, Tensor, Tensor] | None
+
+
+def plan_step(slot_map: SlotMap, page_table: Tensor, *, query_start_loc: list[int], seq_lens: list[int],
+              first_blocks: list[int], block_table: Tensor) -> Step:
+    """The step's :class:`Step` from vLLM's per-request facts (host lists) and block table (device, [reqs, blocks]).
+
+    ``page_table`` is the persistent [slots, pages] int32 device table: the scheduled requests' rows are refreshed
+    from ``block_table`` (block ``b >= 1`` is page ``b - 1``); a slot not scheduled keeps its row."""
+    reqs = len(seq_lens)
+    qlen = [query_start_loc[i + 1] - query_start_loc[i] for i in range(reqs)]
+    starts = [s - q for s, q in zip(seq_lens, qlen, strict=True)]
+    slots = slot_map.assign(first_blocks, starts, list(seq_lens))
+    device = page_table.device
+    pages = page_table.shape[1]
+    if reqs:
+        width = min(pages, block_table.shape[1] - 1)
+        rows = torch.tensor(slots, dtype=torch.long, device=device)
+        page_table[rows, :width] = block_table[:reqs, 1:1 + width].to(device=device, dtype=torch.int32)
+    all_rows = [Row(slot, start, query_start_loc[i], query_start_loc[i + 1])
+                for i, (slot, start) in enumerate(zip(slots, starts, strict=True))]
+    decoding = [r for r in all_rows if r.decodes]
+    prompts = tuple(r for r in all_rows if not r.decodes)
+    lengths = list(slot_map.held)
+    decode = quantize = None
+    if decoding:
+        token, flag = [0] * slot_map.slots, [0] * slot_map.slots
+        for r in decoding:
+            token[r.slot], flag[r.slot], lengths[r.slot] = r.begin, 1, r.start
+        host = torch.tensor([token, flag, [r.slot for r in decoding] + [0] * (slot_map.slots - len(decoding)),
+                             [r.begin for r in decoding] + [0] * (slot_map.slots - len(decoding))], dtype=torch.long)
+        dev = host.to(device)
+        decode = (dev[0], dev[1].bool(), dev[2, :len(decoding)], dev[3, :len(decoding)])
+        done = [(r.slot, (r.start + 1 - QUANTIZE_LENGTH) // PAGE) for r in decoding
+                if r.start + 1 >= QUANTIZE_LENGTH and (r.start + 1 - QUANTIZE_LENGTH) % PAGE == 0]
+        if done:
+            q_slots = torch.tensor([s for s, _ in done], dtype=torch.long, device=device)
+            logical = torch.tensor([p for _, p in done], dtype=torch.long, device=device)
+            ring = (PAGE * logical[:, None]) % RING + torch.arange(PAGE, device=device)
+            quantize = (q_slots, ring, page_table[q_slots, logical].long())
+    return Step(num_tokens=query_start_loc[-1] if reqs else 0, prompts=prompts, decode=decode,
+                lengths=torch.tensor(lengths, dtype=torch.int32).to(device), page_table=page_table,
+                quantize=quantize)
+
+
+@dataclass(eq=False)
+class _ContinuationRows:
+    """One cell's storage as ``loopkv.cache.continuation.continue_rows`` reads a ``CellStorage``."""
+
+    own_bits: int
+    read_bits: int
+    sink_k: Tensor
+    sink_v: Tensor
+    win_k: Tensor
+    win_v: Tensor
+    lengths: Tensor
+    page_table: Tensor
+    fields: tuple[Tensor, ...]
+
+    def __getattr__(self, name):  # the pool fields by name (k_pages, k_scale, ...)
+        if name in POOL_FIELDS:
+            return self.fields[POOL_FIELDS.index(name)]
+        raise AttributeError(name)
+
+    def pool(self) -> tuple[Tensor, ...]:
+        return self.fields
+
+
+class _ContinuationCache:
+    """The three things ``continue_rows`` asks of a cache (``max_batch_size``, ``_rows``, ``_tau``), for one cell
+    that stores its own pages (no ``share``)."""
+
+    def __init__(self, rows: _ContinuationRows, tau: float):
+        self.rows, self.tau, self.max_batch_size = rows, tau, rows.sink_k.shape[0]
+
+    def _rows(self, layer_idx: int, batch: int) -> _ContinuationRows:
+        return self.rows
+
+    def _tau(self, layer_idx: int, st) -> float:
+        return self.tau
+
+
+def _exact_prompt(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
+    """Exact causal attention over one prompt: q [Hq, S, D], k, v [H, S, D] -> [S, Hq, D]."""
+    g = q.shape[0] // k.shape[0]
+    if g > 1:
+        k, v = k.repeat_interleave(g, dim=0), v.repeat_interleave(g, dim=0)
+    out = torch.nn.functional.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True, scale=scale)
+    return out[0].transpose(0, 1)
+
+
+def _write_prompt(cell: CellExact, pool: tuple[Tensor, ...], page_table: Tensor, slot: int, k: Tensor, v: Tensor,
+                  bits: int) -> None:
+    """Write a prompt (k, v [H, n, D]) into empty ``slot``: sink, the pages stored at ``n`` tokens, the window
+    (as ``LoopKVCache.prefill_cell`` does for one row)."""
+    n = k.shape[1]
+    ns = min(n, SINK)
+    cell.sink_k[slot, :, :ns] = k[:, :ns]
+    cell.sink_v[slot, :, :ns] = v[:, :ns]
+    npg, nst = n_pages(n), stored_pages(n)
+    if nst:
+        hist = slice(SINK, SINK + PAGE * nst)
+        page_k = k[:, hist].unflatten(1, (nst, PAGE)).transpose(0, 1).contiguous()  # [nst, H, PAGE, D]
+        page_v = v[:, hist].unflatten(1, (nst, PAGE)).transpose(0, 1).contiguous()
+        torch.ops.loopkv.write_pages_(page_k, page_v, page_table[slot, :nst].long(), *pool, bits)
+    first = SINK + PAGE * npg
+    if n > first:
+        ring = (torch.arange(first, n, device=k.device) - SINK) % RING
+        cell.win_k[slot][:, ring] = k[:, first:]
+        cell.win_v[slot][:, ring] = v[:, first:]
+
+
+def forward_cell(cell: CellExact, pool: tuple[Tensor, ...], step: Step, query: Tensor, key: Tensor, value: Tensor,
+                 output: Tensor, *, bits: int, tau: float, scale: float) -> Tensor:
+    """Write the step's tokens into one cell and attend with the served semantics (module docstring).
+
+    query [T, Hq, D], key, value [T, H, D] (vLLM's packed batch, ``T >= step.num_tokens``); writes ``output``
+    [T, Hq, D] for the step's tokens and returns it."""
+    from loopkv.cache import checks
+    from loopkv.cache.continuation import continue_rows
+
+    for row in step.prompts:
+        q = query[row.begin:row.end].transpose(0, 1)  # [Hq, S, D]
+        k = key[row.begin:row.end].transpose(0, 1)  # [H, S, D]
+        v = value[row.begin:row.end].transpose(0, 1)
+        if row.start == 0:
+            if bits in (4, 2) and (checks.uncodable(k) | checks.uncodable(v)).any():
+                raise checks.uncodable_error([-1])
+            _write_prompt(cell, pool, step.page_table, row.slot, k, v, bits)
+            out = _exact_prompt(q, k, v, scale)
+        else:
+            lengths = torch.zeros(cell.sink_k.shape[0], dtype=torch.int32)
+            lengths[row.slot] = row.start
+            rows = _ContinuationRows(bits, bits, cell.sink_k, cell.sink_v, cell.win_k, cell.win_v, lengths,
+                                     step.page_table, pool)
+            out = continue_rows(_ContinuationCache(rows, tau), 0, q[None], k[None], v[None], scale=scale,
+                                rows=[row.slot])[0]
+        output[row.begin:row.end] = out.to(output.dtype)
+    if step.decode is not None:
+        token, decoding, out_rows, out_tokens = step.decode
+        keep = decoding[:, None, None]
+        q_all = torch.where(keep, query.index_select(0, token), 0)
+        k_all = torch.where(keep, key.index_select(0, token), 0)[:, :, None]
+        v_all = torch.where(keep, value.index_select(0, token), 0)[:, :, None]
+        out = torch.ops.loopkv.token_attention_(
+            q_all, k_all, v_all, cell.sink_k, cell.sink_v, cell.win_k, cell.win_v, step.lengths, step.page_table,
+            *pool, bits, tau, scale)
+        output.index_copy_(0, out_tokens, out.index_select(0, out_rows).to(output.dtype))
+        if step.quantize is not None:
+            slots, ring, blocks = step.quantize
+            page_k = cell.win_k[slots[:, None], :, ring].transpose(1, 2).contiguous()  # [n, H, PAGE, D]
+            page_v = cell.win_v[slots[:, None], :, ring].transpose(1, 2).contiguous()
+            torch.ops.loopkv.write_pages_(page_k, page_v, blocks, *pool, bits)
+    return output

@@ -1,0 +1,171 @@
+"""loopkv's cells as vLLM schedules them (``loopkv/vllm/cells.py``), against ``LoopKVCache`` (no vLLM needed).
+
+A simulated vLLM engine (a block allocator handing out shuffled block ids, 32 tokens per block, packed batches of
+prompts, chunks and decode tokens, requests pausing, finishing and being replaced) drives one INT4 cell through
+``plan_step`` + ``forward_cell``; every request also has its own ``LoopKVCache`` fed the same q/k/v through the
+transformers-facing path (prompt: prefill + exact attention; decode; later chunk: the continuation). The outputs must
+agree step by step: the served semantics are the same by design, while the storage differs (slots of exact buffers,
+pages in vLLM's blocks laid out field after field, the slot's page table from the block table, pages quantized at
+the decode token that completes them)."""
+
+import math
+import random
+
+import pytest
+import torch
+
+from loopkv.cache.attention import loopkv_attention
+from loopkv.cache.loop_cache import LoopKVCache
+from loopkv.format import PAGE, POOL_FIELDS, RING, SINK, n_pages, page_bytes, pool_field_shapes
+from loopkv.models.ouro import OuroConfig
+from loopkv.planning.plan import Plan
+from loopkv.vllm.cells import CellExact, SlotMap, forward_cell, plan_step, pool_views
+
+H, HQ, D = 2, 4, 32
+CONFIG = OuroConfig(num_hidden_layers=1, total_ut_steps=1, hidden_size=HQ * D, num_attention_heads=HQ,
+                    num_key_value_heads=H, head_dim=D, intermediate_size=64, vocab_size=64)
+SCALE = D**-0.5
+MAX_LEN = 1024
+
+
+def test_pool_views_tile_the_blocks():
+    blocks = 5
+    kv = torch.zeros(blocks, page_bytes(4, H, D), dtype=torch.uint8)
+    views = pool_views(kv, 4, H, D)
+    shapes = pool_field_shapes(4, blocks, H, D)
+    ends = []
+    for name, view in zip(POOL_FIELDS, views, strict=True):
+        if shapes[name] == (0,):
+            assert view.numel() == 0
+            continue
+        assert tuple(view.shape) == shapes[name] and view.is_contiguous()
+        start = view.data_ptr() - kv.data_ptr()
+        ends.append((start, start + view.numel() * view.element_size()))
+    assert ends[0][0] == 0 and ends[-1][1] == kv.numel()
+    assert all(a[1] == b[0] for a, b in zip(ends, ends[1:], strict=False))  # back to back, no overlap
+    with pytest.raises(ValueError, match="page of 2 heads x 32 has"):
+        pool_views(torch.zeros(blocks, 7, dtype=torch.uint8), 4, H, D)
+
+
+def test_slot_map():
+    m = SlotMap(2)
+    assert m.assign([5, 9], [0, 0], [10, 3]) == [0, 1]
+    assert m.assign([9], [3], [4]) == [1]  # request 5 not scheduled: keeps its slot
+    assert m.assign([5, 9], [10, 4], [11, 5]) == [0, 1]
+    assert m.assign([7, 9], [0, 5], [2, 6]) == [0, 1]  # a new request takes the slot request 9 does not use
+    with pytest.raises(RuntimeError, match="continues at position 11.*are gone"):
+        m.assign([5], [11], [12])
+    with pytest.raises(RuntimeError, match="hold 6 tokens"):
+        m.assign([9], [8], [9])
+    with pytest.raises(RuntimeError, match="share a first block.*prefix caching off"):
+        m.assign([7, 7], [2, 2], [3, 3])
+    with pytest.raises(RuntimeError, match="more requests in one step than loopkv's 2 exact slots"):
+        SlotMap(2).assign([1, 2, 3], [0, 0, 0], [1, 1, 1])
+
+
+class _Engine:
+    """A toy vLLM: block ids handed out shuffled (0 is the null block), a block table per step."""
+
+    def __init__(self, num_blocks: int, slots: int, seed: int = 0):
+        self.free = list(range(1, num_blocks))
+        random.Random(seed).shuffle(self.free)
+        self.blocks: dict[str, list[int]] = {}
+        self.held: dict[str, int] = {}
+        self.slot_map = SlotMap(slots)
+        self.page_table = torch.zeros(slots, math.ceil(MAX_LEN / PAGE) - 1, dtype=torch.int32)
+
+    def step(self, schedule: list[tuple[str, int]]):
+        """``schedule``: (request, new tokens) in batch order; returns the Step and each request's token range."""
+        qsl, seq_lens, first, ranges = [0], [], [], {}
+        for name, n in schedule:
+            held = self.held.setdefault(name, 0)
+            blocks = self.blocks.setdefault(name, [])
+            while len(blocks) * PAGE < held + n:
+                blocks.append(self.free.pop())
+            ranges[name] = (qsl[-1], qsl[-1] + n, held)
+            qsl.append(qsl[-1] + n)
+            seq_lens.append(held + n)
+            first.append(blocks[0])
+            self.held[name] = held + n
+        width = max(len(self.blocks[name]) for name, _ in schedule)
+        table = torch.zeros(len(schedule), width + 3, dtype=torch.int32)  # vLLM's table is wider than needed
+        for i, (name, _) in enumerate(schedule):
+            table[i, :len(self.blocks[name])] = torch.tensor(self.blocks[name])
+        step = plan_step(self.slot_map, self.page_table, query_start_loc=qsl, seq_lens=seq_lens,
+                         first_blocks=first, block_table=table)
+        return step, ranges
+
+    def finish(self, name: str):
+        self.free.extend(self.blocks.pop(name))
+        del self.held[name]
+
+
+def _reference(plan):
+    return LoopKVCache(plan, config=CONFIG, max_batch_size=1, max_cache_len=MAX_LEN, dtype=torch.float32,
+                       device="cpu")
+
+
+def _ref_forward(cache, q, k, v):
+    """One request's tokens through LoopKVCache's transformers path: q [S, Hq, D], k, v [S, H, D] -> [S, Hq, D]."""
+    handle, _ = cache.update(k.transpose(0, 1)[None], v.transpose(0, 1)[None], 0)
+    out, _ = loopkv_attention(None, q.transpose(0, 1)[None], handle, handle, None, scaling=SCALE)
+    return out[0]
+
+
+@pytest.mark.parametrize("tau", [math.inf, 2.0])
+def test_scheduled_steps_equal_loopkv_cache(tau):
+    plan = Plan.from_config(CONFIG, option="int4", tau=tau)
+    slots, num_blocks = 3, 200
+    engine = _Engine(num_blocks, slots)
+    cell = CellExact.allocate(slots, H, D, dtype=torch.float32)
+    kv = torch.zeros(num_blocks, page_bytes(4, H, D), dtype=torch.uint8)
+    pool = pool_views(kv, 4, H, D)
+    refs: dict[str, LoopKVCache] = {}
+    gen = torch.Generator().manual_seed(0)
+
+    # (request, tokens) per step: prompts past a page boundary, decodes across the quantize lengths 319 and 351,
+    # a chunked prompt (chunk on an empty slot, then a continuation on a used one), a paused request, a finished
+    # request whose slot and blocks go to a new one
+    schedule = [[("a", 300), ("b", 40)]]
+    schedule += [[("a", 1), ("b", 1)]] * 25  # a: 300 -> 325 (page 0 quantized at 319)
+    schedule += [[("c", 100), ("a", 1), ("b", 1)]]  # a chunked prompt's first chunk, mixed with decodes
+    schedule += [[("a", 1), ("c", 400)]]  # b paused; c's second chunk is a continuation (pages 0..)
+    schedule += [[("b", 1), ("c", 1), ("a", 1)]] * 30  # a crosses 351; c decodes from 500
+    schedule += ["finish b"]
+    schedule += [[("d", 33), ("a", 1), ("c", 1)]]  # d takes b's slot (and its blocks)
+    schedule += [[("d", 1), ("c", 1)]] * 3
+    done = 0
+    for entry in schedule:
+        if entry == "finish b":
+            engine.finish("b")
+            del refs["b"]
+            continue
+        step, ranges = engine.step(entry)
+        T = step.num_tokens
+        q = torch.randn(T + 2, HQ, D, generator=gen)  # vLLM may pass padded tokens past num_actual_tokens
+        k = torch.randn(T + 2, H, D, generator=gen)
+        v = torch.randn(T + 2, H, D, generator=gen)
+        out = torch.full((T + 2, HQ, D), float("nan"))
+        forward_cell(cell, pool, step, q[:T], k[:T], v[:T], out[:T], bits=4, tau=tau, scale=SCALE)
+        for name, (begin, end, held) in ranges.items():
+            if held == 0:
+                refs[name] = _reference(plan)
+            want = _ref_forward(refs[name], q[begin:end], k[begin:end], v[begin:end])
+            torch.testing.assert_close(out[begin:end], want, atol=2e-5, rtol=1e-5,
+                                       msg=lambda m, n=name, h=held: f"request {n} at {h}: {m}")
+        assert torch.isnan(out[T:]).all()  # padding untouched
+        done += 1
+    assert engine.held == {"a": 358, "c": 534, "d": 36}
+    # the cell's storage holds what each LoopKVCache holds: a's pages in its blocks, decoded
+    a_slot = engine.slot_map._of[engine.blocks["a"][0]]
+    st = refs["a"].storage(0)
+    assert engine.slot_map.held[a_slot] == int(st.lengths[0]) == 358
+    live = (torch.arange(SINK + PAGE * n_pages(358), 358) - SINK) % RING  # ring slots of the window
+    for mine, ref in ((cell.win_k, st.win_k), (cell.win_v, st.win_v)):
+        assert torch.equal(mine[a_slot][:, live], ref[0][:, live])
+    assert torch.equal(cell.sink_k[a_slot], st.sink_k[0]) and torch.equal(cell.sink_v[a_slot], st.sink_v[0])
+    for p in range(2):  # pages 0 and 1 (quantized at 319 and 351)
+        block = engine.blocks["a"][p + 1]
+        for field, mine, ref in zip(POOL_FIELDS, pool, st.pool(), strict=True):
+            if mine.numel():
+                assert torch.equal(mine[block], ref[int(st.page_table[0, p])]), (p, field)
