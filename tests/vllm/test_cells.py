@@ -63,21 +63,20 @@ def test_slot_map():
         SlotMap(2).assign([1, 2, 3], [0, 0, 0], [1, 1, 1])
 
 
-class _Engine:
+class Engine:
     """A toy vLLM: block ids handed out shuffled (0 is the null block), a block table per step."""
 
-    def __init__(self, num_blocks: int, slots: int, seed: int = 0):
+    def __init__(self, num_blocks: int, seed: int = 0):
         self.free = list(range(1, num_blocks))
         random.Random(seed).shuffle(self.free)
         self.blocks: dict[str, list[int]] = {}
         self.held: dict[str, int] = {}
-        self.slot_map = SlotMap(slots)
-        self.page_table = torch.zeros(slots, math.ceil(MAX_LEN / PAGE) - 1, dtype=torch.int32)
 
-    def step(self, schedule: list[tuple[str, int]]):
-        """``schedule``: (request, new tokens) in batch order; returns the Step and each request's token range."""
+    def schedule(self, entry: list[tuple[str, int]]):
+        """``entry``: (request, new tokens) in batch order -> (query_start_loc, seq_lens, first block ids, block
+        table [reqs, blocks + 3], each request's (first token, end token, tokens held before))."""
         qsl, seq_lens, first, ranges = [0], [], [], {}
-        for name, n in schedule:
+        for name, n in entry:
             held = self.held.setdefault(name, 0)
             blocks = self.blocks.setdefault(name, [])
             while len(blocks) * PAGE < held + n:
@@ -87,17 +86,27 @@ class _Engine:
             seq_lens.append(held + n)
             first.append(blocks[0])
             self.held[name] = held + n
-        width = max(len(self.blocks[name]) for name, _ in schedule)
-        table = torch.zeros(len(schedule), width + 3, dtype=torch.int32)  # vLLM's table is wider than needed
-        for i, (name, _) in enumerate(schedule):
+        width = max(len(self.blocks[name]) for name, _ in entry)
+        table = torch.zeros(len(entry), width + 3, dtype=torch.int32)  # vLLM's table is wider than needed
+        for i, (name, _) in enumerate(entry):
             table[i, :len(self.blocks[name])] = torch.tensor(self.blocks[name])
-        step = plan_step(self.slot_map, self.page_table, query_start_loc=qsl, seq_lens=seq_lens,
-                         first_blocks=first, block_table=table)
-        return step, ranges
+        return qsl, seq_lens, first, table, ranges
 
     def finish(self, name: str):
         self.free.extend(self.blocks.pop(name))
         del self.held[name]
+
+
+# (request, tokens) per step: prompts past a page boundary, decodes across the quantize lengths 319 and 351, a
+# chunked prompt (chunk on an empty slot, then a continuation on a used one), a paused request, a finished request
+# whose slot and blocks go to a new one
+SCENARIO = ([[("a", 300), ("b", 40)]] + [[("a", 1), ("b", 1)]] * 25  # a: 300 -> 325 (page 0 quantized at 319)
+            + [[("c", 100), ("a", 1), ("b", 1)]]  # a chunked prompt's first chunk, mixed with decodes
+            + [[("a", 1), ("c", 400)]]  # b paused; c's second chunk is a continuation
+            + [[("b", 1), ("c", 1), ("a", 1)]] * 30  # a crosses 351; c decodes from 500
+            + ["finish b"] + [[("d", 33), ("a", 1), ("c", 1)]]  # d takes b's slot (and its blocks)
+            + [[("d", 1), ("c", 1)]] * 3)
+SLOTS, NUM_BLOCKS = 3, 200
 
 
 def _reference(plan):
@@ -112,41 +121,26 @@ def _ref_forward(cache, q, k, v):
     return out[0]
 
 
-@pytest.mark.parametrize("tau", [math.inf, 2.0])
-def test_scheduled_steps_equal_loopkv_cache(tau):
-    plan = Plan.from_config(CONFIG, option="int4", tau=tau)
-    slots, num_blocks = 3, 200
-    engine = _Engine(num_blocks, slots)
-    cell = CellExact.allocate(slots, H, D, dtype=torch.float32)
-    kv = torch.zeros(num_blocks, page_bytes(4, H, D), dtype=torch.uint8)
-    pool = pool_views(kv, 4, H, D)
+def run_scenario(plan, forward, scenario=SCENARIO) -> tuple[Engine, dict]:
+    """Drive ``forward(qsl, seq_lens, first_blocks, block_table, q, k, v, out)`` (one cell's step over the packed
+    batch; q, k, v, out carry two padding tokens past the step's) through ``scenario`` and check every request's
+    outputs against its own LoopKVCache; returns the engine and the references."""
+    engine = Engine(NUM_BLOCKS)
     refs: dict[str, LoopKVCache] = {}
     gen = torch.Generator().manual_seed(0)
-
-    # (request, tokens) per step: prompts past a page boundary, decodes across the quantize lengths 319 and 351,
-    # a chunked prompt (chunk on an empty slot, then a continuation on a used one), a paused request, a finished
-    # request whose slot and blocks go to a new one
-    schedule = [[("a", 300), ("b", 40)]]
-    schedule += [[("a", 1), ("b", 1)]] * 25  # a: 300 -> 325 (page 0 quantized at 319)
-    schedule += [[("c", 100), ("a", 1), ("b", 1)]]  # a chunked prompt's first chunk, mixed with decodes
-    schedule += [[("a", 1), ("c", 400)]]  # b paused; c's second chunk is a continuation (pages 0..)
-    schedule += [[("b", 1), ("c", 1), ("a", 1)]] * 30  # a crosses 351; c decodes from 500
-    schedule += ["finish b"]
-    schedule += [[("d", 33), ("a", 1), ("c", 1)]]  # d takes b's slot (and its blocks)
-    schedule += [[("d", 1), ("c", 1)]] * 3
-    done = 0
-    for entry in schedule:
-        if entry == "finish b":
-            engine.finish("b")
-            del refs["b"]
+    for entry in scenario:
+        if isinstance(entry, str):
+            name = entry.split()[1]
+            engine.finish(name)
+            del refs[name]
             continue
-        step, ranges = engine.step(entry)
-        T = step.num_tokens
+        qsl, seq_lens, first, table, ranges = engine.schedule(entry)
+        T = qsl[-1]
         q = torch.randn(T + 2, HQ, D, generator=gen)  # vLLM may pass padded tokens past num_actual_tokens
         k = torch.randn(T + 2, H, D, generator=gen)
         v = torch.randn(T + 2, H, D, generator=gen)
         out = torch.full((T + 2, HQ, D), float("nan"))
-        forward_cell(cell, pool, step, q[:T], k[:T], v[:T], out[:T], bits=4, tau=tau, scale=SCALE)
+        forward(qsl, seq_lens, first, table, q, k, v, out)
         for name, (begin, end, held) in ranges.items():
             if held == 0:
                 refs[name] = _reference(plan)
@@ -154,12 +148,15 @@ def test_scheduled_steps_equal_loopkv_cache(tau):
             torch.testing.assert_close(out[begin:end], want, atol=2e-5, rtol=1e-5,
                                        msg=lambda m, n=name, h=held: f"request {n} at {h}: {m}")
         assert torch.isnan(out[T:]).all()  # padding untouched
-        done += 1
     assert engine.held == {"a": 358, "c": 534, "d": 36}
-    # the cell's storage holds what each LoopKVCache holds: a's pages in its blocks, decoded
-    a_slot = engine.slot_map._of[engine.blocks["a"][0]]
+    return engine, refs
+
+
+def check_storage(engine, refs, slot_map, cell, pool):
+    """The cell's storage holds what request a's LoopKVCache holds: sink, live window slots, pages in its blocks."""
+    a_slot = slot_map._of[engine.blocks["a"][0]]
     st = refs["a"].storage(0)
-    assert engine.slot_map.held[a_slot] == int(st.lengths[0]) == 358
+    assert slot_map.held[a_slot] == int(st.lengths[0]) == 358
     live = (torch.arange(SINK + PAGE * n_pages(358), 358) - SINK) % RING  # ring slots of the window
     for mine, ref in ((cell.win_k, st.win_k), (cell.win_v, st.win_v)):
         assert torch.equal(mine[a_slot][:, live], ref[0][:, live])
@@ -169,3 +166,21 @@ def test_scheduled_steps_equal_loopkv_cache(tau):
         for field, mine, ref in zip(POOL_FIELDS, pool, st.pool(), strict=True):
             if mine.numel():
                 assert torch.equal(mine[block], ref[int(st.page_table[0, p])]), (p, field)
+
+
+@pytest.mark.parametrize("tau", [math.inf, 2.0])
+def test_scheduled_steps_equal_loopkv_cache(tau):
+    plan = Plan.from_config(CONFIG, option="int4", tau=tau)
+    slot_map = SlotMap(SLOTS)
+    page_table = torch.zeros(SLOTS, math.ceil(MAX_LEN / PAGE) - 1, dtype=torch.int32)
+    cell = CellExact.allocate(SLOTS, H, D, dtype=torch.float32)
+    pool = pool_views(torch.zeros(NUM_BLOCKS, page_bytes(4, H, D), dtype=torch.uint8), 4, H, D)
+
+    def forward(qsl, seq_lens, first, table, q, k, v, out):
+        step = plan_step(slot_map, page_table, query_start_loc=qsl, seq_lens=seq_lens, first_blocks=first,
+                         block_table=table)
+        T = step.num_tokens
+        forward_cell(cell, pool, step, q[:T], k[:T], v[:T], out[:T], bits=4, tau=tau, scale=SCALE)
+
+    engine, refs = run_scenario(plan, forward)
+    check_storage(engine, refs, slot_map, cell, pool)

@@ -9,7 +9,7 @@ import pytest
 from loopkv.cells import Cell
 from loopkv.models.ouro import OuroConfig
 from loopkv.planning.plan import Plan
-from loopkv.vllm.settings import PLAN_ENV, PLAN_KEY, check_servable, load_plan, validate_for_vllm
+from loopkv.vllm.settings import PLAN_ENV, PLAN_KEY, check_engine, check_servable, load_plan, validate_for_vllm
 
 
 @pytest.fixture
@@ -111,13 +111,29 @@ def test_not_ouro(plan_file):
         validate_for_vllm(plan, llama_like)
 
 
-def test_servable_is_all_bf16(config):
+def test_servable_is_one_option_bf16_or_int4(config):
     check_servable(Plan.from_config(config, option="bf16"))
+    check_servable(Plan.from_config(config, option="int4"))
     mixed = Plan.from_config(config, option="bf16").__class__.from_grid(
         [["bf16"] * 6, ["share"] + ["bf16"] * 5, ["bf16"] * 6, ["int2"] + ["bf16"] * 5], kv_heads=2, head_dim=64)
-    with pytest.raises(ValueError, match=r"2 cells that are not bf16 \(1 share, 1 int2; e.g. \(loop 1, layer 0\)"):
+    with pytest.raises(ValueError, match=r"cells of 3 options \(22 bf16, 1 int2, 1 share\).*bf16 or int4"):
         check_servable(mixed)
     assert mixed.option(Cell(3, 0)) == "int2"
+    with pytest.raises(ValueError, match=r"1 options \(24 int2\)"):
+        check_servable(Plan.from_config(config, option="int2"))
+    with pytest.raises(ValueError, match=r"18 int4, 6 share"):
+        check_servable(Plan.from_config(config, option="int4", shared_loops=[2]))
+
+
+def test_engine_settings_for_int4(config):
+    int4, bf16 = Plan.from_config(config, option="int4"), Plan.from_config(config, option="bf16")
+    check_engine(int4, block_size=32, prefix_caching=False, speculative=False)
+    check_engine(bf16, block_size=16, prefix_caching=True, speculative=True)  # vLLM's own cells: anything goes
+    with pytest.raises(ValueError, match="--block-size is 16: pass --block-size 32.*--no-enable-prefix-caching.*"
+                                         "speculative"):
+        check_engine(int4, block_size=16, prefix_caching=True, speculative=True)
+    with pytest.raises(ValueError, match="--block-size is None"):
+        check_engine(int4, block_size=None, prefix_caching=False, speculative=False)
 
 
 def test_importing_the_plugin_package_imports_no_vllm():
