@@ -19,7 +19,8 @@ a config:
   layers; ``config.layer_types`` marks sliding layers. Cache mode ``per_loop``: loop 0 writes the core layer's own
   index, loop ``t > 0`` writes ``num_hidden_layers + (t - 1) * n_recurrent_layers + j`` for core layer ``j``
   (``DoryModel.forward``'s ``cache_offset``). Mode ``last_loop``: only the last loop writes (its own index); the
-  earlier loops read that cache's dense tensors without calling ``update``, so their cells have no index.
+  earlier loops read that index's cache (``cache.layers[i].keys``) without calling ``update``, so their cells have
+  no index (:attr:`ModelLayout.reads_without_update`, served by ``loopkv/cache/last_loop.py``).
 
 How a new family describes itself: write ``def my_layout(config, loops) -> ModelLayout`` that lists the prelude,
 the core and the coda as :class:`Layer` entries (physical index, attention type, and for prelude/coda the cache
@@ -79,7 +80,8 @@ class ModelLayout:
     sliding_window: tokens a sliding layer attends to (itself included), or ``None`` without sliding layers.
     num_layers: the model's physical decoder layers.
     reads_without_update: cells whose loop reads another loop's cache without an index of its own (Dory's
-        ``last_loop`` mode), which a LoopKVCache cannot serve.
+        ``last_loop`` mode); a plan gives them ``share`` (``loopkv/cache/last_loop.py`` serves their reads).
+    shared_reads: the cache indices those loops read (the last loop's core indices, planned and sliding).
     """
 
     family: str
@@ -89,6 +91,7 @@ class ModelLayout:
     num_layers: int
     sliding_window: int | None = None
     reads_without_update: tuple[Cell, ...] = ()
+    shared_reads: tuple[int, ...] = ()
     _index_of: Mapping[Cell, int] = field(default=None, repr=False, compare=False)  # type: ignore[assignment]
 
     def __post_init__(self) -> None:
@@ -186,6 +189,7 @@ def build_layout(*, family: str, loops: int, prelude: Sequence[Layer], core: Seq
     entries: dict[int, Slot] = {}
     order: list[int] = []
     no_index: list[Cell] = []
+    read: set[int] = set()  # indices that a loop without its own index reads: the last loop's, same layer
 
     def add(index: int, layer: Layer, kind: str, loop: int | None = None, cell: Cell | None = None) -> None:
         if index in entries:  # a later loop writing an index an earlier one wrote: one cache entry, first writer
@@ -202,13 +206,18 @@ def build_layout(*, family: str, loops: int, prelude: Sequence[Layer], core: Seq
             if index is None:
                 if cell is not None:
                     no_index.append(cell)
+                last = core_index(loops - 1, j)
+                if last is None:
+                    raise ValueError(f"{family} layout: core layer {j} has no cache index in its last loop")
+                read.add(last)
                 continue
             add(index, layer, "window" if layer.sliding else "looped", t, cell)
     for layer in coda:
         add(layer.index, layer, "window" if layer.sliding else "exact")
     slots = tuple(entries[i] for i in sorted(entries))
     return ModelLayout(family=family, cells=cells, slots=slots, call_order=tuple(order), num_layers=num_layers,
-                       sliding_window=sliding_window, reads_without_update=tuple(no_index))
+                       sliding_window=sliding_window, reads_without_update=tuple(no_index),
+                       shared_reads=tuple(sorted(read)))
 
 
 # ---- the families ---------------------------------------------------------------------------------------------

@@ -27,8 +27,10 @@ def _pad_lengths(attention_mask, batch: int, q_len: int, device) -> Tensor:
         return torch.zeros(batch, dtype=torch.long, device=device)
     m = attention_mask
     if m.dim() == 4:
-        last = m[:, 0, -1, -q_len:]  # the last query sees every real token of its row
-        valid = last if last.dtype == torch.bool else last > torch.finfo(last.dtype).min / 2
+        # a token is real when it sees itself (a pad sees nothing); the last query alone would not do: under a
+        # sliding window it does not see the start of a long prompt
+        own = m[:, 0, -q_len:, -q_len:].diagonal(dim1=-2, dim2=-1)
+        valid = own if own.dtype == torch.bool else own > torch.finfo(own.dtype).min / 2
     elif m.dim() == 2:
         valid = m[:, -q_len:].bool()
     else:
@@ -43,14 +45,18 @@ def _pad_lengths(attention_mask, batch: int, q_len: int, device) -> Tensor:
     return (q_len - n_valid).to(device)
 
 
-def _prompt_attention(query: Tensor, k: Tensor, v: Tensor, pad: Tensor, scaling: float) -> Tensor:
-    """Exact causal attention over the prompt, pads masked. query [B, Hq, S, D] -> [B, S, Hq, D]."""
+def _prompt_attention(query: Tensor, k: Tensor, v: Tensor, pad: Tensor, scaling: float, window: int | None = None
+                      ) -> Tensor:
+    """Exact causal attention over the prompt, pads masked; ``window``: a sliding layer's (query ``i`` sees keys
+    ``i - window < j <= i``). query [B, Hq, S, D] -> [B, S, Hq, D]."""
     B, Hq, S, D = query.shape
     g = Hq // k.shape[1]
     if g > 1:
         k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
     i = torch.arange(S, device=query.device)
     allowed = (i[None, :, None] >= i[None, None, :]) & (i[None, None, :] >= pad[:, None, None])
+    if window is not None:
+        allowed = allowed & (i[None, :, None] - i[None, None, :] < window)
     allowed = allowed | (i[:, None] == i[None, :])[None]  # pad queries see themselves: finite garbage
     out = F.scaled_dot_product_attention(query, k, v, attn_mask=allowed[:, None], scale=scaling)
     return out.transpose(1, 2)
@@ -64,9 +70,11 @@ def loopkv_attention(module, query: Tensor, key, value, attention_mask, *, scali
 
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, **kwargs)
-    cache, cell = key.cache, key.cell_index
     B, Hq, S, D = query.shape
     scale = scaling if scaling is not None else D**-0.5
+    if getattr(key, "is_source_read", False):  # an earlier loop reading the last loop's cache (cache/last_loop.py)
+        return key.attend(query, value, attention_mask, scale=scale), None
+    cache, cell = key.cache, key.cell_index
     if getattr(key, "is_packed_batch", False):  # a continuous-batching engine's step (loopkv/serving)
         return cache.attend(cell, query, key.k_new, key.v_new, scale=scale, write_index=kwargs["write_index"],
                             cu_seq_lens_q=kwargs["cu_seq_lens_q"]), None
@@ -76,7 +84,7 @@ def loopkv_attention(module, query: Tensor, key, value, attention_mask, *, scali
     if cache.is_empty(cell):
         pad = _pad_lengths(attention_mask, B, S, query.device)
         cache.prefill_cell(cell, key.k_new, key.v_new, pad)
-        return _prompt_attention(query, key.k_new, key.v_new, pad, scale), None
+        return _prompt_attention(query, key.k_new, key.v_new, pad, scale, cache.sliding_window(cell)), None
     return cache.continue_cell(cell, query, key.k_new, key.v_new, scale=scale), None
 
 

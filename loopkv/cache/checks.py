@@ -35,22 +35,6 @@ def model_layout(config) -> ModelLayout:
     return layout_of(config)
 
 
-def check_layout(layout: ModelLayout, max_cache_len: int) -> None:
-    """Refuse, before allocating, a model whose cache a LoopKVCache cannot serve as the model reads it."""
-    if layout.reads_without_update:
-        raise ValueError(
-            f"in this {layout.family} model, loops {sorted({c.loop for c in layout.reads_without_update})} read the "
-            "last loop's cache as dense tensors (cache.layers[i].keys) instead of calling update() (Dory's "
-            "recurrent_kv_cache_mode='last_loop'), which a LoopKVCache cannot serve. Set "
-            "config.recurrent_kv_cache_mode = 'per_loop' and give the earlier loops 'share' in the plan "
-            "(Plan.from_config(config, shared_loops=[...])): they then store no history of their own")
-    if layout.fixed("window") and max_cache_len > layout.sliding_window:
-        raise ValueError(
-            f"this {layout.family} model has sliding-window layers (window {layout.sliding_window}); LoopKVCache "
-            "keeps them as exact cells that read every token of a row, which is the window's attention only while a "
-            f"row holds at most sliding_window tokens: build it with max_cache_len <= {layout.sliding_window}")
-
-
 def resolve_dtype(config, dtype) -> torch.dtype:
     """``dtype`` (a torch.dtype or its name, e.g. ``"bfloat16"``), else the config's, else fp32."""
     if dtype is None:

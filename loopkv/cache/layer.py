@@ -48,11 +48,38 @@ class LoopKVCell(CacheLayerMixin):
     is_sliding = False
     is_croppable = False
 
+    read_by = None  # (cache, index) when earlier loops read this index's cache (Dory's last_loop mode)
+
     def __init__(self, storage: CellStorage, *, max_cache_len: int):
         super().__init__()
         self.storage = storage
         self.max_cache_len = max_cache_len
         self.is_initialized = True
+
+    # transformers' layers hold their K/V as .keys/.values; this one holds no dense tensors. Where earlier loops read
+    # this index's cache (loopkv/cache/last_loop.py) they stand for it, a fresh object each time the model takes them
+    @property
+    def keys(self):
+        return self._past("k")
+
+    @keys.setter
+    def keys(self, value) -> None:
+        assert value is None, "a LoopKVCell holds no dense keys"
+
+    @property
+    def values(self):
+        return self._past("v")
+
+    @values.setter
+    def values(self, value) -> None:
+        assert value is None, "a LoopKVCell holds no dense values"
+
+    def _past(self, part: str):
+        if self.read_by is None:
+            return None
+        from loopkv.cache.last_loop import SourcePast
+
+        return SourcePast(*self.read_by, part)
 
     def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
         """Storage is preallocated at construction: nothing to do."""

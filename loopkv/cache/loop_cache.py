@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 from transformers.cache_utils import Cache
 
-from loopkv.cache import checks, placement
+from loopkv.cache import checks, last_loop, placement, window
 from loopkv.cache import layer as cell_layer
 from loopkv.cache.layer import LoopKVCell, LoopKVHandle
 from loopkv.cache.paging import PagePool
@@ -80,7 +80,7 @@ class LoopKVCache(Cache):
         register()
         plan.validate_for(config)
         self.layout = checks.model_layout(config)  # planned cells and fixed exact slots, by cache index
-        checks.check_layout(self.layout, max_cache_len)
+        last_loop.check_plan(self.layout, plan)
         _, _, kv_heads, head_dim = checks.model_shape(config)
         if any(o != "bf16" for o in plan.options):
             check_head_dim(head_dim)
@@ -106,18 +106,27 @@ class LoopKVCache(Cache):
             option = plan.option(cell)
             source = storages.get(self.layout.source(cell)) if option == "share" else None
             storages[cell] = allocate_cell(option, source=source, **dims)
-        # by cache index; a fixed slot (prelude/coda, sliding layer: loopkv/families.py) is an exact cell
-        ordered = [storages[s.cell] if s.cell is not None else allocate_cell("bf16", source=None, **dims)
-                   for s in self.layout.slots]
+        # by cache index; a fixed slot (loopkv/families.py): a prelude/coda layer is an exact cell, a sliding layer a
+        # ring of its window (loopkv/cache/window.py), kept outside the stacks
+        windows = {s.index: min(self.layout.sliding_window, max_cache_len) for s in self.layout.fixed("window")}
+        ordered = [storages[s.cell] if s.cell is not None else
+                   window.allocate_window(batch=max_batch_size, heads=kv_heads, head_dim=head_dim,
+                                          slots=windows[s.index], dtype=dtype, device="meta")
+                   if s.index in windows else allocate_cell("bf16", source=None, **dims) for s in self.layout.slots]
         for d in dict.fromkeys(devices):
             checks.check_fits([st for st, dd in zip(ordered, devices, strict=True) if dd == d], d)
         self._devices = devices
-        self._shards = placement.build_shards(ordered, devices, trash=pool_pages)  # fields become views of stacks
+        self._shards = placement.build_shards([None if i in windows else st for i, st in enumerate(ordered)], devices,
+                                              trash=pool_pages)  # fields become views of stacks
+        for i, slots in windows.items():
+            ordered[i] = window.allocate_window(batch=max_batch_size, heads=kv_heads, head_dim=head_dim, slots=slots,
+                                                dtype=dtype, device=devices[i])
         # a shared page pool (loopkv/cache/paging.py), or every row's pages reserved (None)
         self._pool = None if pool_pages is None else PagePool(pool_pages, max_batch_size, max_pages(max_cache_len))
         self._shard_of = {i: (shard, j) for shard in self._shards for j, i in enumerate(shard.cells)}
         cells = [LoopKVCell(st, max_cache_len=max_cache_len) for st in ordered]
         super().__init__(layers=cells)
+        last_loop.attach(self)  # Dory's last_loop: what earlier loops read (loopkv/cache/last_loop.py)
         # eager bookkeeping (none while compiling: a compiled step reads every cell, the last one advances)
         self._unread: set[int] = set()  # cells updated whose "loopkv" read has not yet written the token
         self._read: set[int] = set()  # cells whose read wrote the step's token, not yet counted by advance_
@@ -216,6 +225,8 @@ class LoopKVCache(Cache):
             # the lengths stack's slice, not the cell's view: a compiled step must not lift two inputs that share
             # memory. AOTAutograd merges such inputs into a "synthetic base", and its metadata then forgets which
             # inputs are static addresses, so CUDA-graph trees skip the step ("mutated inputs")
+            if layer_idx not in self._shard_of:  # a sliding layer's window: its own tensor, no stack
+                return self.layers[layer_idx].storage.lengths.max()
             shard, j = self._shard_of[layer_idx]
             return shard.stacks.own_slice("lengths", j).max()
         return self.layers[layer_idx].get_seq_length()
@@ -293,6 +304,16 @@ class LoopKVCache(Cache):
         raise NotImplementedError("LoopKVCache cannot shrink its batch; use reorder_cache or a new cache")
 
     # ---- reads and writes (called by the "loopkv" attention function) -----------------------------
+    @property
+    def _paged(self) -> CellStorage:
+        """A stacked cell's storage: its page count and row capacity are every stacked cell's (a sliding layer's
+        window has neither)."""
+        return self.layers[self._shards[0].cells[0]].storage
+
+    def sliding_window(self, layer_idx: int) -> int | None:
+        """The window of cache index ``layer_idx`` if it is a sliding layer's, else ``None``."""
+        return self.layout.sliding_window if self.layers[layer_idx].storage.option == window.OPTION else None
+
     def _rows(self, layer_idx: int, batch: int) -> CellStorage:
         """The cell's storage restricted to the first ``batch`` rows (the whole tensors when full).
 
@@ -300,7 +321,7 @@ class LoopKVCache(Cache):
         that a compiled step lifts the stacks, a few tensors, instead of every cell's views; the same memory.
         Eagerly, the cell's own views (no per-call slicing on the host)."""
         st = self.layers[layer_idx].storage
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_compiling() and layer_idx in self._shard_of:  # (a window is no stack's)
             shard, i = self._shard_of[layer_idx]
             stacks = shard.stacks
             bits, j = stacks.pool_of[i]
@@ -333,10 +354,13 @@ class LoopKVCache(Cache):
         (``token_attention_``); the step's last cell counts the step (``advance_``)."""
         B = query.shape[0]
         st = self._rows(layer_idx, B)
-        out = torch.ops.loopkv.token_attention_(
-            query, k, v, st.sink_k, st.sink_v, st.win_k, st.win_v, st.lengths, st.page_table, *st.pool(),
-            st.read_bits, self._tau(layer_idx, st), scale,
-        )
+        if st.option == window.OPTION:  # a sliding layer's ring: written, read and counted at once
+            out = window.decode_(st, query, k, v, scale=scale)
+        else:
+            out = torch.ops.loopkv.token_attention_(
+                query, k, v, st.sink_k, st.sink_v, st.win_k, st.win_v, st.lengths, st.page_table, *st.pool(),
+                st.read_bits, self._tau(layer_idx, st), scale,
+            )
         if torch.compiler.is_compiling():  # a compiled step reads every cell: the last read advances them all
             if self._pool is not None:
                 raise NotImplementedError(
@@ -381,6 +405,10 @@ class LoopKVCache(Cache):
                              "build the LoopKVCache with a larger max_cache_len")
         self.reserve({b: int(lengths[b]) + S for b in range(B)})
         self._unread.discard(layer_idx)
+        st = self.layers[layer_idx].storage
+        if st.option == window.OPTION:
+            return window.extend(st, query, k, v, scale=scale, window=self.layout.sliding_window,
+                                 held=lengths.tolist())
         return continue_rows(self, layer_idx, query, k, v, scale=scale)
 
     @property
@@ -432,13 +460,13 @@ class LoopKVCache(Cache):
 
     def _advance(self, shard: placement.Shard, batch: int, lengths: Tensor, groups: list) -> None:
         own = shard.stacks.own
-        max_pages = self.layers[0].storage.page_table.shape[1]
+        max_pages = self._paged.page_table.shape[1]
         for bits, cells, pools in groups:
             pool = shard.stacks.pools[bits] if bits else {}
             fields = [pool.get(n, shard.no_pool) for n in ("page_table", *POOL_FIELDS)]
             torch.ops.loopkv.advance_(cells, pools, lengths, own["win_k"], own["win_v"], *fields, batch,
                                       self.max_batch_size, self.kv_heads, self.head_dim, max_pages, bits,
-                                      self.layers[0].storage.capacity)
+                                      self._paged.capacity)
 
     def prefill_cell(self, layer_idx: int, k: Tensor, v: Tensor, pad: Tensor, *, rows: list[int] | None = None
                      ) -> None:
@@ -447,6 +475,12 @@ class LoopKVCache(Cache):
         self.flush()
         B, H, S, D = k.shape
         st = self._rows(layer_idx, B if rows is None else self.max_batch_size)
+        if st.option == window.OPTION:  # a sliding layer's ring (loopkv/cache/window.py)
+            rows = list(range(B)) if rows is None else rows
+            window.prefill(st, k, v, pad, rows)
+            if layer_idx == 0:
+                self._pads[rows] = pad.cpu().long()
+            return
         rows = list(range(B)) if rows is None else rows
         if rows != list(range(B)) and st.lengths[rows].any():
             raise ValueError(f"rows {rows} of cell {layer_idx} must be empty for a prompt: cache.release(rows) first")
@@ -532,7 +566,7 @@ class LoopKVCache(Cache):
     def pages_in_use(self) -> int:
         """Physical pages held by rows: of the shared pool, or every row's reserved pages without one."""
         if self._pool is None:
-            return self.max_batch_size * self.layers[0].storage.page_table.shape[1]
+            return self.max_batch_size * self._paged.page_table.shape[1]
         return self._pool.in_use
 
     def release(self, rows) -> None:

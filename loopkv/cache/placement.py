@@ -72,12 +72,16 @@ class Shard:
         return [*self.stacks.tensors(), *(t for g in self.groups for t in g[1:]), self.no_pool]
 
 
-def build_shards(templates: list[CellStorage], devices: list[torch.device], *, trash: int | None = None) -> list[Shard]:
-    """Allocate the cells' stacked buffers, one set per device (``templates`` on ``meta``, flat index order), and
-    point every template's fields at its slices (``trash``: a shared pool's trash page, see ``stack_cells``)."""
+def build_shards(templates: list[CellStorage | None], devices: list[torch.device], *, trash: int | None = None
+                 ) -> list[Shard]:
+    """Allocate the cells' stacked buffers, one set per device (``templates`` on ``meta``, flat index order; ``None``
+    for a slot kept outside the stacks, a sliding layer's window), and point every template's fields at its slices
+    (``trash``: a shared pool's trash page, see ``stack_cells``)."""
     shards = []
     for device in dict.fromkeys(devices):
-        cells = [i for i, d in enumerate(devices) if d == device]
+        cells = [i for i, d in enumerate(devices) if d == device and templates[i] is not None]
+        if not cells:
+            continue
         storages = [templates[i] for i in cells]
         stacks = stack_cells(storages, device, trash=trash)
         shards.append(Shard(device=device, cells=cells, stacks=stacks, groups=_advance_groups(storages, stacks,

@@ -75,7 +75,7 @@ def memory_report(cache) -> MemoryReport:
             history_cell = sum(nbytes(own[n]) for n in POOL_FIELDS if n in own)
             history += history_cell / max(pages * PAGE, 1)
     shape = ModelShape(cache.layout.loops, cache.layout.layers, cache.kv_heads, cache.head_dim,
-                       family=cache.layout.family, fixed=len(cache.layout.fixed()))
+                       family=cache.layout.family, fixed=len(cache.layout.fixed("exact")))
     model = cache.plan.bytes_per_token(shape, dtype_bytes=cache.dtype.itemsize)
     return MemoryReport(
         total_bytes=sum(by_cell), by_component=by_component, by_cell=tuple(by_cell),

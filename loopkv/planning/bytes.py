@@ -17,9 +17,11 @@ token and cell, a lo plane of 0.5 KiB, 768 KiB BF16 and 240 KiB uniform INT4 per
 The sink and the window (``SINK + WINDOW = 288`` tokens) are exact in every cell, shared cells included:
 a constant per request (216 MiB for Ouro-1.4B), reported by :func:`exact_bytes_per_request`.
 
-A model's fixed slots (:mod:`loopkv.families`: prelude/coda and sliding layers, never planned) are exact
+A model's fixed exact slots (:mod:`loopkv.families`: prelude/coda full-attention layers, never planned) are exact
 cells: they store and read ``E * dtype_bytes`` per token each, whatever the plan
-(:attr:`BytesPerToken.fixed_kib`, :func:`fixed_kib`), and keep a sink and window like every cell.
+(:attr:`BytesPerToken.fixed_kib`, :func:`fixed_kib`), and keep a sink and window like every cell. A sliding layer's
+slot is its window alone (``min(sliding_window, max_cache_len)`` exact tokens per row, ``loopkv/cache/window.py``):
+no history, so no bytes per token here.
 
 This module knows nothing of :class:`~loopkv.planning.plan.Plan`: it prices a sequence of options
 (:func:`per_token`), and ``Plan.bytes_per_token`` calls it.
@@ -46,7 +48,7 @@ KIB = 1024
 class ModelShape:
     """The shape of a looped model's KV cache: ``loops`` (T) x ``layers`` (L) planned cells of
     ``kv_heads`` x ``head_dim``, of the model ``family`` (:mod:`loopkv.families`; plans record it), and
-    ``fixed`` cache slots outside the plan (prelude/coda and sliding layers), kept exact: they store and
+    ``fixed`` exact cache slots outside the plan (prelude/coda full-attention layers): they store and
     read every token in the cache's dtype, whatever the plan."""
 
     loops: int
@@ -102,7 +104,7 @@ class ModelShape:
                 "head_dim/hidden_size; pass a ModelShape instead"
             )
         return cls(loops=layout.loops, layers=layout.layers, kv_heads=int(kv_heads), head_dim=int(head_dim),
-                   family=layout.family, fixed=len(layout.fixed()))
+                   family=layout.family, fixed=len(layout.fixed("exact")))
 
 
 def as_shape(config: Any) -> ModelShape:
@@ -192,7 +194,7 @@ def exact_bytes_per_request(config: Any, *, dtype_bytes: int = 2) -> int:
 
 
 def fixed_kib(config: Any, *, dtype_bytes: int = 2) -> float:
-    """KiB per history token of the fixed exact slots (prelude/coda and sliding layers), stored and read
+    """KiB per history token of the fixed exact slots (prelude/coda full-attention layers), stored and read
     alike: ``fixed * E * dtype_bytes``; 0 for Ouro."""
     _check_dtype_bytes(dtype_bytes)
     shape = as_shape(config)

@@ -314,8 +314,8 @@ class Plan:
         shape = _bytes.as_shape(config)
         if self.family != shape.family:
             raise ValueError(
-                f"this plan was made for a {self.family} model and the model is a {shape.family} model: their "
-                "cells are different layers. Make a plan for this model (Plan.from_config(config) or re-solve "
+                f"this plan was made for the {self.family} family and the model is of the {shape.family} family: "
+                "their cells are different layers. Make a plan for this model (Plan.from_config(config) or re-solve "
                 "its profile)"
             )
         diffs = []

@@ -12,6 +12,7 @@ import math
 from types import SimpleNamespace
 
 import torch
+from transformers.cache_utils import DynamicCache
 
 from loopkv.cache.attention import loopkv_attention
 from loopkv.format import PAGE, RING, SINK, n_pages
@@ -150,3 +151,33 @@ def attention64(cache, cell_index, q, scale, tau):
         outs.append(torch.einsum("hgn,hnd->hgd", a, V).reshape(Hq, D))
         weights.append(a)
     return torch.stack(outs), weights
+
+
+class CodecHistoryCache(DynamicCache):
+    """transformers' dense cache, except that at the indices of ``bits`` a decode token reads its history pages as
+    the codec's round trip (K per channel over the page, V per token in groups of 32 channels): the reference of a
+    quantized plan through ``generate`` (batch 1; prefill attends exactly). Written from the storage layout in
+    docs/design.md, not from loopkv's cache: page ``p`` holds positions ``32 + 32p .. 32 + 32p + 31`` and a token
+    whose row then holds ``n`` tokens reads pages ``p < (n - 288) // 32``.
+
+    ``bits``: cache index -> the bits of its pages; ``sources``: a ``share`` index -> the index whose pages it reads
+    (its own sink and window); ``config``: the model config, for a model whose dense cache needs it (Dory's sliding
+    layers)."""
+
+    def __init__(self, bits: dict[int, int], sources: dict[int, int] | None = None, config=None) -> None:
+        super().__init__(**({} if config is None else {"config": config}))
+        self.bits, self.sources = bits, sources or {}
+
+    def update(self, key, value, layer_idx, *args, **kwargs):
+        k, v = super().update(key, value, layer_idx, *args, **kwargs)  # [1, H, n, D]
+        pages = max(0, (k.shape[2] - 288) // 32)  # the layout's numbers, stated here (not loopkv.format's)
+        if layer_idx not in self.bits or key.shape[2] != 1 or not pages:
+            return k, v
+        source = self.sources.get(layer_idx, layer_idx)
+        k_src, v_src = self.layers[source].keys, self.layers[source].values
+        k, v = k.clone(), v.clone()
+        for p in range(pages):
+            at = slice(32 + 32 * p, 32 + 32 * (p + 1))
+            k[:, :, at] = codec.dequantize_k(*codec.quantize_k(k_src[:, :, at], self.bits[source]))
+            v[:, :, at] = codec.dequantize_v(*codec.quantize_v(v_src[:, :, at], self.bits[source]))
+        return k, v

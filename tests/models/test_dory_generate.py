@@ -1,10 +1,11 @@
 """transformers' own DoryForCausalLM through its ``generate`` with a LoopKVCache (tiny random model, fp32, CPU).
 
-Planned cells are the recurrent full-attention layers per loop; the prelude/coda and the sliding-window layers are
-fixed exact cells (loopkv/families.py). References: transformers' dense cache for the same call, and for INT4 the
-dense cache with every history page a decode token reads at a planned index replaced by the codec's round trip
-(page ``p`` holds positions ``32 + 32p .. 32 + 32p + 31``; a token whose row then holds ``n`` tokens reads pages
-``p < (n - 288) // 32``; prefill attends exactly). Skipped without Dory (transformers < 5.24).
+Planned cells are the recurrent full-attention layers per loop; the prelude/coda full-attention layers are fixed exact
+cells and every sliding layer a ring of its window (loopkv/families.py, loopkv/cache/window.py); the sliding window
+here (16) is far shorter than the rows. In ``last_loop`` mode the earlier loops read the last loop's cache
+(loopkv/cache/last_loop.py). References: transformers' dense cache for the same call, and for INT4 the dense cache
+with every history page a decode token reads at a planned index replaced by the codec's round trip
+(``tests.cache.driver.CodecHistoryCache``). Skipped without Dory (transformers < 5.24).
 """
 
 from __future__ import annotations
@@ -15,9 +16,11 @@ import pytest
 import torch
 
 import loopkv
+from loopkv.cache.paging import exact_bytes_per_row
 from loopkv.families import DORY_MIN_TRANSFORMERS, layout_of
 from loopkv.models.ouro import OuroConfig
-from loopkv.ops import codec
+from tests.cache.driver import CodecHistoryCache
+from tests.cache.test_short_cache import allocated_bytes
 from tests.tolerances import LOGITS_FP32_ATOL, LOGITS_FP32_RTOL
 
 try:
@@ -26,14 +29,13 @@ try:
 except ImportError:  # transformers < 5.24 has no Dory
     pytest.skip(f"needs transformers >= {DORY_MIN_TRANSFORMERS} (Dory)", allow_module_level=True)
 
-VOCAB, LOOPS = 61, 3
-PAGE, SINK, READ_FROM = 32, 32, 288  # a row of n tokens reads pages p < (n - READ_FROM) // PAGE
+VOCAB, LOOPS, WINDOW = 61, 3, 16
 # prelude: full, sliding; core (run LOOPS times): full, sliding, full; coda: sliding, full
 LAYER_TYPES = ["full_attention", "sliding_attention", "full_attention", "sliding_attention", "full_attention",
                "sliding_attention", "full_attention"]
 
 
-def tiny_config(mode: str = "per_loop", window: int = 512) -> DoryConfig:
+def tiny_config(mode: str = "per_loop", window: int = WINDOW) -> DoryConfig:
     config = DoryConfig(num_hidden_layers=7, n_input_layers=2, n_output_layers=2, n_recurrent_loops=LOOPS,
                         hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
                         head_dim=32, vocab_size=VOCAB, sliding_window=window, layer_types=LAYER_TYPES,
@@ -42,7 +44,7 @@ def tiny_config(mode: str = "per_loop", window: int = 512) -> DoryConfig:
     return config
 
 
-def build(mode: str = "per_loop", window: int = 512) -> DoryForCausalLM:
+def build(mode: str = "per_loop", window: int = WINDOW) -> DoryForCausalLM:
     torch.manual_seed(0)
     model = DoryForCausalLM(tiny_config(mode, window)).eval()
     with torch.no_grad():  # the default init holds the nGPT scales at one value: spread them a little
@@ -103,27 +105,6 @@ def test_left_padded_rows_equal_the_dense_cache(model):
     torch.testing.assert_close(logits, ref_logits, atol=LOGITS_FP32_ATOL, rtol=LOGITS_FP32_RTOL)
 
 
-class CodecHistoryCache(DynamicCache):
-    """Dory's dense cache, except that at ``planned`` indices a decode token reads its history pages as the
-    codec's round trip (K per channel over the page, V per token in groups of 32 channels); batch 1."""
-
-    def __init__(self, config, planned: set[int], bits: int) -> None:
-        super().__init__(config=config)
-        self.planned, self.bits = planned, bits
-
-    def update(self, key, value, layer_idx, *args, **kwargs):
-        k, v = super().update(key, value, layer_idx, *args, **kwargs)  # [1, H, n, D]
-        pages = max(0, (k.shape[2] - READ_FROM) // PAGE)
-        if layer_idx not in self.planned or key.shape[2] != 1 or not pages:
-            return k, v
-        k, v = k.clone(), v.clone()
-        for p in range(pages):
-            at = slice(SINK + PAGE * p, SINK + PAGE * (p + 1))
-            k[:, :, at] = codec.dequantize_k(*codec.quantize_k(k[:, :, at], self.bits))
-            v[:, :, at] = codec.dequantize_v(*codec.quantize_v(v[:, :, at], self.bits))
-        return k, v
-
-
 def test_int4_plan_reads_history_through_the_codec(model):
     """INT4 in every planned cell (no V precision): the dense cache with the codec's round trip on every history page
     a planned index reads, within fp32 noise; the fixed cells stay exact; and away from the exact model once pages
@@ -132,7 +113,8 @@ def test_int4_plan_reads_history_through_the_codec(model):
     layout = layout_of(model.config)
     planned = {layout.flat_index(c) for c in layout}
     assert planned == {2, 4, 7, 9, 10, 12}  # core layers 2 and 4; loops 1, 2 at 7 + (t - 1) * 3 + j
-    ref_tokens, ref_logits = _generate(model, ids, new, CodecHistoryCache(model.config, planned, bits=4))
+    ref_tokens, ref_logits = _generate(model, ids, new, CodecHistoryCache(dict.fromkeys(planned, 4),
+                                                                          config=model.config))
     plan = loopkv.Plan.from_config(model.config, option="int4")
     tokens, logits = _generate(model, ids, new, _cache(model, plan, 312 + new))
     assert torch.equal(tokens, ref_tokens)
@@ -157,31 +139,15 @@ def test_a_plan_with_shared_loops_generates(model):
     torch.testing.assert_close(logits, ref_logits, atol=LOGITS_FP32_ATOL, rtol=LOGITS_FP32_RTOL)
 
 
-def test_last_loop_mode_is_refused_naming_per_loop():
-    config = tiny_config("last_loop")
-    plan = loopkv.Plan.from_config(config, option="bf16")
-    with pytest.raises(ValueError, match=r"loops \[0, 1\] read the last loop's cache.*recurrent_kv_cache_mode = "
-                                         r"'per_loop'"):
-        loopkv.LoopKVCache(plan, config=config, max_batch_size=1, max_cache_len=64, device="cpu")
-
-
-def test_sliding_layers_refuse_rows_longer_than_the_window():
-    config = tiny_config(window=64)
-    plan = loopkv.Plan.from_config(config, option="bf16")
-    loopkv.LoopKVCache(plan, config=config, max_batch_size=1, max_cache_len=64, device="cpu")
-    with pytest.raises(ValueError, match="max_cache_len <= 64"):
-        loopkv.LoopKVCache(plan, config=config, max_batch_size=1, max_cache_len=65, device="cpu")
-
-
 def test_a_plan_for_another_family_is_refused(model):
     """Shapes alike (3 loops x 2 planned layers, 2 KV heads x 32), families not: refused both ways."""
     ouro = OuroConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=32, total_ut_steps=LOOPS)
     ouro_plan, dory_plan = (loopkv.Plan.from_config(c, option="bf16") for c in (ouro, model.config))
     assert (ouro_plan.loops, ouro_plan.layers) == (dory_plan.loops, dory_plan.layers)
-    with pytest.raises(ValueError, match="made for a ouro model and the model is a dory model"):
+    with pytest.raises(ValueError, match="made for the ouro family and the model is of the dory family"):
         _cache(model, ouro_plan, 40)
-    with pytest.raises(ValueError, match="made for a dory model and the model is a ouro model"):
+    with pytest.raises(ValueError, match="made for the dory family and the model is of the ouro family"):
         loopkv.LoopKVCache(dory_plan, config=ouro, max_batch_size=1, max_cache_len=40, dtype=torch.float32,
                            device="cpu")
     assert loopkv.Plan.from_json_str(dory_plan.to_json_str()) == dory_plan  # the family survives the file
@@ -190,11 +156,118 @@ def test_a_plan_for_another_family_is_refused(model):
 @pytest.mark.parametrize("option", ["int4", "int2", "bf16"])
 def test_allocated_history_is_the_byte_model_with_the_fixed_slots(model, option):
     """The cache's pools per history token (measured from its tensors) are the plan's planned cells plus the fixed
-    exact slots (2 exact, 2 + 3 loops x 1 sliding: 7 slots of 2 x 2 x 32 fp32 elements = 3.5 KiB per token)."""
+    exact slots (the 2 prelude/coda full-attention layers: 2 slots of 2 x 2 x 32 fp32 elements = 1 KiB per token);
+    the sliding layers' windows store no history."""
     plan = loopkv.Plan.from_config(model.config, option=option)
     modeled = plan.bytes_per_token(model.config, dtype_bytes=4)
-    assert modeled.fixed_kib == pytest.approx(7 * 2 * 2 * 32 * 4 / 1024)
+    assert modeled.fixed_kib == pytest.approx(2 * 2 * 2 * 32 * 4 / 1024)
     assert loopkv.planning.bytes.fixed_kib(model.config, dtype_bytes=4) == modeled.fixed_kib
     report = _cache(model, plan, 400, batch=2).memory_report()
     assert report.history_stored_kib == pytest.approx(modeled.stored_kib + modeled.fixed_kib, rel=1e-12)
     assert report.model_stored_kib == pytest.approx(report.history_stored_kib, rel=1e-12)
+
+
+def _bytes_by_hand(config, plan, max_cache_len: int, rows: int) -> int:
+    """What a Dory cache of fp32 rows must hold, counted from the layout's rules (not from loopkv's allocator): a
+    cell keeps a sink and ring of every position it can hold exactly (all of a short row, else 32 + 288) and its
+    pool (pages of 32 tokens, reserved per row), a sliding layer ``min(window, max_cache_len)`` positions, each with
+    int32 lengths per row."""
+    heads, head_dim, item = config.num_key_value_heads, config.head_dim, 4
+    pages = max(0, (max_cache_len + 1 - 288) // 32)
+    slots = max_cache_len if not pages else 32 + 288
+    layout = layout_of(config)
+    options = [plan.option(c) for c in layout if c not in layout.reads_without_update] + ["bf16"] * 2
+    code_bits = {"bf16": 8 * item, "int4": 5, "int2": 3}  # codes plus fp16 scales and zeros per element
+    total = 0
+    for option in options:
+        total += rows * (2 * heads * head_dim * item * slots + 4)
+        if option != "share":
+            total += rows * pages * (4 + 2 * heads * 32 * head_dim * code_bits[option] // 8)  # table entry, page
+    windows = len(layout.fixed("window"))
+    total += windows * rows * (2 * heads * head_dim * item * min(WINDOW, max_cache_len) + 4)
+    return total
+
+
+@pytest.mark.parametrize("mode", ["per_loop", "last_loop"])
+@pytest.mark.parametrize("max_cache_len", [9, 40, 400])
+def test_memory_report_is_what_is_allocated(mode, max_cache_len):
+    """Bytes held by the cache's tensors == memory_report() == the count by hand (windows of min(16, n) positions,
+    no pages for them), and the exact parts per row == paging.exact_bytes_per_row."""
+    config = tiny_config(mode)
+    plan = loopkv.Plan.from_config(config, option="int4", shared_loops=[0, 1] if mode == "last_loop" else None)
+    rows = 4  # int32 lengths of 16 bytes: a stacked buffer pads each cell's slice to 16 bytes
+    cache = loopkv.LoopKVCache(plan, config=config, max_batch_size=rows, max_cache_len=max_cache_len,
+                               dtype=torch.float32, device="cpu")
+    report = cache.memory_report()
+    assert allocated_bytes(cache) == report.total_bytes == _bytes_by_hand(config, plan, max_cache_len, rows)
+    assert report.exact_bytes_per_row == exact_bytes_per_row(config, max_cache_len=max_cache_len, dtype_bytes=4)
+
+
+def test_the_window_is_what_the_sliding_layers_see():
+    """The same weights with a window longer than the rows answer differently: the tests above, whose rows outgrow
+    the window of 16, compare what the window lets through."""
+    ids, new = _prompt(30, seed=5), 4
+    _, narrow = _generate(build(window=WINDOW), ids, new)
+    _, wide = _generate(build(window=512), ids, new)
+    assert (narrow - wide).abs().max() > 100 * LOGITS_FP32_ATOL
+
+
+def test_a_later_turn_equals_the_dense_cache(model):
+    """A second generate on the same cache (several new tokens on non-empty cells, sliding windows included): the
+    dense cache's tokens and logits for both turns."""
+    ids, new = _prompt(20, seed=6), 6
+    plan = loopkv.Plan.from_config(model.config, option="bf16")
+    cache, dense = _cache(model, plan, 20 + 2 * new + 7), DynamicCache(config=model.config)
+    tokens, logits = _generate(model, ids, new, cache)
+    ref_tokens, ref_logits = _generate(model, ids, new, dense)
+    assert torch.equal(tokens, ref_tokens)
+    ids = torch.cat([ids, tokens, _prompt(7, seed=7)], 1)  # the next turn: 7 tokens after the reply
+    tokens, logits = _generate(model, ids, new, cache)
+    ref_tokens, ref_logits = _generate(model, ids, new, dense)
+    assert torch.equal(tokens, ref_tokens)
+    torch.testing.assert_close(logits, ref_logits, atol=LOGITS_FP32_ATOL, rtol=LOGITS_FP32_RTOL)
+
+
+# ---- last_loop: only the last loop writes; the earlier loops read its cache ------------------------------------
+@pytest.fixture(scope="module")
+def last_loop_model():
+    return build("last_loop")
+
+
+@pytest.mark.parametrize(("prompt", "new", "batch"), [(24, 8, 3), (312, 12, 1)])
+def test_last_loop_mode_equals_the_dense_cache(last_loop_model, prompt, new, batch):
+    """A plan whose earlier loops share (they store nothing) gives the dense last_loop cache's tokens and logits:
+    left-padded rows past the window, and a row past the first window exit (the earlier loops read the last loop's
+    pages). The modes answer differently, so the earlier loops do read the last loop's past."""
+    model = last_loop_model
+    ids = _prompt(prompt, seed=8, batch=batch)
+    mask = torch.ones_like(ids)
+    if batch > 1:
+        mask[1, :7], mask[2, :19] = 0, 0
+    ref_tokens, ref_logits = _generate(model, ids, new, mask=mask)
+    plan = loopkv.Plan.from_config(model.config, option="bf16", shared_loops=[0, 1])
+    cache = _cache(model, plan, prompt + new, batch=batch)
+    assert len(cache.layers) == 7  # one index per physical layer: the earlier loops have none
+    tokens, logits = _generate(model, ids, new, cache, mask=mask)
+    assert torch.equal(tokens, ref_tokens)
+    torch.testing.assert_close(logits, ref_logits, atol=LOGITS_FP32_ATOL, rtol=LOGITS_FP32_RTOL)
+    if batch > 1:
+        per_loop = build("per_loop")
+        _, other = _generate(per_loop, ids, new, mask=mask)
+        assert (other - ref_logits).abs().max() > 100 * LOGITS_FP32_ATOL
+
+
+def test_last_loop_mode_refuses_a_plan_that_stores_the_earlier_loops():
+    config = tiny_config("last_loop")
+    plan = loopkv.Plan.from_config(config, option="bf16")
+    with pytest.raises(ValueError, match=r"loops \[0, 1\] read the last loop's cache.*shared_loops=\[0, 1\]"):
+        loopkv.LoopKVCache(plan, config=config, max_batch_size=1, max_cache_len=64, device="cpu")
+
+
+def test_last_loop_mode_refuses_a_later_turn(last_loop_model):
+    plan = loopkv.Plan.from_config(last_loop_model.config, option="bf16", shared_loops=[0, 1])
+    cache = _cache(last_loop_model, plan, 40)
+    ids = _prompt(10, seed=9)
+    tokens, _ = _generate(last_loop_model, ids, 3, cache)
+    with pytest.raises(ValueError, match=r"last_loop mode \(a later turn\).*cache.reset\(\)"):
+        _generate(last_loop_model, torch.cat([ids, tokens, ids], 1), 2, cache)

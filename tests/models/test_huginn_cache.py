@@ -1,9 +1,7 @@
 """loopkv's Huginn through ``generate`` with a LoopKVCache: cells (step, core layer), prelude and coda exact.
 
 References: transformers' dense cache for the same call, and for INT4 the dense cache with every history page a
-decode token reads replaced by the codec's round trip (written here from the storage layout in docs/design.md:
-page ``p`` holds positions ``32 + 32p .. 32 + 32p + 31`` and a token whose row then holds ``n`` tokens reads pages
-``p < (n - 288) // 32``; prefill attends exactly).
+decode token reads replaced by the codec's round trip (``tests.cache.driver.CodecHistoryCache``).
 """
 
 from __future__ import annotations
@@ -15,11 +13,9 @@ from transformers.cache_utils import DynamicCache
 import loopkv
 from loopkv.models.huginn import HuginnCells
 from loopkv.models.ouro import OuroConfig
-from loopkv.ops import codec
+from tests.cache.driver import CodecHistoryCache
 from tests.models.test_huginn import STEPS, VOCAB, build_model, released_config
 from tests.tolerances import LOGITS_FP32_ATOL, LOGITS_FP32_RTOL
-
-PAGE, SINK, READ_FROM = 32, 32, 288  # a row of n tokens reads pages p < (n - READ_FROM) // PAGE
 
 
 @pytest.fixture(scope="module")
@@ -57,31 +53,6 @@ def test_bf16_plan_equals_dense_cache(model, prompt, new):
     tokens, logits = _generate(model, ids, new, cache)
     assert torch.equal(tokens, ref_tokens)
     torch.testing.assert_close(logits, ref_logits, atol=LOGITS_FP32_ATOL, rtol=LOGITS_FP32_RTOL)
-
-
-class CodecHistoryCache(DynamicCache):
-    """The dense cache, except that at planned indices a decode token reads its history pages as the codec's round
-    trip (K per channel over the page, V per token in groups of 32 channels); batch 1. ``bits``: cache index -> the
-    bits of its pages; ``sources``: a ``share`` index -> the index whose pages it reads (its own sink and window)."""
-
-    def __init__(self, bits: dict[int, int], sources: dict[int, int] | None = None) -> None:
-        super().__init__()
-        self.bits, self.sources = bits, sources or {}
-
-    def update(self, key, value, layer_idx, *args, **kwargs):
-        k, v = super().update(key, value, layer_idx, *args, **kwargs)  # [1, H, n, D]
-        n = k.shape[2]
-        pages = max(0, (n - READ_FROM) // PAGE)
-        if layer_idx not in self.bits or key.shape[2] != 1 or not pages:
-            return k, v
-        source = self.sources.get(layer_idx, layer_idx)
-        k_src, v_src = self.layers[source].keys, self.layers[source].values
-        k, v = k.clone(), v.clone()
-        for p in range(pages):
-            at = slice(SINK + PAGE * p, SINK + PAGE * (p + 1))
-            k[:, :, at] = codec.dequantize_k(*codec.quantize_k(k_src[:, :, at], self.bits[source]))
-            v[:, :, at] = codec.dequantize_v(*codec.quantize_v(v_src[:, :, at], self.bits[source]))
-        return k, v
 
 
 def test_int4_plan_reads_history_through_the_codec(model):
@@ -199,9 +170,9 @@ def test_a_long_later_turn_equals_decoding_it_token_by_token(model):
 def test_a_plan_for_another_family_is_refused(model):
     ouro = OuroConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                       num_attention_heads=2, total_ut_steps=STEPS)
-    with pytest.raises(ValueError, match="made for a ouro model and the model is a huginn model"):
+    with pytest.raises(ValueError, match="made for the ouro family and the model is of the huginn family"):
         _cache(model, loopkv.Plan.from_config(ouro, option="bf16"), 40)
-    with pytest.raises(ValueError, match="made for a huginn model and the model is a ouro model"):
+    with pytest.raises(ValueError, match="made for the huginn family and the model is of the ouro family"):
         loopkv.LoopKVCache(loopkv.Plan.from_config(model.config, option="bf16"), config=ouro, max_batch_size=1,
                            max_cache_len=40, dtype=torch.float32, device="cpu")
     ouro_cache = loopkv.LoopKVCache(loopkv.Plan.from_config(ouro, option="bf16"), config=ouro, max_batch_size=1,

@@ -170,3 +170,82 @@ def test_vllm_builds_ouro_from_loopkvs_class(vllm_kv, monkeypatch, tmp_path):
     from vllm.model_executor.models.ouro import OuroForCausalLM
 
     assert issubclass(cls, OuroForCausalLM)
+
+
+# ---- the uniform-INT4 backend (loopkv/vllm/backend.py): its spec in vLLM's pool, its builder and impl
+
+@pytest.fixture
+def backend(vllm_kv):
+    from loopkv.vllm import backend
+
+    return backend
+
+
+def test_int4_spec_is_one_group_sized_by_the_layout(vllm_kv, backend):
+    layout = kv_layout(Plan.from_config(OURO_1P4B, option="int4"), OURO_1P4B)
+    specs, groups, config, available = _pool(
+        vllm_kv, layout, lambda c: backend.LoopKVPageSpec(block_size=32, num_kv_heads=c.kv_heads,
+                                                          head_size=c.head_dim, dtype=torch.uint8))
+    assert layout[0].block_bytes == 80 * 1024  # Ouro-1.4B: 2.5 KiB per token and cell (docs/vllm.md)
+    assert len(groups) == 1 and sorted(groups[0].layer_names) == sorted(specs)
+    assert type(groups[0].kv_cache_spec) is backend.LoopKVPageSpec
+    assert groups[0].kv_cache_spec.page_size_bytes == layout[0].block_bytes
+    assert config.num_blocks == available // block_bytes(layout)
+    assert {t.size for t in config.kv_cache_tensors} == {layout[0].block_bytes * config.num_blocks}
+    shape = backend.LoopKVBackend.get_kv_cache_shape(config.num_blocks, 32, 16, 128)
+    assert shape == (config.num_blocks, layout[0].block_bytes)
+    with pytest.raises(ValueError, match="--block-size 32"):
+        backend.LoopKVBackend.get_kv_cache_shape(10, 16, 16, 128)
+
+
+def test_int4_spec_merge_keeps_its_page(backend):
+    spec = backend.LoopKVPageSpec(block_size=32, num_kv_heads=2, head_size=64, dtype=torch.uint8)
+    merged = backend.LoopKVPageSpec.merge([spec, spec])
+    assert merged == spec and merged.page_size_bytes == spec.page_size_bytes
+    other = dataclasses.replace(spec, loopkv_bits=2)
+    with pytest.raises(ValueError, match="different storage"):
+        backend.LoopKVPageSpec.merge([spec, other])
+
+
+def test_builder_and_impl_equal_loopkv_cache(backend):
+    # vLLM's CommonAttentionMetadata -> LoopKVMetadataBuilder.build -> LoopKVImpl.forward, over the scheduled
+    # steps of tests/vllm/test_cells.py, against each request's LoopKVCache
+    import math
+
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+
+    from loopkv.format import page_bytes
+    from loopkv.vllm.cells import CellExact
+    from tests.vllm.test_cells import CONFIG, D, H, HQ, MAX_LEN, NUM_BLOCKS, SCALE, SLOTS, check_storage, run_scenario
+
+    tau = 2.0
+    plan = Plan.from_config(CONFIG, option="int4", tau=tau)
+    vllm_config = SimpleNamespace(scheduler_config=SimpleNamespace(max_num_seqs=SLOTS),
+                                  model_config=SimpleNamespace(max_model_len=MAX_LEN))
+    spec = backend.LoopKVPageSpec(block_size=32, num_kv_heads=H, head_size=D, dtype=torch.uint8)
+    builder = backend.LoopKVMetadataBuilder(spec, ["model.layers.0.self_attn.attn"], vllm_config, torch.device("cpu"))
+    impl = backend.LoopKVImpl(HQ, D, SCALE, num_kv_heads=H)
+    cell = CellExact.allocate(SLOTS, H, D, dtype=torch.float32)
+    layer = SimpleNamespace(loopkv_exact=lambda: cell, loopkv_tau=tau)
+    kv = torch.zeros(NUM_BLOCKS, page_bytes(4, H, D), dtype=torch.uint8)
+    assert builder.page_table.shape == (SLOTS, math.ceil(MAX_LEN / 32) - 1)
+
+    def forward(qsl, seq_lens, first, table, q, k, v, out):
+        n = len(seq_lens)
+        qsl_t = torch.tensor(qsl, dtype=torch.int32)
+        common = CommonAttentionMetadata(
+            query_start_loc=qsl_t, query_start_loc_cpu=qsl_t, seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+            num_reqs=n, num_actual_tokens=qsl[-1], max_query_len=int((qsl_t[1:] - qsl_t[:-1]).max()),
+            max_seq_len=max(seq_lens), block_table_tensor=table, slot_mapping=torch.zeros(qsl[-1], dtype=torch.long))
+        meta = builder.build(0, common)
+        # vLLM's layer passes q, k, v and the output as [T, heads, head_size] views
+        impl.forward(layer, q, k, v, kv, meta, out)
+
+    engine, refs = run_scenario(plan, forward)
+    check_storage(engine, refs, builder.slot_map, cell, impl.pool(kv, torch.float32))
+    assert impl.forward(layer, None, None, None, kv, None, out := torch.ones(3)) is out and not out.any()  # profiling
+
+
+def test_impl_refuses_what_it_does_not_serve(backend):
+    with pytest.raises(ValueError, match="without \\['sliding_window'\\]"):
+        backend.LoopKVImpl(4, 32, 0.1, num_kv_heads=2, sliding_window=128)
