@@ -31,7 +31,7 @@ from loopkv.cache import checks, last_loop, placement, window
 from loopkv.cache import layer as cell_layer
 from loopkv.cache.layer import LoopKVCell, LoopKVHandle
 from loopkv.cache.paging import PagePool
-from loopkv.cache.storage import OWN_FIELDS, POOL_FIELDS, CellStorage, allocate_cell
+from loopkv.cache.storage import OWN_FIELDS, POOL_FIELDS, CellStorage, allocate_cell, rows2d
 from loopkv.cells import Cell
 from loopkv.format import PAGE, RING, SINK, WINDOW, capacity, check_head_dim, max_pages, n_pages, stored_pages
 from loopkv.ops import cache_ops, cell_attention, step_ops  # noqa: F401  (registers torch.ops.loopkv.*)
@@ -157,6 +157,12 @@ class LoopKVCache(Cache):
     @property
     def max_cache_len(self) -> int:
         return self._max_cache_len
+
+    @property
+    def is_compileable(self) -> bool:
+        """Whether a compiled step can drive this cache (transformers' generate compiles its forward when True, on
+        CUDA): not with a shared page pool, whose pages are handed out on the host between steps."""
+        return self._pool is None and super().is_compileable
 
     @property
     def _is_user_defined(self) -> bool:
@@ -463,9 +469,9 @@ class LoopKVCache(Cache):
         max_pages = self._paged.page_table.shape[1]
         for bits, cells, pools in groups:
             pool = shard.stacks.pools[bits] if bits else {}
-            fields = [pool.get(n, shard.no_pool) for n in ("page_table", *POOL_FIELDS)]
-            torch.ops.loopkv.advance_(cells, pools, lengths, own["win_k"], own["win_v"], *fields, batch,
-                                      self.max_batch_size, self.kv_heads, self.head_dim, max_pages, bits,
+            fields = [rows2d(pool.get(n, shard.no_pool)) for n in ("page_table", *POOL_FIELDS)]
+            torch.ops.loopkv.advance_(cells, pools, lengths, rows2d(own["win_k"]), rows2d(own["win_v"]), *fields,
+                                      batch, self.max_batch_size, self.kv_heads, self.head_dim, max_pages, bits,
                                       self._paged.capacity)
 
     def prefill_cell(self, layer_idx: int, k: Tensor, v: Tensor, pad: Tensor, *, rows: list[int] | None = None
@@ -599,12 +605,11 @@ class LoopKVCache(Cache):
 
     def _set_table(self, rows: list[int], logical: list[int], physical: list[int]) -> None:
         """Point (row, logical page) at ``physical`` in every own pool's page table (one stacked buffer per kind)."""
-        per_row = self.layers[0].storage.page_table.shape[1]
         for shard in self._shards:
-            cols = torch.tensor([r * per_row + p for r, p in zip(rows, logical, strict=True)], device=shard.device)
+            at = [torch.tensor(x, device=shard.device) for x in (rows, logical)]
             vals = torch.tensor(physical, dtype=torch.int32, device=shard.device)
             for fields in shard.stacks.pools.values():
-                fields["page_table"][:, cols] = vals
+                fields["page_table"][:, at[0], at[1]] = vals
 
     def storage(self, cell: Cell | int) -> CellStorage:
         """The cell's tensors (the tokens of a step in progress counted first: :meth:`flush`)."""

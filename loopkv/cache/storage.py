@@ -116,34 +116,36 @@ class CellStacks:
     """The cells' tensors as slices of a few stacked buffers (one per field and kind of pool).
 
     Every cell's ``CellStorage`` fields are views into these, so eager code sees one tensor per field as before.
-    A compiled decode step instead slices the buffers with constants (``LoopKVCache._rows``), so Dynamo lifts a few
+    A compiled decode step instead indexes the buffers with constants (``LoopKVCache._rows``), so Dynamo lifts a few
     tensors instead of 5 per cell and 8 more per own pool: Dynamo's guards and argument handling grow with the
     inputs it lifts (0.6 ms per call for 1,310 inputs against 0.26 ms for 559, measured on CPU).
 
-    own:     field -> buffer [cells, padded numel] for sink_k, sink_v, win_k, win_v, lengths (cell = layout index)
-    pools:   own_bits -> field -> buffer [pools of that kind, padded numel] for page_table and the pool fields; an
-             unused field is one shared empty tensor (``is_placeholder``), not a buffer
-    shapes:  field -> the shape of one slice (pool fields: per kind of pool, key ``(own_bits, field)``)
+    own:     field -> buffer [cells, *the field's shape] for sink_k, sink_v, win_k, win_v, lengths (cell = layout
+             index)
+    pools:   own_bits -> field -> buffer [pools of that kind, *the field's shape] for page_table and the pool fields;
+             an unused field is one shared empty tensor (``is_placeholder``), not a buffer
     pool_of: layout index -> (own_bits, index into that kind's buffers) of the pool the cell reads (a ``share``
              cell: its source's)
-    A slice starts at a multiple of 16 bytes (rows padded), as Triton's launcher specializes pointers on that: one
-    kernel binary for every cell.
+    A buffer's rows start at multiples of 16 bytes (``_buffer`` pads them), as Triton's launcher specializes
+    pointers on that: one kernel binary for every cell. A cell's slice is ``buffer[i]``, a view whose shape is the
+    buffer's: no size is read from anywhere else, so a compiled step sees only the static shapes of its inputs
+    (sizes kept as Python ints became dynamic once caches of three lengths had reached one compiled function).
+    Kernels that take 2-D row-contiguous stacks get :func:`rows2d` of a buffer.
     """
 
     own: dict[str, Tensor]
     pools: dict[int, dict[str, Tensor]]
-    shapes: dict
     pool_of: list[tuple[int, int]]
 
     def tensors(self) -> list[Tensor]:
         return [*self.own.values(), *(t for pool in self.pools.values() for t in pool.values())]
 
     def own_slice(self, name: str, i: int) -> Tensor:
-        return _slice(self.own[name], i, self.shapes[name])
+        return self.own[name][i]
 
     def pool_slice(self, bits: int, name: str, j: int) -> Tensor:
         t = self.pools[bits][name]
-        return t if is_placeholder(t) else _slice(t, j, self.shapes[(bits, name)])
+        return t if is_placeholder(t) else t[j]
 
 
 def is_placeholder(t: Tensor) -> bool:
@@ -151,15 +153,22 @@ def is_placeholder(t: Tensor) -> bool:
     return t.dim() == 1 and t.numel() == 0
 
 
+def rows2d(t: Tensor) -> Tensor:
+    """A stacked buffer [n, *shape] as the 2-D [n, padded row] view of the same memory (placeholders as they are):
+    what the step kernels take (``loopkv.ops.step_ops``). Its sizes come from the buffer's own strides."""
+    if is_placeholder(t) or t.dim() == 2:
+        return t
+    if t.numel() == 0:  # a short cache's page storage: no pages
+        return t.reshape(t.shape[0], 0)
+    return t.as_strided((t.shape[0], t.stride(0)), (t.stride(0), 1))
+
+
 def _buffer(n: int, shape: tuple[int, ...], dtype: torch.dtype, device) -> Tensor:
-    """[n, numel of ``shape`` rounded up to 16 bytes], zeros."""
+    """[n, *shape] of zeros whose rows start at multiples of 16 bytes (each row padded)."""
     numel = math.prod(shape)
     per16 = max(1, 16 // torch.empty(0, dtype=dtype).element_size())
-    return torch.zeros(n, -(-numel // per16) * per16, dtype=dtype, device=device)
-
-
-def _slice(buf: Tensor, i: int, shape: tuple[int, ...]) -> Tensor:
-    return buf[i, : math.prod(shape)].view(shape)
+    flat = torch.zeros(n, -(-numel // per16) * per16, dtype=dtype, device=device)
+    return flat[:, :numel].unflatten(1, shape)
 
 
 def stack_cells(templates: list[CellStorage], device, *, trash: int | None = None) -> CellStacks:
@@ -170,12 +179,10 @@ def stack_cells(templates: list[CellStorage], device, *, trash: int | None = Non
     the page tables, which map (row, logical page) to physical page ``row * P + page`` as ``allocate_cell``'s do, or
     all to the ``trash`` page of a shared pool. ``share`` cells follow their source's pool."""
     n = len(templates)
-    shapes: dict = {}
     own = {}
     for name in OWN_FIELDS:
         t = getattr(templates[0], name)
-        shapes[name] = tuple(t.shape)
-        own[name] = _buffer(n, shapes[name], t.dtype, device)
+        own[name] = _buffer(n, tuple(t.shape), t.dtype, device)
     owners = [st for st in templates if st.own_bits]
     where = {}  # id of an owner's template k_pages (what its share cells hold too) -> (bits, index)
     pools: dict[int, dict[str, Tensor]] = {}
@@ -185,19 +192,18 @@ def stack_cells(templates: list[CellStorage], device, *, trash: int | None = Non
         pools[bits] = {}
         for name in ("page_table", *POOL_FIELDS):
             t = getattr(first, name)
-            shapes[(bits, name)] = tuple(t.shape)
             if is_placeholder(t):
                 pools[bits][name] = torch.zeros(0, dtype=t.dtype, device=device)
             else:
-                pools[bits][name] = _buffer(len(group), shapes[(bits, name)], t.dtype, device)
+                pools[bits][name] = _buffer(len(group), tuple(t.shape), t.dtype, device)
         rows, per_row = first.page_table.shape
-        table = torch.arange(rows * per_row, dtype=torch.int32, device=device)
+        table = torch.arange(rows * per_row, dtype=torch.int32, device=device).view(rows, per_row)
         if trash is not None:
             table.fill_(trash)
-        pools[bits]["page_table"][:, : rows * per_row].copy_(table.expand(len(group), -1))
+        pools[bits]["page_table"].copy_(table.expand(len(group), -1, -1))
         for j, st in enumerate(group):
             where[id(st.k_pages)] = (bits, j)
-    stacks = CellStacks(own=own, pools=pools, shapes=shapes, pool_of=[where[id(st.k_pages)] for st in templates])
+    stacks = CellStacks(own=own, pools=pools, pool_of=[where[id(st.k_pages)] for st in templates])
     views = {key: {name: stacks.pool_slice(key[0], name, key[1]) for name in pools[key[0]]}
              for key in set(stacks.pool_of)}  # one view object per pool: a share cell holds its source's tensors
     for i, st in enumerate(templates):
