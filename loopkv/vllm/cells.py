@@ -159,6 +159,7 @@ class Step:
     """A step's plan, built on the host once and read by every cell.
 
     prompts: rows that are not single decode tokens (a prompt on an empty slot, or a later chunk).
+    dummy: token ranges ``[begin, end)`` of the requests of a vLLM dummy run (:func:`plan_step`), answered with zeros.
     decode: ``(token, decoding, out_rows, out_tokens)``: per slot the packed token it decodes and whether it does
     (``loopkv.cache.slots.DecodeStep``'s fields), and the decoding slots with their packed tokens; ``None`` when no
     row decodes.
@@ -172,6 +173,7 @@ class Step:
 
     num_tokens: int
     prompts: tuple[Row, ...]
+    dummy: tuple[tuple[int, int], ...]
     decode: tuple[Tensor, Tensor, Tensor, Tensor] | None
     lengths: Tensor
     page_table: Tensor
@@ -186,16 +188,24 @@ def plan_step(slot_map: SlotMap, page_table: Tensor, *, query_start_loc: list[in
     from ``block_table`` (block ``b >= 1`` is page ``b - 1``); a slot not scheduled keeps its row."""
     reqs = len(seq_lens)
     qlen = [query_start_loc[i + 1] - query_start_loc[i] for i in range(reqs)]
-    starts = [s - q for s, q in zip(seq_lens, qlen, strict=True)]
-    slots = slot_map.assign(first_blocks, starts, list(seq_lens))
+    # vLLM's dummy runs (warm-up, capture; model runner V2 builds attention for them) give requests whose block
+    # table row is zeros (block 0 is vLLM's null block, never a request's) and padded requests of no tokens: such a
+    # row gets no slot, writes nothing and reads nothing; its outputs are zeros
+    real = [i for i in range(reqs) if qlen[i] > 0 and first_blocks[i] != 0]
+    dummy = tuple((query_start_loc[i], query_start_loc[i + 1]) for i in sorted(set(range(reqs)) - set(real))
+                  if qlen[i] > 0)
+    starts = [seq_lens[i] - qlen[i] for i in real]
+    slots = slot_map.assign([first_blocks[i] for i in real], starts, [seq_lens[i] for i in real])
     device = page_table.device
     pages = page_table.shape[1]
-    if reqs:
+    if real:
         width = min(pages, block_table.shape[1] - 1)
         rows = torch.tensor(slots, dtype=torch.long, device=device)
-        page_table[rows, :width] = block_table[:reqs, 1:1 + width].to(device=device, dtype=torch.int32)
+        index = torch.tensor(real, dtype=torch.long, device=block_table.device)
+        page_table[rows, :width] = block_table.index_select(0, index)[:, 1:1 + width].to(device=device,
+                                                                                         dtype=torch.int32)
     all_rows = [Row(slot, start, query_start_loc[i], query_start_loc[i + 1])
-                for i, (slot, start) in enumerate(zip(slots, starts, strict=True))]
+                for i, slot, start in zip(real, slots, starts, strict=True)]
     decoding = [r for r in all_rows if r.decodes]
     prompts = tuple(r for r in all_rows if not r.decodes)
     lengths = list(slot_map.held)
@@ -215,7 +225,7 @@ def plan_step(slot_map: SlotMap, page_table: Tensor, *, query_start_loc: list[in
             logical = torch.tensor([p for _, p in done], dtype=torch.long, device=device)
             ring = (PAGE * logical[:, None]) % RING + torch.arange(PAGE, device=device)
             quantize = (q_slots, ring, page_table[q_slots, logical].long())
-    return Step(num_tokens=query_start_loc[-1] if reqs else 0, prompts=prompts, decode=decode,
+    return Step(num_tokens=query_start_loc[reqs] if reqs else 0, prompts=prompts, decode=decode, dummy=dummy,
                 lengths=torch.tensor(lengths, dtype=torch.int32).to(device), page_table=page_table,
                 quantize=quantize)
 
@@ -296,6 +306,8 @@ def forward_cell(cell: CellExact, pool: tuple[Tensor, ...], step: Step, query: T
     from loopkv.cache import checks
     from loopkv.cache.continuation import continue_rows
 
+    for begin, end in step.dummy:
+        output[begin:end] = 0
     for row in step.prompts:
         q = query[row.begin:row.end].transpose(0, 1)  # [Hq, S, D]
         k = key[row.begin:row.end].transpose(0, 1)  # [H, S, D]

@@ -184,3 +184,21 @@ def test_scheduled_steps_equal_loopkv_cache(tau):
 
     engine, refs = run_scenario(plan, forward)
     check_storage(engine, refs, slot_map, cell, pool)
+
+
+def test_dummy_rows_get_no_slot_and_zeros():
+    # vLLM's dummy runs: block table rows of zeros (the null block), and padded requests without tokens
+    slot_map = SlotMap(2)
+    page_table = torch.zeros(2, 4, dtype=torch.int32)
+    cell = CellExact.allocate(2, H, D, dtype=torch.float32)
+    pool = pool_views(torch.zeros(8, page_bytes(4, H, D), dtype=torch.uint8), 4, H, D)
+    table = torch.tensor([[0, 0, 0], [0, 0, 0], [5, 6, 0], [0, 0, 0]], dtype=torch.int32)
+    step = plan_step(slot_map, page_table, query_start_loc=[0, 3, 4, 6, 6], seq_lens=[3, 1, 2, 0],
+                     first_blocks=[0, 0, 5, 0], block_table=table)
+    assert step.dummy == ((0, 3), (3, 4)) and [r.slot for r in step.prompts] == [0]
+    assert slot_map.held == [2, 0] and page_table[0].tolist() == [6, 0, 0, 0]
+    q, k, v = torch.randn(6, HQ, D), torch.randn(6, H, D), torch.randn(6, H, D)
+    out = torch.full((6, HQ, D), float("nan"))
+    forward_cell(cell, pool, step, q, k, v, out, bits=4, tau=math.inf, scale=SCALE)
+    assert not out[:4].any() and torch.isfinite(out[4:]).all()
+    assert torch.equal(cell.sink_k[0, :, :2], k[4:].transpose(0, 1)) and not cell.sink_k[1].any()
