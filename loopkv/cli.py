@@ -9,8 +9,10 @@
     loopkv demo
     loopkv serve small --plan plan.json --port 8000              # OpenAI-compatible /v1/completions
 
-MODEL is a local checkpoint directory (``OuroForCausalLM.from_pretrained``), a Hub id already in the local Hub
-cache (looked up offline, never downloaded) or ``small`` (the small model loopkv ships). Documents default to
+MODEL is a local checkpoint directory, a Hub id already in the local Hub cache (looked up offline, never
+downloaded) or ``small`` (the small model loopkv ships). A checkpoint's ``config.json`` ``model_type`` picks the
+class: ``ouro`` (loopkv's ``OuroForCausalLM``), ``dory`` (transformers' ``DoryForCausalLM``, transformers >= 5.24)
+or ``huginn_raven`` (loopkv's ``HuginnForCausalLM``). Documents default to
 seeded calibration documents for the byte-level small model (``loopkv.planning.profiler.calibration_documents``);
 ``--documents`` takes text files (tokenized with the model's tokenizer) or token-id files (``.pt`` / ``.npy``, [N]
 or [n, N]).
@@ -185,19 +187,61 @@ def load_model(spec: str, *, device: str | None = None, dtype: str = "float32"):
         from loopkv.models.small import load_small
 
         return load_small(dtype=torch_dtype, device=device)
-    from loopkv.models.checkpoints import CheckpointError, check_ouro_checkpoint, checkpoint_folder
+    from loopkv.models.checkpoints import CheckpointError, checkpoint_folder
 
     try:
         folder = checkpoint_folder(spec)
         check_model_dir(folder)
-        check_ouro_checkpoint(folder)
     except CheckpointError as err:
         raise UserError(str(err)) from err
+    model_class = _model_class(folder)
+    model = model_class.from_pretrained(folder, dtype=torch_dtype, local_files_only=True)
+    return model.to(device).eval()
+
+
+def _ouro_class():
     from loopkv.models.ouro import OuroForCausalLM, register_ouro
 
     register_ouro()  # AutoConfig and AutoTokenizer know model_type "ouro" (a text --documents file's tokenizer)
-    model = OuroForCausalLM.from_pretrained(folder, dtype=torch_dtype, local_files_only=True)
-    return model.to(device).eval()
+    return OuroForCausalLM
+
+
+def _dory_class():
+    from loopkv.families import check_transformers
+
+    try:
+        check_transformers("dory")
+    except ValueError as err:
+        raise UserError(f"MODEL is a Dory checkpoint: {err}") from err
+    from transformers import DoryForCausalLM
+
+    return DoryForCausalLM
+
+
+def _huginn_class():
+    from loopkv.models.huginn import HuginnForCausalLM, register_huginn
+
+    register_huginn()
+    return HuginnForCausalLM
+
+
+# config.json's model_type -> the looped model class the command line loads it with (None: Ouro's older files)
+MODEL_TYPES = {"ouro": _ouro_class, None: _ouro_class, "dory": _dory_class, "huginn_raven": _huginn_class}
+
+
+def _model_class(folder: str):
+    """The class that loads checkpoint ``folder``, from its config.json's ``model_type``; a UserError for another."""
+    try:
+        with open(os.path.join(folder, "config.json"), encoding="utf-8") as f:
+            model_type = json.load(f).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return _ouro_class()  # unreadable or not a JSON object: from_pretrained names the problem
+    if model_type not in MODEL_TYPES:
+        known = ", ".join(repr(t) for t in MODEL_TYPES if t is not None)
+        raise UserError(f"MODEL {folder} is a {model_type!r} checkpoint (config.json's model_type), a model the "
+                        f"loopkv command line does not know; it loads {known} checkpoints. Profile another looped "
+                        "model from Python: README.md, 'Using it with your looped model'")
+    return MODEL_TYPES[model_type]()
 
 
 def _tokenize(spec: str, text: bytes):

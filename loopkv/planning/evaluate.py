@@ -157,7 +157,8 @@ def random_plans(profile, n: int, *, seed: int = 0, options: Sequence[str] | Non
             cells += [rng.choice(menu) for _ in range(L)]
         cells += [final_option] * L
         plans.append(Plan(loops=T, layers=L, options=tuple(cells), tau=tau, kv_heads=profile.kv_heads,
-                          head_dim=profile.head_dim, provenance={"made_by": f"random_plans(seed={seed}) #{k}"}))
+                          head_dim=profile.head_dim, family=profile.family,
+                          provenance={"made_by": f"random_plans(seed={seed}) #{k}"}))
     return plans
 
 

@@ -234,7 +234,7 @@ class Problem:
     def _make_plan(self, options: list[str], read_objective_units: float) -> Plan:
         profile, ukib = self.profile, self.budget["unit_kib"]
         plan = Plan(loops=profile.loops, layers=profile.layers, options=tuple(options), tau=self.tau,
-                    kv_heads=profile.kv_heads, head_dim=profile.head_dim)
+                    kv_heads=profile.kv_heads, head_dim=profile.head_dim, family=profile.family)
         s_units, r_units = plan_units(plan)
         dmg, kl, L = predicted_damage(profile, plan), profile.kl_share, profile.layers
         final_cells = range((profile.loops - 1) * L, profile.loops * L)

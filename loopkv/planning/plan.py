@@ -42,8 +42,12 @@ _DATA_KEYS = (
     "provenance", "predicted", "cells", "family",
 )
 DEFAULT_FAMILY = "ouro"  # plan files without "family" were made for Ouro-style models
-# what a family's config calls the plan's loops and layers (for error messages)
-_SHAPE_NAMES = {"ouro": ("total_ut_steps", "num_hidden_layers")}
+# what a family's config calls the plan's loops and layers (for error messages and a profile's provenance)
+SHAPE_NAMES = {
+    "ouro": ("total_ut_steps", "num_hidden_layers"),
+    "dory": ("n_recurrent_loops", "full-attention layers among n_recurrent_layers"),
+    "huginn": ("mean_recurrence", "n_layers_in_recurrent_block"),
+}
 
 
 class PlanEnvironmentWarning(UserWarning):
@@ -319,7 +323,7 @@ class Plan:
                 "its profile)"
             )
         diffs = []
-        loops_name, layers_name = _SHAPE_NAMES.get(shape.family, ("loops", "looped full-attention layers"))
+        loops_name, layers_name = SHAPE_NAMES.get(shape.family, ("loops", "looped full-attention layers"))
         if self.loops != shape.loops:
             diffs.append(f"loops={self.loops} but the model has {loops_name}={shape.loops}")
         if self.layers != shape.layers:

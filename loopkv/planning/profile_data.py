@@ -25,6 +25,7 @@ JSON (versioned, readable, editable)::
 
     {"_type": "loopkv.Profile", "_version": 1, "_data": {
        "loops": 4, "layers": 24, "kv_heads": 16, "head_dim": 128,
+       "family": "huginn",                 # only for a family other than Ouro (loopkv.families)
        "options": ["int4", "int2", "share"], "final_options": ["int4", "int2"],
        "damage": {"int4": [[d(0,0), ..., d(0,L-1)], ..., [d(T-2,0), ...]], ...},   # null = not measured
        "final": {"int4": [d(T-1,0), ..., d(T-1,L-1)], "int2": [...]},
@@ -47,7 +48,8 @@ from types import MappingProxyType
 from typing import Any
 
 from loopkv.cells import Cell, CellLayout
-from loopkv.families import known_family, layout_of
+from loopkv.families import family_of, known_family, layout_of
+from loopkv.planning.plan import DEFAULT_FAMILY  # profiles without "family", like plans, were made for Ouro
 
 PROFILE_TYPE = "loopkv.Profile"
 PROFILE_VERSION = 1
@@ -96,6 +98,15 @@ def config_shape(config: Any) -> tuple[int, int, int, int]:
     return tuple(int(v) for v in vals)  # type: ignore[return-value]
 
 
+def _family(config: Any) -> str | None:
+    """The model family of ``config``: a shape's ``family`` (ModelShape), a known family's config, else None."""
+    if isinstance(getattr(config, "family", None), str):
+        return config.family
+    if isinstance(config, Mapping):
+        return config.get("family") if isinstance(config.get("family"), str) else None
+    return family_of(config) if known_family(config) else None
+
+
 def _is_int(value: Any) -> bool:
     """An integer, numpy's included, but not a bool (JSON ``true`` loads as True, which equals 1)."""
     try:
@@ -120,6 +131,8 @@ class Profile:
 
     Fields:
         loops, layers: T and L; kv_heads, head_dim: the KV shape (for the byte model).
+        family: the model family (:mod:`loopkv.families`) whose planned cells these are; ``"ouro"`` unless the
+            file says otherwise. A plan solved from the profile records it.
         options: options profiled for every non-final cell, a subset of ("int4", "int2", "share").
         final_options: options profiled for the final loop's cells, a subset of ("int4", "int2").
         damage: ``{(t*L + l, option): KL}`` for measured pairs; final-loop keys hold ``final_options``.
@@ -140,8 +153,11 @@ class Profile:
     provenance: Mapping[str, Any] = field(default_factory=dict)
     per_document: Mapping[DamageKey, tuple[float, ...]] = field(default_factory=dict)
     kl_share_per_document: tuple[float, ...] | None = None
+    family: str = DEFAULT_FAMILY
 
     def __post_init__(self) -> None:
+        if not isinstance(self.family, str) or not self.family:
+            raise ValueError(f"Profile.family must be a model family name (e.g. 'ouro', 'huginn'), got {self.family!r}")
         for name in ("loops", "layers", "kv_heads", "head_dim"):
             value = getattr(self, name)
             if not _is_int(value) or value < 1:
@@ -196,6 +212,7 @@ class Profile:
         options: Iterable[str] = PROFILE_OPTIONS,
         final_options: Iterable[str] = FINAL_PROFILE_OPTIONS,
         provenance: Mapping[str, Any] | None = None,
+        family: str = DEFAULT_FAMILY,
     ) -> Profile:
         """An empty profile to fill: nothing measured yet (``missing()`` lists everything)."""
         return cls(
@@ -206,6 +223,7 @@ class Profile:
             options=tuple(options),
             final_options=tuple(final_options),
             provenance=dict(provenance or {}),
+            family=family,
         )
 
     @classmethod
@@ -351,7 +369,12 @@ class Profile:
 
     def validate_for(self, config: Any) -> None:
         """Raise ValueError when this profile was not made for ``config``'s shape (T, L, KV heads,
-        head_dim); ``config`` as :func:`config_shape` takes it."""
+        head_dim) or for another model family; ``config`` as :func:`config_shape` takes it."""
+        family = _family(config)
+        if family is not None and family != self.family:
+            raise ValueError(
+                f"this profile was made for the {self.family} family and the model is of the {family} family: their "
+                "cells are different layers. Profile this model (loopkv profile MODEL) and plan from that")
         loops, layers, kv_heads, head_dim = config_shape(config)
         diffs = [
             f"{name}: profile {mine}, model {theirs}"
@@ -373,7 +396,7 @@ class Profile:
         """What differs between two profiles' setups (shape, options, model and documents): empty when
         ``other`` (e.g. a saved partial file) can be resumed into this run."""
         diffs = []
-        for name in ("loops", "layers", "kv_heads", "head_dim", "options", "final_options"):
+        for name in ("family", "loops", "layers", "kv_heads", "head_dim", "options", "final_options"):
             if getattr(self, name) != getattr(other, name):
                 diffs.append(f"{name}: {getattr(self, name)} vs {getattr(other, name)}")
         for key in SETUP_KEYS:
@@ -402,6 +425,8 @@ class Profile:
             "kl_share": self.kl_share,
             "provenance": dict(self.provenance),
         }
+        if self.family != DEFAULT_FAMILY:
+            data["family"] = self.family
         if self.per_document:
             data["per_document"] = {
                 o: self._grid(self.per_document, o, range(nonfinal), seq=True) for o in self.options
@@ -467,6 +492,7 @@ class Profile:
             provenance=d.get("provenance", {}),
             per_document=per_doc,
             kl_share_per_document=None if kl_docs is None else tuple(kl_docs),
+            family=d.get("family", DEFAULT_FAMILY),
         )
 
     def dumps(self) -> str:

@@ -18,6 +18,14 @@ batch's rows start close together. Everything is deterministic: the jobs are cut
 from the full, fixed job list, so a resumed run recomputes exactly the batches an uninterrupted one
 would (with the same ``batch_cells``) and gets the same numbers.
 
+Any looped model :mod:`loopkv.families` knows is profiled over its planned cells
+(:func:`loopkv.planning.looped.model_layout`): Ouro's ``T x L`` cells; Dory's recurrent full-attention layers per
+loop (its input/output and sliding-window layers are fixed slots, attended exactly and never perturbed); Huginn's
+core layers per step for ``r = mean_recurrence`` steps, its default, from one fixed initial state
+(:func:`loopkv.planning.looped.repeatable_state`). ``provenance["layout"]`` records the family, the loop count and
+the fixed slots. Resuming inside the loop from checkpoints is Ouro's; other families' rows run from the first layer
+(the same numbers, more compute).
+
 Round-off can make a damage that is really ~0 come out slightly negative; it is clamped to 0, and the
 clamped entries are listed in ``provenance["clamped"]`` (and warned about).
 """
@@ -39,12 +47,14 @@ from torch import Tensor
 
 from loopkv.cells import Cell
 from loopkv.format import QUANTIZED, check_head_dim
+from loopkv.planning.bytes import ModelShape
+from loopkv.planning.looped import describe, model_layout, repeatable_state
 from loopkv.planning.profile_data import FINAL_PROFILE_OPTIONS, PROFILE_OPTIONS, Profile
 from loopkv.planning.resume import Entry, checkpoint_cells, entry_for
 from loopkv.planning.simulate import (
     FIRST_HISTORY,
     SimState,
-    check_model,
+    final_indices,
     final_sources,
     forward,
     served_attention_enabled,
@@ -53,6 +63,10 @@ from loopkv.planning.simulate import (
 
 KL_SHARE = "kl_share"  # the job that measures the unit
 DEFAULT_BATCH_CELLS = 8
+# Config fields of Dory's and Huginn's loop structure that the model fingerprint covers
+_LOOP_FIELDS = ("n_input_layers", "n_output_layers", "n_recurrent_layers", "n_recurrent_loops",
+                "recurrent_kv_cache_mode", "n_layers_in_prelude", "n_layers_in_recurrent_block", "n_layers_in_coda",
+                "mean_recurrence", "state_init")
 # Settings that change the numbers; a partial file made with other settings is not resumed.
 _SETTING_KEYS = ("tau", "share_source", "share_passes", "prefill_len", "first_position", "document_lengths", "dtype",
                  "tf32")
@@ -127,6 +141,10 @@ def model_fingerprint(model) -> str:
     fields = ("model_type", "total_ut_steps", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
               "head_dim", "hidden_size", "rms_norm_eps", "rope_parameters", "layer_types", "sliding_window")
     sha.update(repr([(f, getattr(config, f, None)) for f in fields]).encode())
+    # the loop structure of families other than Ouro (absent from Ouro's configs: its fingerprints are unchanged)
+    extra = [(f, v) for f in _LOOP_FIELDS if (v := getattr(config, f, None)) is not None]
+    if extra:
+        sha.update(repr(extra).encode())
     for name, tensor in sorted(model.state_dict().items()):
         t = tensor.detach().cpu().contiguous()
         sha.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
@@ -235,14 +253,14 @@ def profile(
         to the model's device for each use, the numbers unchanged). At Ouro-1.4B's size it is about 4.6 GiB per
         8K document, so 16 such documents on one GPU want "cpu".
     """
-    loops, layers = check_model(model)
+    layout = model_layout(model)
+    loops, layers = layout.loops, layout.layers
     _check_arguments(model, tau=tau, share_source=share_source, share_passes=share_passes, batch_cells=batch_cells,
                      prefill_len=prefill_len)
     first = max(prefill_len, FIRST_HISTORY)
     docs = as_documents(documents, min_len=first + 1)
-    config = model.config
-    kv_heads = config.num_key_value_heads or config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    shape = ModelShape.from_config(model.config)
+    kv_heads, head_dim = shape.kv_heads, shape.head_dim
     if any(o in (*QUANTIZED, "share") for o in (*options, *final_options)):
         check_head_dim(head_dim)
     settings = {
@@ -263,16 +281,19 @@ def profile(
         "positions": sum(int(d.numel()) - first for d in docs),
         "settings": settings,
         "method": "dense simulation of the served cache, one cell perturbed per row (loopkv.planning.simulate)",
+        "layout": describe(model, layout),
     }
     base = Profile.partial(loops=loops, layers=layers, kv_heads=kv_heads, head_dim=head_dim, options=options,
-                           final_options=final_options, provenance=provenance)
+                           final_options=final_options, provenance=provenance, family=layout.family)
     result = _resume(base, out, settings) if (out is not None and resume and os.path.exists(out)) else base
     jobs = _jobs(base)
     batches = [jobs[i : i + batch_cells] for i in range(0, len(jobs), batch_cells)]
     pending = [[j for j in b if not _done(result, j)] for b in batches]
     runner = _Runner(model, docs, loops=loops, layers=layers, tau=tau, share_source=share_source,
-                     share_passes=share_passes, prefill_len=prefill_len, first=first, exact_on=exact_on)
-    with tf32_matmuls(tf32):
+                     share_passes=share_passes, prefill_len=prefill_len, first=first, exact_on=exact_on,
+                     layout=None if layout.family == "ouro" else layout,
+                     start="resume" if layout.family == "ouro" else "rows")
+    with tf32_matmuls(tf32), repeatable_state(model):
         return _measure(runner, result, [b for b in pending if b], out=out, progress=progress)
 
 
@@ -381,23 +402,27 @@ class _Runner:
     batch's first perturbed cell on one row, then every row from there; "rows": every row from the first cell.
     All three compute the same numbers (up to round-off); ``benchmarks/bench_profile.py`` times them.
     matmul_attention: the exact attention through matmuls rather than SDPA (TF32 when TF32 is on; the benchmark's
-    ``tf32-mm`` arm)."""
+    ``tf32-mm`` arm).
+    layout: the model's :class:`~loopkv.families.ModelLayout` (rows name its cache indices); None: Ouro's, cell
+    ``(t, l)`` at index ``t*L + l``. Only Ouro's rows can start at "resume" or "prefix" (they enter Ouro's loop)."""
 
     STARTS = ("resume", "prefix", "rows")
 
     def __init__(self, model, docs, *, loops, layers, tau, share_source, share_passes, prefill_len, first,
                  start: str = "resume", checkpoint_every: int | None = None, exact_on=None,
-                 matmul_attention: bool = False) -> None:
+                 matmul_attention: bool = False, layout=None) -> None:
         if start not in self.STARTS:
             raise ValueError(f"start must be one of {self.STARTS}, got {start!r}")
+        if layout is not None and layout.family != "ouro" and start != "rows":
+            raise ValueError(f"a {layout.family} model's rows run from its first layer: start='rows', not {start!r}")
         try:
             self.exact_on = None if exact_on is None else torch.device(exact_on)
         except (RuntimeError, TypeError) as err:
             raise ValueError(f"exact_on must be a torch device such as 'cpu' (or None), got {exact_on!r}") from err
         self.model, self.docs, self.start, self.matmul_attention = model, docs, start, matmul_attention
-        self.loops, self.layers = loops, layers
+        self.loops, self.layers, self.layout = loops, layers, layout
         self.tau, self.share_source, self.share_passes = tau, share_source, share_passes
-        self.final = frozenset((loops - 1) * layers + layer for layer in range(layers))
+        self.final = frozenset(final_indices(loops, layers, layout))
         self.prefill_len, self.first = prefill_len, first
         keep = checkpoint_cells(loops, layers, every=checkpoint_every) if start == "resume" else ()
         self.checkpoints = tuple(c for c in keep if c > 0)  # cell 0's input is the embedding: nothing to keep
@@ -409,9 +434,9 @@ class _Runner:
         if d not in self._refs:
             ids = self.docs[d].to(self.model.device)[None]
             state = SimState(rows=[{}], prefill_len=self.prefill_len, layers=self.layers, sources={},
-                             capture=self.final, matmul_attention=self.matmul_attention)
+                             capture=self.final, matmul_attention=self.matmul_attention, layout=self.layout)
             logits = forward(self.model, ids, state, logits_from=self.first, keep_hidden=self.checkpoints)
-            sources = final_sources(state.captured, loops=self.loops, layers=self.layers)
+            sources = final_sources(state.captured, loops=self.loops, layers=self.layers, layout=self.layout)
             ref = (logits[0], sources, dict(state.hidden))
             pin = self.exact_on is not None and self.exact_on.type == "cpu" and self.model.device.type == "cuda"
             self._refs[d] = ref if self.exact_on is None else _moved(ref, self.exact_on, pin=pin)
@@ -419,16 +444,22 @@ class _Runner:
         return ref if self.exact_on is None else _moved(ref, self.model.device)
 
     def first_cell(self, job) -> int:
-        """The first cell (flat index) a job perturbs: every cell before it is exact in its row."""
-        return min(self._spec(job))
+        """The first cell (flat index ``t*L + l``) a job perturbs: every cell before it is exact in its row."""
+        L, T = self.layers, self.loops
+        cells = [Cell(T - 2, layer) for layer in range(L)] if job == KL_SHARE else [job[0]]
+        return min(c.loop * L + c.layer for c in cells)  # cells run loop by loop, layer by layer
+
+    def _index(self, cell: Cell) -> int:
+        return cell.loop * self.layers + cell.layer if self.layout is None else self.layout.flat_index(cell)
 
     def _spec(self, job) -> dict:
+        """The job's row: ``{cache index: Served}``."""
         L, T = self.layers, self.loops
         if job == KL_SHARE:
             served = served_for("share", source_option="bf16")
-            return {(T - 2) * L + layer: served for layer in range(L)}
+            return {self._index(Cell(T - 2, layer)): served for layer in range(L)}
         cell, option = job
-        return {cell.loop * L + cell.layer: served_for(option, source_option=self.share_source, tau=self.tau)}
+        return {self._index(cell): served_for(option, source_option=self.share_source, tau=self.tau)}
 
     def _entry(self, starts: list[int], checkpoints: dict):
         if self.start == "rows":
@@ -441,7 +472,7 @@ class _Runner:
         """Per job: (KL pooled over all counted positions, [mean KL per document])."""
         order = sorted(range(len(batch)), key=lambda i: self.first_cell(batch[i]))  # rows in the order they join
         specs = [self._spec(batch[i]) for i in order]
-        starts = [min(spec) for spec in specs]
+        starts = [self.first_cell(batch[i]) for i in order]
         sums = [0.0] * len(batch)
         per_doc: list[list[float]] = [[] for _ in batch]
         total = 0
@@ -456,10 +487,11 @@ class _Runner:
             for k in range(passes):
                 capture = self.final if k + 1 < passes else frozenset()
                 state = SimState(rows=specs, prefill_len=self.prefill_len, layers=self.layers, sources=sources,
-                                 capture=capture, matmul_attention=self.matmul_attention)
+                                 capture=capture, matmul_attention=self.matmul_attention, layout=self.layout)
                 logits = forward(self.model, ids, state, logits_from=self.first, entry=entry)
                 if capture:  # the next pass reads each row's own perturbed final loop
-                    sources = final_sources(state.captured, loops=self.loops, layers=self.layers)
+                    sources = final_sources(state.captured, loops=self.loops, layers=self.layers,
+                                            layout=self.layout)
             kl = kl_per_position(ref, logits)  # [R, P], rows in join order
             total += kl.shape[1]
             for r, i in enumerate(order):

@@ -15,10 +15,16 @@ cell attends exactly. For query position ``i`` of a served cell and key position
 * a ``share`` cell takes its history pages from the final loop's cell at the same layer (quantized at
   the source's bits) and its own exact sink and window.
 
-The simulation hooks in through public mechanisms only: a :class:`_SimCache` passed as
-``past_key_values`` (Ouro hands it ``layer_idx = t*L + l`` and gets back :class:`_SimKV` objects), and
-an attention function registered as ``"loopkv_served"`` with ``transformers.AttentionInterface``, which
+The simulation hooks in through public mechanisms only: a :class:`_SimCache` passed as the model's cache
+(the model hands it every cache index it writes and gets back :class:`_SimKV` objects), and an attention
+function registered as ``"loopkv_served"`` with ``transformers.AttentionInterface``, which
 :func:`served_attention_enabled` switches the model to (``set_attn_implementation``) and back.
+
+Rows name served cells by cache index. Which index is which cell is the model's
+:class:`~loopkv.families.ModelLayout` (:func:`loopkv.planning.looped.model_layout`): Ouro's cell ``(t, l)`` is
+index ``t*L + l``; Dory's and Huginn's prelude, coda and sliding-window layers are fixed slots that no row serves,
+attended exactly (a sliding layer over its ``sliding_window`` tokens, itself included), and a ``share`` cell reads
+the final loop's cell at its planned layer.
 
 Share sources: a ``share`` cell's source pages are given (``sources``). Taken from an exact forward
 they are right for every page a query reads as long as the document is shorter than 608 tokens (the
@@ -41,8 +47,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from loopkv.cells import Cell
+from loopkv.families import ModelLayout
 from loopkv.format import BITS, PAGE, SINK, WINDOW, cold_threshold, n_pages
 from loopkv.ops import codec
+from loopkv.planning.looped import cache_keyword, model_layout, repeatable_state
 from loopkv.planning.resume import Entry, cell_inputs
 
 ATTN_NAME = "loopkv_served"
@@ -75,7 +84,7 @@ class Served:
             raise ValueError(f"Served.bits must be 2, 4 or 16, got {self.bits!r}")
 
 
-RowSpec = Mapping[int, Served]  # flat cell index t*L + l -> Served; absent cells attend exactly
+RowSpec = Mapping[int, Served]  # cache index (Ouro: t*L + l) -> Served; absent indices attend exactly
 
 
 def served_for(option: str, *, source_option: str = "int4", tau: float = math.inf) -> Served:
@@ -89,15 +98,18 @@ def served_for(option: str, *, source_option: str = "int4", tau: float = math.in
     return Served(BITS[option], tau=tau if option == "int4" else math.inf)
 
 
-def plan_spec(plan: Any) -> dict[int, Served]:
-    """A whole plan as one row: every cell served at its option (bf16 cells are exact anyway)."""
+def plan_spec(plan: Any, layout: ModelLayout | None = None) -> dict[int, Served]:
+    """A whole plan as one row: every cell served at its option (bf16 cells are exact anyway), keyed by the cache
+    index ``layout`` gives the cell (default Ouro's, ``t*L + l``)."""
     final = plan.layout.final_loop
     spec = {}
     for index, option in enumerate(plan.options):
         if option == "bf16":
             continue
         source = plan.options[final * plan.layers + index % plan.layers]
-        spec[index] = served_for(option, source_option=source, tau=plan.taus[index // plan.layers])
+        cell = plan.layout.cell(index)
+        key = index if layout is None else layout.flat_index(cell)
+        spec[key] = served_for(option, source_option=source, tau=plan.taus[index // plan.layers])
     return spec
 
 
@@ -197,8 +209,9 @@ def _cold(s: Tensor, s_h: Tensor, pmax: int, tau: float) -> Tensor:
 
 
 def exact_attention(q: Tensor, k: Tensor, v: Tensor, *, scale: float, matmul: bool = False,
-                    block: int = MATMUL_BLOCK) -> Tensor:
-    """Plain causal attention. q [R, Hq, N, D], k, v [R, H, N, D] -> [R, Hq, N, D].
+                    block: int = MATMUL_BLOCK, window: int | None = None) -> Tensor:
+    """Plain causal attention. q [R, Hq, N, D], k, v [R, H, N, D] -> [R, Hq, N, D]. ``window``: a sliding-window
+    layer's, query ``i`` attending to keys ``i - window < j <= i``.
 
     matmul: through matmuls over query blocks of ``block`` (keys up to the block's last query), which run in TF32
     when TF32 matmuls are on; otherwise SDPA, whose fp32 CUDA kernel ignores the TF32 switch (3xTF32 on the tensor
@@ -207,15 +220,20 @@ def exact_attention(q: Tensor, k: Tensor, v: Tensor, *, scale: float, matmul: bo
     g = q.shape[1] // k.shape[1]
     if g > 1:
         k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
-    if not matmul:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
     N = q.shape[2]
-    out = torch.empty_like(q)
     pos = torch.arange(N, device=q.device)
+    if not matmul:
+        if window is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+        seen = (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - window)  # [N, N]
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=seen, scale=scale)
+    out = torch.empty_like(q)
     for i0 in range(0, N, block):
         i1 = min(N, i0 + block)
         s = torch.matmul(q[:, :, i0:i1], k[:, :, :i1].transpose(-1, -2)).mul_(scale)  # [R, Hq, b, i1]
         s.masked_fill_(pos[None, :i1] > pos[i0:i1, None], -math.inf)
+        if window is not None:
+            s.masked_fill_(pos[None, :i1] <= pos[i0:i1, None] - window, -math.inf)
         out[:, :, i0:i1] = torch.matmul(torch.softmax(s, dim=-1), v[:, :, :i1])
     return out
 
@@ -233,9 +251,11 @@ class SimState:
     """One simulated forward: which rows serve which cells, the share sources, what to capture.
 
     rows: one RowSpec per batch row. sources: ``{layer: (k, v)}`` share sources, each [R or 1, H, N, D].
-    capture: cell indices whose K/V to record into ``captured`` (``{cell: (k, v)}``, [R, H, N, D]; with an
+    capture: cache indices whose K/V to record into ``captured`` (``{index: (k, v)}``, [R, H, N, D]; with an
     :class:`~loopkv.planning.resume.Entry`, the rows present at that cell).
     matmul_attention: the cells' exact attention through matmuls (:func:`exact_attention`), not SDPA.
+    layout: the model's cache indices (:func:`loopkv.planning.looped.model_layout`); None: Ouro's, index
+    ``t*L + l`` for ``layers`` planned layers.
     """
 
     rows: Sequence[RowSpec]
@@ -245,20 +265,25 @@ class SimState:
     capture: frozenset[int] = frozenset()
     block: int = QUERY_BLOCK
     matmul_attention: bool = False  # exact cells through exact_attention(matmul=True)
+    layout: ModelLayout | None = None
+
+    def layer_of(self, index: int) -> int:
+        """The planned layer of the cell at cache index ``index`` (where its share source is)."""
+        return index % self.layers if self.layout is None else self.layout.cell(index).layer
 
     def __post_init__(self) -> None:
         self.captured: dict[int, tuple[Tensor, Tensor]] = {}
         self.hidden: dict[int, Tensor] = {}  # cell -> the hidden state entering it, [1, N, H] (forward's keep_hidden)
 
 
-def _sim_cache(state: SimState, num_cells: int):
+def _sim_cache(state: SimState, num_indices: int):
     from transformers.cache_utils import Cache, DynamicLayer
 
     class _SimCache(Cache):
         """Hands every cell's new K/V to the ``loopkv_served`` attention function; stores nothing."""
 
         def __init__(self) -> None:
-            super().__init__(layers=[DynamicLayer() for _ in range(num_cells)])
+            super().__init__(layers=[DynamicLayer() for _ in range(num_indices)])
 
         def update(self, key_states, value_states, layer_idx, *args, **kwargs):
             if layer_idx in state.capture:
@@ -279,11 +304,14 @@ def _served_attention_function(module, query, key, value, attention_mask, *, sca
     state, cell, k, v = key.state, key.cell_index, key.k, key.v
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     served_rows = [(r, spec[cell]) for r, spec in enumerate(state.rows) if cell in spec]
-    out = exact_attention(query, k, v, scale=scale, matmul=state.matmul_attention)
+    window = kwargs.get("sliding_window")  # a sliding layer's (a fixed slot: no row serves it)
+    if window is not None and served_rows:
+        raise RuntimeError(f"cache index {cell} is a sliding-window layer, which no plan serves")
+    out = exact_attention(query, k, v, scale=scale, matmul=state.matmul_attention, window=window)
     for r, served in served_rows:
         src_k = src_v = None
         if served.share:
-            src_k, src_v = state.sources[cell % state.layers]
+            src_k, src_v = state.sources[state.layer_of(cell)]
             if src_k.shape[0] > 1:
                 src_k, src_v = src_k[r : r + 1], src_v[r : r + 1]
         out[r : r + 1] = served_attention(
@@ -326,17 +354,9 @@ def served_attention_enabled(model) -> Iterator[None]:
 
 
 def check_model(model) -> tuple[int, int]:
-    """(T, L) of a looped model the simulation supports; ValueError otherwise."""
-    config = getattr(model, "config", None)
-    loops, layers = getattr(config, "total_ut_steps", None), getattr(config, "num_hidden_layers", None)
-    if loops is None or layers is None:
-        raise ValueError(
-            "model must be a looped model such as loopkv.models.ouro.OuroForCausalLM (its config needs "
-            "total_ut_steps and num_hidden_layers)"
-        )
-    if "sliding_attention" in (getattr(config, "layer_types", None) or ()):
-        raise ValueError("models with sliding-window layers are not supported by the served simulation")
-    return int(loops), int(layers)
+    """(T, L) of the planned cells of a looped model the simulation supports; ValueError otherwise."""
+    layout = model_layout(model)
+    return layout.loops, layout.layers
 
 
 def forward(
@@ -356,9 +376,12 @@ def forward(
     keep_hidden: cells whose entering hidden state (last row, ``[1, N, H]``) is stored in ``state.hidden``.
     Returns the logits of positions ``logits_from .. N-1``: [R, N - logits_from, V] (model dtype).
     """
-    loops, layers = check_model(model)
-    cache = _sim_cache(state, loops * layers)
+    layout = model_layout(model)
+    cache = {cache_keyword(model): _sim_cache(state, layout.num_indices)}
     keep = ids.shape[1] - logits_from
+    if (entry is not None or keep_hidden) and layout.family != "ouro":
+        raise ValueError(f"entry= and keep_hidden= resume inside Ouro's loop; a {layout.family} model runs every "
+                         "row from its first layer (entry=None, keep_hidden=())")
     if entry is not None:
         late = [(r, min(spec)) for r, (spec, start) in enumerate(zip(state.rows, entry.starts, strict=True))
                 if spec and min(spec) < start]
@@ -368,15 +391,23 @@ def forward(
                 f"join at (rows serving earlier: {late}) and no captured cell before entry.at={entry.at}"
             )
     elif not keep_hidden:
-        return model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=keep).logits
+        return model(input_ids=ids, use_cache=True, logits_to_keep=keep, **cache).logits
     with cell_inputs(model, entry=entry, keep=keep_hidden, kept=state.hidden):
-        return model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=keep).logits
+        return model(input_ids=ids, use_cache=True, logits_to_keep=keep, **cache).logits
 
 
-def final_sources(captured: Mapping[int, tuple[Tensor, Tensor]], *, loops: int, layers: int):
+def final_indices(loops: int, layers: int, layout: ModelLayout | None = None) -> list[int]:
+    """The cache indices of the final loop's cells, by layer (``layout`` None: Ouro's, ``t*L + l``)."""
+    if layout is None:
+        return [(loops - 1) * layers + layer for layer in range(layers)]
+    return [layout.flat_index(Cell(loops - 1, layer)) for layer in range(layers)]
+
+
+def final_sources(captured: Mapping[int, tuple[Tensor, Tensor]], *, loops: int, layers: int,
+                  layout: ModelLayout | None = None):
     """``{layer: (k, v)}`` from the captured final-loop cells."""
-    final = (loops - 1) * layers
-    return {layer: captured[final + layer] for layer in range(layers) if final + layer in captured}
+    indices = final_indices(loops, layers, layout)
+    return {layer: captured[i] for layer, i in enumerate(indices) if i in captured}
 
 
 @torch.no_grad()
@@ -395,19 +426,21 @@ def simulate_plan(
     Share sources: pass 1 takes them from an exact forward; each further pass (``share_passes``)
     takes them from the previous pass's own final loop, converging to the served cache.
     """
-    loops, layers = check_model(model)
+    layout = model_layout(model)
+    loops, layers = layout.loops, layout.layers
     plan.validate_for(model.config)
     ids = document.reshape(1, -1).to(model.device)
     start = max(prefill_len, FIRST_HISTORY) if logits_from is None else logits_from
-    final = frozenset((loops - 1) * layers + layer for layer in range(layers))
-    spec = plan_spec(plan)
-    with served_attention_enabled(model):
-        exact = SimState(rows=[{}], prefill_len=prefill_len, layers=layers, sources={}, capture=final)
+    final = frozenset(final_indices(loops, layers, layout))
+    spec = plan_spec(plan, layout)
+    common = dict(prefill_len=prefill_len, layers=layers, layout=layout, capture=final)
+    with served_attention_enabled(model), repeatable_state(model):
+        exact = SimState(rows=[{}], sources={}, **common)
         forward(model, ids, exact, logits_from=ids.shape[1] - 1)
-        sources = final_sources(exact.captured, loops=loops, layers=layers)
+        sources = final_sources(exact.captured, loops=loops, layers=layers, layout=layout)
         logits = None
         for _ in range(max(1, share_passes)):
-            state = SimState(rows=[spec], prefill_len=prefill_len, layers=layers, sources=sources, capture=final)
+            state = SimState(rows=[spec], sources=sources, **common)
             logits = forward(model, ids, state, logits_from=start)
-            sources = final_sources(state.captured, loops=loops, layers=layers)
+            sources = final_sources(state.captured, loops=loops, layers=layers, layout=layout)
     return logits[0]
