@@ -32,7 +32,7 @@ from loopkv.ops import triton_config
 from loopkv.ops.cell_attention import cell_attention_reference
 from loopkv.ops.triton_config import KERNEL_OPTIONS
 from loopkv.ops.triton_counters import counters
-from loopkv.ops.triton_dot import _dot, _exact_scores, far_dot
+from loopkv.ops.triton_dot import _dot, _exact_scores, far_dot, far_gqa
 from loopkv.ops.triton_far import far_cc
 from loopkv.ops.triton_quant import _write_token
 
@@ -75,7 +75,8 @@ def _cell_attn_kernel(
     G: tl.constexpr, GR: tl.constexpr, GP: tl.constexpr, NGP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
     BITS: tl.constexpr, VPREC: tl.constexpr, BN: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr,
     UPCAST: tl.constexpr, SUBNORMAL: tl.constexpr, NPP: tl.constexpr, CC: tl.constexpr, L2: tl.constexpr,
-    ASM: tl.constexpr, I32: tl.constexpr, TOKEN: tl.constexpr, FAR_FIRST: tl.constexpr,
+    ASM: tl.constexpr, I32: tl.constexpr, TOKEN: tl.constexpr, FAR_FIRST: tl.constexpr, GQA: tl.constexpr,
+    QR: tl.constexpr,
 ):
     """Program (i, b*H + h): near slots (i < NNEAR) or history split i - NNEAR of row b, KV head h.
 
@@ -186,7 +187,13 @@ def _cell_attn_kernel(
                 v_hi, v_lo, v_scale, v_zero, qk_scale, tau, ws_o, ws_ml, slot, G, GR, GP, D, DP, BITS, VPREC, L2,
                 ASM, I32,
             )
-        elif BITS != 0:  # tensor-core reader (triton_dot)
+        elif GQA:  # tensor-core reader, rows = query heads (triton_dot.far_gqa)
+            far_gqa(
+                q, sq_b, sq_h, b, h, H, MAXP, length, p0, p1, page_table, sink_k, k_pages, k_scale, k_zero,
+                v_hi, v_lo, v_scale, v_zero, qk_scale, tau, ws_o, ws_ml, slot, G, GR, GP, QR, D, DP, BITS, VPREC,
+                PREC, UPCAST, L2,
+            )
+        elif BITS != 0:  # tensor-core reader, expanded rows (triton_dot.far_dot)
             far_dot(
                 q, sq_b, sq_h, b, h, H, MAXP, length, p0, p1, page_table, sink_k, k_pages, k_scale, k_zero,
                 v_hi, v_lo, v_scale, v_zero, qk_scale, tau, ws_o, ws_ml, slot,
@@ -326,6 +333,7 @@ def _launch(q: Tensor, storage: tuple[Tensor, ...], bits: int, tau: float, scale
     nsink, nring = sink_k.shape[2], win_k.shape[2]  # SINK, RING, or a short cache's (loopkv.format.exact_slots)
     cap = row_capacity(maxp, nsink, nring) if token is not None else 0
     cc = launch.reader == "cc" and nsplit > 0
+    gqa = launch.reader == "gqa" and nsplit > 0 and not exact  # fp32 inputs: the expanded reader's fp32 products
     options = {"maxnreg": launch.maxnreg} if launch.maxnreg and compiled else {}
     _cell_attn_kernel[(nprog, B * H)](
         q, q.stride(0), q.stride(1), sink_k, sink_v, win_k, win_v, lengths, page_table,
@@ -336,7 +344,8 @@ def _launch(q: Tensor, storage: tuple[Tensor, ...], bits: int, tau: float, scale
         G=G, GR=GR, GP=_next_pow2(G), NGP=NGP, D=D, DP=DP, BITS=bits if nsplit else 0, VPREC=vprec,
         BN=launch.near_block, DT=tl.float32 if exact else tl.float16, PREC="ieee" if exact else "tf32",
         UPCAST=not compiled and q.dtype == torch.bfloat16, SUBNORMAL=not exact, NPP=max(16, _next_pow2(nprog)),
-        CC=cc, L2=cc and compiled, ASM=cc and compiled, I32=cc and i32, TOKEN=token is not None,
-        FAR_FIRST=nsplit > 0, num_warps=launch.num_warps, num_stages=launch.num_stages, **options, **KERNEL_OPTIONS,
+        CC=cc, L2=(cc or gqa) and compiled, ASM=cc and compiled, I32=cc and i32, TOKEN=token is not None,
+        FAR_FIRST=nsplit > 0, GQA=gqa, QR=max(_next_pow2(G), 16), num_warps=launch.num_warps,
+        num_stages=launch.num_stages, **options, **KERNEL_OPTIONS,
     )
     return out

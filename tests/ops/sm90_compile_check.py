@@ -6,7 +6,8 @@ recorder, the device taken for an sm_90 GPU of 132 SMs (``triton_config._capabil
 launch is the GPU's (register cap, L2 prefetch, inline PTX, no bf16 upcast); it is compiled by ``triton.compile`` for
 ``cuda:90`` with the argument specializations Triton's launcher would make. Prints one JSON line: the launch's
 options and flags, registers, stack bytes and what the PTX contains. ``dtype`` (optional, default ``"bfloat16"``):
-the inputs'; ``token`` (optional, true): ``token_attention``'s launch.
+the inputs'; ``token`` (optional, true): ``token_attention``'s launch; ``launch`` (optional): ``Launch`` fields that
+replace the table's (a benchmark arm's launch, checked before a device run).
 
     python tests/ops/sm90_compile_check.py '{"bits": 4, "tau": 14.0, "batch": 8, "heads": 8, "group": 1,
                                              "head_dim": 96}'
@@ -60,8 +61,10 @@ def record(case: dict) -> tuple[tuple, dict]:
     pool = _dummy_pool(bits, H, D, dtype, torch.device("cpu"))
     q = torch.zeros(B, H * G, D, dtype=dtype)
     rec = Recorder()
-    saved = ta._cell_attn_kernel, triton_config._capability, triton_config._num_sms
+    saved = ta._cell_attn_kernel, triton_config._capability, triton_config._num_sms, triton_config.launch_config
     ta._cell_attn_kernel, triton_config._capability, triton_config._num_sms = rec, lambda d: (9, 0), lambda d: 132
+    if case.get("launch"):
+        triton_config.launch_config = lambda *a: triton_config.Launch(**case["launch"])
     try:
         if case.get("token"):
             tok = torch.zeros(B, H, 1, D, dtype=dtype)
@@ -69,7 +72,8 @@ def record(case: dict) -> tuple[tuple, dict]:
         else:
             ta.cell_attention(q, *exact, lengths, table, *pool, bits, tau, D**-0.5)
     finally:
-        ta._cell_attn_kernel, triton_config._capability, triton_config._num_sms = saved
+        (ta._cell_attn_kernel, triton_config._capability, triton_config._num_sms,
+         triton_config.launch_config) = saved
     (call,) = rec.calls
     return call
 
