@@ -9,7 +9,10 @@ handles that ``LoopKVCache.update`` returned as ``key``/``value``:
   read from the mask) and attends exactly over the prompt, like KIVI and the paper's engine;
 * several tokens on a non-empty cell: one pass with the served semantics (``loopkv/cache/continuation.py``).
 
-Anything that is not a handle goes to transformers' SDPA attention, so a model can mix caches.
+A sliding layer's cache index is a ring of its window (``loopkv/cache/window.py``): the same three cases, its prompt
+attending under the window. An earlier loop of Dory's ``last_loop`` mode passes a handle that reads the last loop's
+cell (``loopkv/cache/last_loop.py``). Anything that is not a handle goes to transformers' SDPA attention, so a model
+can mix caches.
 """
 
 from __future__ import annotations

@@ -29,8 +29,10 @@ class MemoryReport:
     history_stored_kib: allocated history bytes per history token slot (pools / (rows * pages * 32)),
         summed over cells; equals the byte model's ``stored_kib``.
     model_stored_kib, model_read_kib: the byte model for this plan (``plan.bytes_per_token``), the model's fixed
-        exact slots included (``fixed_kib``: prelude/coda and sliding layers; 0 for Ouro).
-    exact_bytes_per_row: sink + window ring bytes per row, over all cells.
+        exact slots included (``fixed_kib``: prelude/coda full-attention layers; 0 for Ouro; a sliding layer's window
+        holds no history).
+    exact_bytes_per_row: sink + window ring bytes per row, over all cells and sliding layers' windows
+        (``loopkv.cache.paging.exact_bytes_per_row`` computes it from the config).
     """
 
     total_bytes: int

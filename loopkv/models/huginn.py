@@ -39,6 +39,7 @@ from transformers.masking_utils import create_causal_mask
 from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
 
+from loopkv.models.cache_args import OUTPUT_CACHE_FIELD, generate_cache_kwargs, mask_piece, pick_cache
 from loopkv.models.generation_checks import (
     GENERATED,
     check_capacity,
@@ -47,12 +48,7 @@ from loopkv.models.generation_checks import (
     replace_default_cache,
 )
 from loopkv.models.huginn_config import FAMILY, HuginnCells, HuginnConfig, dense_cache
-from loopkv.models.ouro import (  # alike in both models: the cache's two names, eager attention, a turn's mask slices
-    _OUTPUT_CACHE_FIELD,
-    _mask_piece,
-    _pick_cache,
-    eager_attention_forward,
-)
+from loopkv.models.ouro import eager_attention_forward  # alike in both models
 
 __all__ = ["HuginnCells", "HuginnConfig", "HuginnForCausalLM", "dense_cache", "register_huginn"]
 
@@ -289,7 +285,7 @@ class HuginnForCausalLM(HuginnPreTrainedModel, GenerationMixin):
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids and inputs_embeds")
         steps = self.config.steps(num_steps)
-        cache = _pick_cache(past_key_values, cache)
+        cache = pick_cache(past_key_values, cache)
         use_cache = self.config.use_cache if use_cache is None else use_cache
         if use_cache and cache is None:
             cache = dense_cache(self.config)
@@ -333,7 +329,7 @@ class HuginnForCausalLM(HuginnPreTrainedModel, GenerationMixin):
         if labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.padded_vocab_size,
                                       **kwargs)
-        return CausalLMOutputWithPast(loss=loss, logits=logits, **{_OUTPUT_CACHE_FIELD: cache})
+        return CausalLMOutputWithPast(loss=loss, logits=logits, **{OUTPUT_CACHE_FIELD: cache})
 
     def _logits_in_pieces(self, limit, inputs_embeds, attention_mask, position_ids, cache, **call) -> torch.Tensor:
         """A later turn longer than the cache's ``continuation_limit`` (a LoopKVCache plan with ``share`` cells), run
@@ -344,7 +340,7 @@ class HuginnForCausalLM(HuginnPreTrainedModel, GenerationMixin):
             end = min(q_len, start + limit)
             pieces.append(self.forward(
                 inputs_embeds=inputs_embeds[:, start:end], position_ids=position_ids[..., start:end], cache=cache,
-                attention_mask=_mask_piece(attention_mask, q_len, end, end - start), **call).logits)
+                attention_mask=mask_piece(attention_mask, q_len, end, end - start), **call).logits)
         return torch.cat(pieces, dim=1)
 
     @staticmethod
@@ -375,9 +371,7 @@ class HuginnForCausalLM(HuginnPreTrainedModel, GenerationMixin):
         of the call. A cache passed in holds one conversation (``cache.reset()`` between unrelated requests): input
         that does not continue what the previous ``generate`` left in it is refused (``check_continues``), as are
         a request longer than its capacity and a ``num_steps`` it cannot serve, before anything is written."""
-        if _OUTPUT_CACHE_FIELD == "cache" and "past_key_values" in kwargs:
-            # transformers >= ~5.2x renamed generate's cache argument; accept the old name without a warning
-            kwargs["cache"] = _pick_cache(kwargs.pop("past_key_values"), kwargs.get("cache"))
+        generate_cache_kwargs(kwargs)  # past_key_values= where transformers now says cache=
         self.config.steps(kwargs.get("num_steps"))  # a bad r is refused before anything runs
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
         input_ids = inputs if inputs is not None else kwargs.get("input_ids")

@@ -33,6 +33,7 @@ from transformers.masking_utils import create_causal_mask, create_sliding_window
 from transformers.modeling_outputs import CausalLMOutputWithPast, ModelOutput
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
 
+from loopkv.models.cache_args import OUTPUT_CACHE_FIELD, generate_cache_kwargs, mask_piece, pick_cache
 from loopkv.models.generation_checks import (
     GENERATED,
     check_capacity,
@@ -53,12 +54,6 @@ __all__ = [
     "register_ouro",
     "static_dense_cache",
 ]
-
-# The name CausalLMOutputWithPast gives the cache: "past_key_values" up to ~5.2x, "cache" afterwards.
-_OUTPUT_CACHE_FIELD = (
-    "cache" if "cache" in {f.name for f in dataclasses.fields(CausalLMOutputWithPast)} else "past_key_values"
-)
-
 
 class OuroRMSNorm(nn.Module):
     """Qwen2-style RMSNorm: fp32 ``x * rsqrt(mean(x^2) + eps)``, cast back, *then* times the weight."""
@@ -276,12 +271,6 @@ class OuroModelOutput(ModelOutput):
     cache: Cache | None = None
 
 
-def _pick_cache(past_key_values: Cache | None, cache: Cache | None) -> Cache | None:
-    if past_key_values is not None and cache is not None and past_key_values is not cache:
-        raise ValueError("pass the cache once, as past_key_values= or as cache=, not two different caches")
-    return cache if cache is not None else past_key_values
-
-
 def _as_dense_mask(attention_mask: Any) -> torch.Tensor | None:
     return attention_mask if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2 else None
 
@@ -323,7 +312,7 @@ class OuroModel(OuroPreTrainedModel):
         steps = self.config.total_ut_steps
         if exit_at_step is not None and not 0 <= exit_at_step < steps:
             raise ValueError(f"exit_at_step must be in [0, {steps}) (total_ut_steps), got {exit_at_step}")
-        cache = _pick_cache(past_key_values, cache)
+        cache = pick_cache(past_key_values, cache)
         use_cache = self.config.use_cache if use_cache is None else use_cache
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
@@ -390,24 +379,12 @@ class OuroModel(OuroPreTrainedModel):
         for start in range(0, q_len, limit):
             end = min(q_len, start + limit)
             pieces.append(self.forward(
-                inputs_embeds=inputs_embeds[:, start:end], attention_mask=_mask_piece(attention_mask, q_len, end,
-                                                                                      end - start),
+                inputs_embeds=inputs_embeds[:, start:end], attention_mask=mask_piece(attention_mask, q_len, end,
+                                                                                     end - start),
                 position_ids=position_ids[..., start:end], cache=cache, use_cache=use_cache,
                 exit_at_step=exit_at_step, **kwargs,
             ).last_hidden_state)
         return OuroModelOutput(last_hidden_state=torch.cat(pieces, dim=1), cache=cache if use_cache else None)
-
-
-def _mask_piece(mask: Any, q_len: int, end: int, piece: int) -> Any:
-    """The mask of queries ``[end - piece, end)`` of a ``q_len``-token forward, over keys up to the piece's last."""
-    if mask is None:
-        return None
-    if isinstance(mask, dict):
-        return {name: _mask_piece(m, q_len, end, piece) for name, m in mask.items()}
-    keys = mask.shape[-1] - q_len + end  # the cache's columns, then the forward's up to ``end``
-    if mask.dim() == 2:
-        return mask[:, :keys]
-    return mask[..., end - piece:end, :keys]
 
 
 class OuroForCausalLM(OuroPreTrainedModel, GenerationMixin):
@@ -469,7 +446,7 @@ class OuroForCausalLM(OuroPreTrainedModel, GenerationMixin):
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
             exit_at_step=exit_at_step,
-            cache=_pick_cache(past_key_values, cache),
+            cache=pick_cache(past_key_values, cache),
             **kwargs,
         )
         hidden_states = outputs.last_hidden_state
@@ -481,7 +458,7 @@ class OuroForCausalLM(OuroPreTrainedModel, GenerationMixin):
         loss = None
         if labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.vocab_size, **kwargs)
-        return CausalLMOutputWithPast(loss=loss, logits=logits, **{_OUTPUT_CACHE_FIELD: outputs.cache})
+        return CausalLMOutputWithPast(loss=loss, logits=logits, **{OUTPUT_CACHE_FIELD: outputs.cache})
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
         """Give ``generate`` a :func:`dense_cache` with ``T * L`` cells when the user passes no cache
@@ -502,9 +479,7 @@ class OuroForCausalLM(OuroPreTrainedModel, GenerationMixin):
         A cache passed in holds one conversation: ``cache.reset()`` between unrelated requests. A cache that a
         previous ``generate`` filled is checked here: input that does not start with the positions it holds (a new,
         unrelated prompt) is refused with that fix, before anything is written."""
-        if _OUTPUT_CACHE_FIELD == "cache" and "past_key_values" in kwargs:
-            # transformers >= ~5.2x renamed generate's cache argument; accept the old name without a warning
-            kwargs["cache"] = _pick_cache(kwargs.pop("past_key_values"), kwargs.get("cache"))
+        generate_cache_kwargs(kwargs)  # past_key_values= where transformers now says cache=
         cache = kwargs.get("cache")
         if cache is None:
             cache = kwargs.get("past_key_values")

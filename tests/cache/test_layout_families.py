@@ -115,3 +115,14 @@ def test_dory_last_loop_writes_only_the_last_loop():
     assert [layout.slot(i).cell for i in (2, 4, 5)] == [Cell(2, 0), Cell(2, 1), Cell(2, 2)]
     with pytest.raises(ValueError, match="no cache index of its own"):
         layout.flat_index(Cell(0, 0))
+    # the indices the earlier loops read (shared_kv_states[layer_idx], sliding core layer 3 included)
+    torch.manual_seed(0)
+    model, read = DoryForCausalLM(config).eval(), []
+    for layer in model.model.layers:
+        layer.self_attn.register_forward_pre_hook(
+            lambda m, _a, kw: read.append(m.layer_idx) if kw.get("shared_kv_states") is not None else None,
+            with_kwargs=True)
+    with torch.no_grad():
+        model(torch.arange(5)[None], cache=DynamicCache(config=config))
+    assert read == [2, 3, 4, 5] * 2  # loops 0 and 1 over the core
+    assert layout.shared_reads == (2, 3, 4, 5)

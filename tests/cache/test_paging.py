@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import loopkv
-from loopkv.cache.paging import PagePool, PoolFull, pool_pages_for
+from loopkv.cache.paging import PagePool, PoolFull, exact_bytes_per_row, pool_pages_for
 from loopkv.format import page_bytes, stored_pages
 from tests.cache.driver import tiny_ouro
 from tests.tolerances import LOGITS_FP32_ATOL, LOGITS_FP32_RTOL
@@ -117,6 +117,17 @@ def test_a_budget_buys_the_pages_it_can_hold(model):
         pool_pages_for(PLAN, model.config, budget_bytes=2**16, max_batch_size=2, dtype_bytes=4)
 
 
+@pytest.mark.parametrize("length", [1, 31, 32, 33, 100, 318, 319, 700])
+def test_exact_bytes_per_row_are_what_a_cache_allocates(model, length):
+    """A short cache (at most 318 tokens: no page) allocates the sink and ring slots its tokens can fill, a longer one
+    32 + 288: the formula agrees with the sink and ring tensors of every cell, share cells included."""
+    cache = _cache(model, rows=2, length=length)
+    held = sum(getattr(cache.storage(i), name).nbytes for i in range(len(cache.layers))
+               for name in ("sink_k", "sink_v", "win_k", "win_v"))
+    assert held == 2 * exact_bytes_per_row(model.config, max_cache_len=length, dtype_bytes=4)
+    assert held == 2 * 4 * 2 * 2 * 32 * 4 * (length if length <= 318 else 32 + 288)  # 4 cells, K+V, 2 heads x 32
+
+
 def test_what_a_shared_pool_cannot_do_is_refused(model, monkeypatch):
     cache = _cache(model, pool_pages=10)
     with pytest.raises(NotImplementedError, match="beam search"):
@@ -124,7 +135,8 @@ def test_what_a_shared_pool_cannot_do_is_refused(model, monkeypatch):
     with pytest.raises(ValueError, match="not a row"):
         cache.release([2])
     # so transformers' generate decodes it eagerly instead of compiling its forward (on CUDA it would)
-    assert not cache.is_compileable and _cache(model).is_compileable
+    assert not cache.is_compileable
+    assert _cache(model).is_compileable
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     q, k = torch.zeros(2, 4, 32), torch.zeros(2, 2, 1, 32)
     with pytest.raises(NotImplementedError, match="compile"):

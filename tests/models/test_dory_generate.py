@@ -16,8 +16,9 @@ import pytest
 import torch
 
 import loopkv
-from loopkv.cache.paging import exact_bytes_per_row
+from loopkv.cache.paging import exact_bytes_per_row, pool_pages_for
 from loopkv.families import DORY_MIN_TRANSFORMERS, layout_of
+from loopkv.format import page_bytes
 from loopkv.models.ouro import OuroConfig
 from tests.cache.driver import CodecHistoryCache
 from tests.cache.test_short_cache import allocated_bytes
@@ -201,6 +202,21 @@ def test_memory_report_is_what_is_allocated(mode, max_cache_len):
     report = cache.memory_report()
     assert allocated_bytes(cache) == report.total_bytes == _bytes_by_hand(config, plan, max_cache_len, rows)
     assert report.exact_bytes_per_row == exact_bytes_per_row(config, max_cache_len=max_cache_len, dtype_bytes=4)
+
+
+def test_a_budget_buys_pages_of_the_planned_cells_and_the_fixed_exact_slots():
+    """pool_pages_for prices a page in every own pool: 6 INT4 planned cells and the 2 prelude/coda BF16 slots (the
+    sliding windows have none); the cache it sizes fits the budget, and one more page would not."""
+    config = tiny_config()
+    plan = loopkv.Plan.from_config(config, option="int4")
+    budget = 3 * 2**20
+    pages = pool_pages_for(plan, config, budget_bytes=budget, max_batch_size=2, dtype_bytes=4)
+    cache = loopkv.LoopKVCache(plan, config=config, max_batch_size=2, max_cache_len=700, dtype=torch.float32,
+                               device="cpu", pool_pages=pages)
+    report = cache.memory_report()
+    indexing = report.by_component["page_table"] + report.by_component["lengths"]
+    per_page = 6 * page_bytes(4, 2, 32, exact_bytes=4) + 2 * page_bytes(16, 2, 32, exact_bytes=4)
+    assert budget - per_page < report.total_bytes - indexing <= budget
 
 
 def test_the_window_is_what_the_sliding_layers_see():
