@@ -20,7 +20,7 @@ function hands back here (:meth:`SourceRead.attend`):
   the last loop writes, so each sees the source's past and its own token, as Dory does.
 * prefill (the source is empty, as the dense cache is before its first update): exact attention over the loop's own
   prompt (causal, the window for a sliding layer), nothing written.
-* several tokens on a non-empty source (a later turn) are refused, naming ``reset()``.
+* several tokens on a non-empty cache (a later turn) are refused, naming ``reset()``, before anything is written.
 
 The plan gives these loops ``share``: they store nothing (:func:`check_plan`).
 """
@@ -95,12 +95,18 @@ class SourceRead:
                 *st.pool(), st.read_bits, tau, scale)
             return out[:, None]
         if not cache.is_empty(index):
-            raise ValueError(
-                "several new tokens on a non-empty LoopKVCache in Dory's last_loop mode (a later turn): its earlier "
-                "loops would read the last loop's stored past with their own new tokens, which is not built. "
-                "cache.reset() and send the whole conversation, or use recurrent_kv_cache_mode='per_loop'")
+            refuse_later_turn()
         pad = _pad_lengths(attention_mask, B, S, query.device)
         return _prompt_attention(query, k, v, pad, scale, window=cache.layout.sliding_window if sliding else None)
+
+
+def refuse_later_turn() -> None:
+    """Several new tokens on a non-empty cache in this mode: refused (``LoopKVCache.continue_cell`` raises it at the
+    forward's first index, before anything is written)."""
+    raise ValueError(
+        "several new tokens on a non-empty LoopKVCache in Dory's last_loop mode (a later turn): its earlier loops "
+        "would read the last loop's stored past with their own new tokens, which is not built. cache.reset() and send "
+        "the whole conversation, or use recurrent_kv_cache_mode='per_loop'")
 
 
 def attach(cache) -> None:

@@ -394,6 +394,8 @@ class LoopKVCache(Cache):
         if the turn is longer than :meth:`continuation_limit`)."""
         from loopkv.cache.continuation import continue_rows
 
+        if self.layout.reads_without_update:  # Dory's last_loop mode (loopkv/cache/last_loop.py)
+            last_loop.refuse_later_turn()
         self.flush()
         B, S = k.shape[0], k.shape[2]
         held_by_row = self.layers[layer_idx].storage.lengths.cpu()

@@ -233,11 +233,11 @@ def test_a_later_turn_equals_the_dense_cache(model):
     dense cache's tokens and logits for both turns."""
     ids, new = _prompt(20, seed=6), 6
     plan = loopkv.Plan.from_config(model.config, option="bf16")
-    cache, dense = _cache(model, plan, 20 + 2 * new + 7), DynamicCache(config=model.config)
+    cache, dense = _cache(model, plan, 20 + 2 * new + 20), DynamicCache(config=model.config)
     tokens, logits = _generate(model, ids, new, cache)
     ref_tokens, ref_logits = _generate(model, ids, new, dense)
     assert torch.equal(tokens, ref_tokens)
-    ids = torch.cat([ids, tokens, _prompt(7, seed=7)], 1)  # the next turn: 7 tokens after the reply
+    ids = torch.cat([ids, tokens, _prompt(20, seed=7)], 1)  # the next turn: 21 new tokens, more than the window
     tokens, logits = _generate(model, ids, new, cache)
     ref_tokens, ref_logits = _generate(model, ids, new, dense)
     assert torch.equal(tokens, ref_tokens)
@@ -280,10 +280,12 @@ def test_last_loop_mode_refuses_a_plan_that_stores_the_earlier_loops():
         loopkv.LoopKVCache(plan, config=config, max_batch_size=1, max_cache_len=64, device="cpu")
 
 
-def test_last_loop_mode_refuses_a_later_turn(last_loop_model):
+def test_last_loop_mode_refuses_a_later_turn_before_writing(last_loop_model):
     plan = loopkv.Plan.from_config(last_loop_model.config, option="bf16", shared_loops=[0, 1])
     cache = _cache(last_loop_model, plan, 40)
     ids = _prompt(10, seed=9)
     tokens, _ = _generate(last_loop_model, ids, 3, cache)
+    held = [cache.storage(i).lengths.clone() for i in range(len(cache.layers))]
     with pytest.raises(ValueError, match=r"last_loop mode \(a later turn\).*cache.reset\(\)"):
         _generate(last_loop_model, torch.cat([ids, tokens, ids], 1), 2, cache)
+    assert all(torch.equal(cache.storage(i).lengths, h) for i, h in enumerate(held))
