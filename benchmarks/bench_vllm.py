@@ -236,7 +236,10 @@ def print_table(result: dict) -> None:
 
 PLAN_PROMPT_LENGTHS = (17, 290, 1000, 2100)  # inside the sink, just past sink + window (288), a few pages, more
 PLAN_NEW_TOKENS = 48
-PLAN_ARMS = ("vllm", "vllm_again", "loopkv")
+PLAN_LOGPROBS = 20  # top-K logprobs per generated token (vLLM's default max_logprobs)
+PLAN_BLOCK_SIZE = 32  # every arm: loopkv's cells need it (one block per page), vLLM's own serve it too
+CHECK_ARMS = ("vllm", "vllm_again", "loopkv")  # an all-bf16 plan: the plugin must give vLLM's own tokens
+COMPARE_ARMS = ("vllm", "loopkv")  # a quantized plan: how far its tokens and logits stay from vLLM BF16
 PLAN_CLASSES = {"vllm": "OuroForCausalLM", "vllm_again": "OuroForCausalLM", "loopkv": "LoopKVOuroForCausalLM"}
 
 
@@ -265,6 +268,47 @@ def compare_tokens(reference: list[list[int]], other: list[list[int]]) -> dict:
             "first_divergence": diverge}
 
 
+def topk_kl(p: dict, q: dict) -> float | None:
+    """KL(p || q) over the tokens both top-K sets hold, each renormalized over them (natural log); None if they
+    share no token. ``p``, ``q``: token -> logprob (vLLM's top-K logprobs at one position)."""
+    import math
+
+    shared = [t for t in p if t in q]
+    if not shared:
+        return None
+    lp = [p[t] for t in shared]
+    lq = [q[t] for t in shared]
+    zp = math.log(sum(math.exp(x) for x in lp))
+    zq = math.log(sum(math.exp(x) for x in lq))
+    return sum(math.exp(a - zp) * ((a - zp) - (b - zq)) for a, b in zip(lp, lq, strict=True))
+
+
+def compare_logprobs(ref_tokens: list[list[int]], ref_lp: list[list[dict]], other_lp: list[list[dict]],
+                     divergences: list[int | None]) -> dict:
+    """The two arms' logprobs where their contexts are the same (each prompt's positions up to and including its
+    first divergence): top-1 agreement, the top-K KL (:func:`topk_kl`) and the gap between the logprobs the two
+    give the reference's greedy token. Position lists are of dicts token -> logprob (JSON keys may be strings)."""
+    rows, top1, kls, gaps = [], [], [], []
+    for toks, lp_r, lp_o, d in zip(ref_tokens, ref_lp, other_lp, divergences, strict=True):
+        n = min(len(lp_r), len(lp_o)) if d is None else min(d + 1, len(lp_r), len(lp_o))
+        for i in range(n):
+            p = {int(t): float(v) for t, v in lp_r[i].items()}
+            q = {int(t): float(v) for t, v in lp_o[i].items()}
+            top1.append(max(p, key=p.get) == max(q, key=q.get))
+            kl = topk_kl(p, q)
+            if kl is not None:
+                kls.append(kl)
+            if toks[i] in p and toks[i] in q:
+                gaps.append(abs(p[toks[i]] - q[toks[i]]))
+        rows.append(n)
+    mean = (lambda xs: sum(xs) / len(xs) if xs else None)
+    return {"positions_per_prompt": rows, "positions": len(top1), "top1_agreement": mean(top1),
+            "topk_kl_mean": mean(kls), "topk_kl_max": max(kls) if kls else None,
+            "ref_token_logprob_gap_mean": mean(gaps), "ref_token_logprob_gap_max": max(gaps) if gaps else None,
+            "what": f"positions whose context is the same in both arms (up to each prompt's first divergence); "
+                    f"KL over the tokens both top-{PLAN_LOGPROBS} lists hold, renormalized over them"}
+
+
 def check_plan(path: str):
     """The plan at ``path``, checked as the plugin will check it on the dummy model's config (fails before vLLM)."""
     from bench_decode import ouro_1p4b_config
@@ -277,8 +321,14 @@ def check_plan(path: str):
     return plan
 
 
+def plan_arms(plan) -> tuple[str, ...]:
+    """``CHECK_ARMS`` for an all-bf16 plan (tokens must be vLLM's), else ``COMPARE_ARMS``."""
+    return CHECK_ARMS if set(plan.options) == {"bf16"} else COMPARE_ARMS
+
+
 def run_plan_arm(args) -> dict:
-    """One arm of ``--plan``, in this (fresh) process: vLLM in process, greedy tokens of the seeded prompts."""
+    """One arm of ``--plan``, in this (fresh) process: vLLM in process, greedy tokens and their top-K logprobs for
+    the seeded prompts, then (``--plan-decode-context``) decode tok/s of one request at that context."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the plugin's registration must reach the engine
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # apply_model's function
@@ -297,13 +347,15 @@ def run_plan_arm(args) -> dict:
     import loopkv.models
 
     loopkv.models.register_ouro()
-    prompts = plan_prompts(vocab=ouro_config_dict()["vocab_size"])
+    vocab = ouro_config_dict()["vocab_size"]
+    prompts = plan_prompts(vocab=vocab)
+    ctx, n1, n2 = args.plan_decode_context, args.plan_decode_base, args.plan_decode_base + args.plan_decode_tokens
     tmp = tempfile.TemporaryDirectory()
+    max_len = max(max(PLAN_PROMPT_LENGTHS) + PLAN_NEW_TOKENS, ctx + n2 if ctx else 0) + 64
     engine_kw = dict(model=str(write_model_dir(tmp.name)), load_format="dummy", dtype="bfloat16",
-                     kv_cache_dtype="auto", skip_tokenizer_init=True,
-                     max_model_len=max(PLAN_PROMPT_LENGTHS) + PLAN_NEW_TOKENS + 64, enforce_eager=args.enforce_eager,
-                     gpu_memory_utilization=args.gpu_memory_utilization, enable_prefix_caching=False,
-                     max_num_seqs=len(prompts), seed=0)
+                     kv_cache_dtype="auto", skip_tokenizer_init=True, max_model_len=max_len,
+                     enforce_eager=args.enforce_eager, gpu_memory_utilization=args.gpu_memory_utilization,
+                     enable_prefix_caching=False, block_size=PLAN_BLOCK_SIZE, max_num_seqs=len(prompts), seed=0)
     if args.attention_backend:
         engine_kw["attention_backend"] = args.attention_backend
     with Step(f"[{args.arm}] vllm.LLM") as s:
@@ -317,34 +369,65 @@ def run_plan_arm(args) -> dict:
         result["model_class"] = None
         result["model_class_error"] = repr(exc)
     sp = SamplingParams(max_tokens=PLAN_NEW_TOKENS, min_tokens=PLAN_NEW_TOKENS, ignore_eos=True, temperature=0.0,
-                        detokenize=False)
-    with Step(f"[{args.arm}] generate {PLAN_NEW_TOKENS} greedy tokens for prompts of {PLAN_PROMPT_LENGTHS}"):
+                        detokenize=False, logprobs=PLAN_LOGPROBS)
+    with Step(f"[{args.arm}] generate {PLAN_NEW_TOKENS} greedy tokens for prompts of {PLAN_PROMPT_LENGTHS}") as s:
         outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False)
+    result["generate_s"] = round(s.seconds, 2)
     result["tokens"] = [list(o.outputs[0].token_ids) for o in outs]
+    result["logprobs"] = [[{str(t): round(float(lp.logprob), 5) for t, lp in pos.items()} for pos in
+                           (o.outputs[0].logprobs or [])] for o in outs]
+    if ctx:
+        import numpy as np
+
+        prompt = [TokensPrompt(prompt_token_ids=np.random.default_rng(1).integers(1, vocab, size=ctx).tolist())]
+        times = {}
+        for n in (n1, n2):
+            sp = SamplingParams(max_tokens=n, min_tokens=n, ignore_eos=True, temperature=0.0, detokenize=False)
+            with Step(f"[{args.arm}] B=1 ctx={ctx} generate {n} tokens") as s:
+                made = len(llm.generate(prompt, sp, use_tqdm=False)[0].outputs[0].token_ids)
+            if made != n:
+                raise RuntimeError(f"asked for {n} tokens at {ctx}, vLLM generated {made}")
+            times[n] = s.seconds
+        result["decode"] = {"context": ctx, "batch": 1, "base_tokens": n1, "full_tokens": n2,
+                            "t_base_s": round(times[n1], 3), "t_full_s": round(times[n2], 3),
+                            "tok_s": round(decode_tok_s(1, n1, n2 - n1, times[n1], times[n2]), 1),
+                            "step_ms": round((times[n2] - times[n1]) / (n2 - n1) * 1e3, 3)}
+        log(f"[{args.arm}] decode at {ctx}: {result['decode']['tok_s']} tok/s")
     tmp.cleanup()
     return result
 
 
 def run_plan(args, out: str) -> dict:
-    """``--plan``: check the plan, run the three arms in fresh processes, compare their tokens (module docstring)."""
+    """``--plan``: check the plan, run its arms in fresh processes, compare their tokens, logprobs and decode rates
+    (module docstring)."""
     from run_info import run_info, write_json
 
     t0 = time.perf_counter()
     plan = check_plan(args.plan)
+    arms_run = plan_arms(plan)
     result = {"plan": os.path.abspath(args.plan), "plan_options": sorted(set(plan.options)),
-              "prompt_lengths": list(PLAN_PROMPT_LENGTHS), "new_tokens": PLAN_NEW_TOKENS, "arms": {}, "errors": []}
+              "mode": "check" if arms_run == CHECK_ARMS else "compare", "prompt_lengths": list(PLAN_PROMPT_LENGTHS),
+              "new_tokens": PLAN_NEW_TOKENS, "block_size": PLAN_BLOCK_SIZE, "enforce_eager": args.enforce_eager,
+              "arms": {}, "errors": []}
     with tempfile.TemporaryDirectory() as tmp:
-        for arm in PLAN_ARMS:
+        for arm in arms_run:
             arm_out = os.path.join(tmp, f"{arm}.json")
             cmd = [sys.executable, str(HERE / "bench_vllm.py"), "--plan", args.plan, "--arm", arm, "--out", arm_out,
-                   "--gpu-memory-utilization", str(args.gpu_memory_utilization)]
+                   "--gpu-memory-utilization", str(args.gpu_memory_utilization),
+                   "--plan-decode-context", str(args.plan_decode_context),
+                   "--plan-decode-base", str(args.plan_decode_base),
+                   "--plan-decode-tokens", str(args.plan_decode_tokens)]
             cmd += ["--enforce-eager"] if args.enforce_eager else []
             cmd += ["--attention-backend", args.attention_backend] if args.attention_backend else []
             with Step(f"arm {arm} (subprocess)"):
-                proc = subprocess.run(cmd, cwd=HERE.parent, timeout=args.arm_timeout, check=False)
-            if proc.returncode or not os.path.exists(arm_out):
+                try:
+                    proc = subprocess.run(cmd, cwd=HERE.parent, timeout=args.arm_timeout, check=False)
+                    status = proc.returncode
+                except subprocess.TimeoutExpired:
+                    status = f"timed out after {args.arm_timeout} s"
+            if status or not os.path.exists(arm_out):
                 written = json.loads(pathlib.Path(arm_out).read_text()) if os.path.exists(arm_out) else {}
-                result["errors"].append({"arm": arm, "exit_status": proc.returncode, "error": written.get("error")})
+                result["errors"].append({"arm": arm, "exit_status": status, "error": written.get("error")})
                 continue
             result["arms"][arm] = json.loads(pathlib.Path(arm_out).read_text())
     arms = result["arms"]
@@ -352,16 +435,27 @@ def run_plan(args, out: str) -> dict:
         classes = got.get("model_class")
         got["model_class_ok"] = None if classes is None else all(c == PLAN_CLASSES[arm] for c in classes)
     if "vllm" in arms:
-        for arm in ("vllm_again", "loopkv"):
+        for arm in arms_run[1:]:
             if arm in arms:
-                result[f"{arm}_vs_vllm"] = compare_tokens(arms["vllm"]["tokens"], arms[arm]["tokens"])
+                cmp = compare_tokens(arms["vllm"]["tokens"], arms[arm]["tokens"])
+                if arms["vllm"].get("logprobs") and arms[arm].get("logprobs"):
+                    cmp["logprobs"] = compare_logprobs(arms["vllm"]["tokens"], arms["vllm"]["logprobs"],
+                                                       arms[arm]["logprobs"], cmp["first_divergence"])
+                result[f"{arm}_vs_vllm"] = cmp
+        ref = arms["vllm"].get("decode")
+        got = arms.get("loopkv", {}).get("decode")
+        if ref and got:
+            result["decode_loopkv_over_vllm"] = round(got["tok_s"] / ref["tok_s"], 3)
     import torch
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     result = {**run_info(__file__, None, device), **result, "wall_s": round(time.perf_counter() - t0, 1)}
-    result["complete"] = not result["errors"] and len(arms) == len(PLAN_ARMS)
-    result["loopkv_equals_vllm"] = bool(result.get("loopkv_vs_vllm", {}).get("equal")) and (
-        arms.get("loopkv", {}).get("model_class_ok") is True)
+    result["complete"] = not result["errors"] and len(arms) == len(arms_run)
+    loopkv = arms.get("loopkv", {})
+    result["loopkv_generates"] = (loopkv.get("model_class_ok") is True and bool(loopkv.get("tokens"))
+                                  and all(len(t) == PLAN_NEW_TOKENS for t in loopkv["tokens"]))
+    result["loopkv_equals_vllm"] = bool(result.get("loopkv_vs_vllm", {}).get("equal")) and result["loopkv_generates"]
+    result["passed"] = result["loopkv_equals_vllm"] if result["mode"] == "check" else result["loopkv_generates"]
     write_json(out, result)
     log(f"wrote {out}")
     print_plan_table(result)
@@ -369,8 +463,12 @@ def run_plan(args, out: str) -> dict:
 
 
 def print_plan_table(result: dict) -> None:
-    print(f"\n{'arm':12s} {'model class':24s} {'blocks':>8s} {'prompts equal to vllm':>22s}  first divergence")
-    for arm in PLAN_ARMS:
+    arms_run = CHECK_ARMS if result.get("mode", "check") == "check" else COMPARE_ARMS
+    print(f"\nplan {result.get('plan_options')} ({result.get('mode', 'check')}), block size "
+          f"{result.get('block_size')}, enforce_eager={result.get('enforce_eager')}")
+    print(f"{'arm':12s} {'model class':24s} {'blocks':>8s} {'prompts = vllm':>15s} {'decode tok/s':>13s}  "
+          "first divergence")
+    for arm in arms_run:
         got = result["arms"].get(arm)
         if got is None:
             print(f"{arm:12s} FAILED (see the log)")
@@ -378,9 +476,19 @@ def print_plan_table(result: dict) -> None:
         cmp = result.get(f"{arm}_vs_vllm")
         equal = "reference" if arm == "vllm" else (f"{cmp['prompts_equal']}/{len(cmp['first_divergence'])}"
                                                    if cmp else "?")
+        dec = got.get("decode") or {}
+        rate = f"{dec['tok_s']:.1f}" if dec else "-"
         print(f"{arm:12s} {str((got.get('model_class') or ['?'])[0]):24s} {str(got.get('num_gpu_blocks')):>8s} "
-              f"{equal:>22s}  {cmp['first_divergence'] if cmp else ''}")
-    print(f"loopkv equals vllm: {result['loopkv_equals_vllm']}")
+              f"{equal:>15s} {rate:>13s}  {cmp['first_divergence'] if cmp else ''}")
+    lp = result.get("loopkv_vs_vllm", {}).get("logprobs")
+    if lp:
+        print(f"loopkv vs vllm logprobs over {lp['positions']} same-context positions: top-1 agreement "
+              f"{lp['top1_agreement']}, top-{PLAN_LOGPROBS} KL mean {lp['topk_kl_mean']} max {lp['topk_kl_max']}, "
+              f"|logprob gap| of vllm's token mean {lp['ref_token_logprob_gap_mean']}")
+    if "decode_loopkv_over_vllm" in result:
+        print(f"decode at {result['arms']['vllm']['decode']['context']} (B=1): loopkv / vllm = "
+              f"{result['decode_loopkv_over_vllm']}")
+    print(f"loopkv generates: {result['loopkv_generates']}; loopkv equals vllm: {result['loopkv_equals_vllm']}")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -403,8 +511,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true",
                    help=f"first attempt: {QUICK}, enforce_eager, no StaticCache run")
     p.add_argument("--plan", default=None,
-                   help="an all-bf16 plan JSON: check the plugin's greedy tokens against vLLM's (no measurement)")
-    p.add_argument("--arm", choices=PLAN_ARMS, default=None, help="with --plan: run one arm in this process")
+                   help="a plan JSON: all-bf16, check the plugin's greedy tokens against vLLM's; all-int4, compare "
+                        "its tokens, logprobs and decode rate with vLLM BF16")
+    p.add_argument("--arm", choices=CHECK_ARMS, default=None, help="with --plan: run one arm in this process")
+    p.add_argument("--plan-decode-context", type=int, default=0,
+                   help="with --plan: also measure decode tok/s of one request at this context (0: not)")
+    p.add_argument("--plan-decode-base", type=int, default=16, help="with --plan: N1 of the decode measurement")
+    p.add_argument("--plan-decode-tokens", type=int, default=128, help="with --plan: N2 - N1 decode steps timed")
     p.add_argument("--arm-timeout", type=int, default=420, help="with --plan: seconds allowed to each arm")
     p.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/vllm.json; "
                                                "with --quick vllm_quick.json, with --plan vllm_plan.json)")
@@ -435,7 +548,7 @@ def main(argv=None) -> dict:
         return {}
     if args.plan is not None:
         result = run_plan(args, args.out or str(HERE / "results" / "vllm_plan.json"))
-        if not result["loopkv_equals_vllm"]:
+        if not result["passed"]:
             raise SystemExit(1)
         return result
     from run_info import run_info, write_json

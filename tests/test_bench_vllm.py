@@ -87,7 +87,9 @@ def test_check_plan_refuses_before_the_gpu(bench, tmp_path):
     Plan.from_config(config, option="bf16").to_json(path)
     assert set(bench.check_plan(str(path)).options) == {"bf16"}
     Plan.from_config(config, option="int4").to_json(path)
-    with pytest.raises(ValueError, match="96 cells that are not bf16"):
+    assert bench.plan_arms(bench.check_plan(str(path))) == bench.COMPARE_ARMS
+    Plan.from_config(config, option="int2").to_json(path)
+    with pytest.raises(ValueError, match="cells are 96 int2"):
         bench.check_plan(str(path))
     Plan.from_config(importlib.import_module("bench_decode").smoke_config(), option="bf16").to_json(path)
     with pytest.raises(ValueError, match="does not fit the model"):
@@ -116,13 +118,70 @@ def test_run_plan_compares_the_arms(bench, tmp_path, monkeypatch, loopkv_tokens,
                                                  "num_gpu_blocks": 100}))
         return SimpleNamespace(returncode=0)
 
+    monkeypatch.setattr(bench, "PLAN_NEW_TOKENS", 3)
+
     monkeypatch.setattr(bench.subprocess, "run", fake_run)
     args = bench.build_parser().parse_args(["--plan", str(plan_path)])
     result = bench.run_plan(args, str(tmp_path / "out.json"))
-    assert result["loopkv_equals_vllm"] is equal
+    assert result["loopkv_equals_vllm"] is equal and result["passed"] is equal and result["mode"] == "check"
     assert result["complete"]
     assert result["vllm_again_vs_vllm"]["equal"]
     if loopkv_tokens:
         assert result["loopkv_vs_vllm"]["first_divergence"] == [2, None]
     written = json.loads((tmp_path / "out.json").read_text())
     assert written["loopkv_equals_vllm"] is equal
+
+
+def test_topk_kl(bench):
+    import math
+
+    p = {1: math.log(0.5), 2: math.log(0.25), 3: math.log(0.25)}
+    assert bench.topk_kl(p, dict(p)) == pytest.approx(0.0, abs=1e-12)
+    q = {1: math.log(0.25), 2: math.log(0.5), 9: math.log(0.25)}  # shared: 1, 2 -> p (2/3, 1/3), q (1/3, 2/3)
+    want = 2 / 3 * math.log(2) + 1 / 3 * math.log(0.5)
+    assert bench.topk_kl(p, q) == pytest.approx(want)
+    assert bench.topk_kl({1: 0.0}, {2: 0.0}) is None
+
+
+def test_compare_logprobs_uses_same_context_positions(bench):
+    import math
+
+    lp = lambda d: {str(t): math.log(v) for t, v in d.items()}  # noqa: E731 (JSON keys are strings)
+    ref_tokens = [[1, 2, 3], [4, 4]]
+    ref = [[lp({1: .6, 2: .4}), lp({2: .7, 1: .3}), lp({3: .9, 1: .1})], [lp({4: .5, 5: .5}), lp({4: .6, 5: .4})]]
+    other = [[lp({1: .6, 2: .4}), lp({1: .5, 2: .5}), lp({7: 1.0})], [lp({4: .5, 5: .5}), lp({4: .6, 5: .4})]]
+    got = bench.compare_logprobs(ref_tokens, ref, other, [1, None])  # prompt 0 diverges at 1: positions 0, 1
+    assert got["positions_per_prompt"] == [2, 2] and got["positions"] == 4
+    assert got["top1_agreement"] == pytest.approx(3 / 4)  # position 1 of prompt 0: 2 against 1 (tie -> first)
+    assert got["ref_token_logprob_gap_max"] == pytest.approx(abs(math.log(.7) - math.log(.5)))
+    assert got["topk_kl_max"] == pytest.approx(.7 * math.log(.7 / .5) + .3 * math.log(.3 / .5))
+
+
+def test_run_plan_compares_a_quantized_plan(bench, tmp_path, monkeypatch):
+    from loopkv.planning.plan import Plan
+
+    config = importlib.import_module("bench_decode").ouro_1p4b_config()
+    plan_path = tmp_path / "plan.json"
+    Plan.from_config(config, option="int4").to_json(plan_path)
+    ran = []
+
+    def fake_run(cmd, **kwargs):
+        arm, out = cmd[cmd.index("--arm") + 1], cmd[cmd.index("--out") + 1]
+        ran.append(arm)
+        assert cmd[cmd.index("--plan-decode-context") + 1] == "16384"
+        tokens = [[5, 6, 7], [8, 9, 10]] if arm == "vllm" else [[5, 6, 0], [8, 9, 10]]
+        lps = [[{str(t): -0.1} for t in row] for row in tokens]
+        decode = {"tok_s": 100.0 if arm == "vllm" else 80.0, "context": 16384}
+        pathlib.Path(out).write_text(json.dumps({"arm": arm, "tokens": tokens, "logprobs": lps, "decode": decode,
+                                                 "model_class": [bench.PLAN_CLASSES[arm]], "num_gpu_blocks": 9}))
+        return SimpleNamespace(returncode=0)
+
+    monkeypatch.setattr(bench.subprocess, "run", fake_run)
+    monkeypatch.setattr(bench, "PLAN_NEW_TOKENS", 3)
+    args = bench.build_parser().parse_args(["--plan", str(plan_path), "--plan-decode-context", "16384"])
+    result = bench.run_plan(args, str(tmp_path / "out.json"))
+    assert ran == ["vllm", "loopkv"] and result["mode"] == "compare"
+    assert result["passed"] and result["loopkv_generates"] and not result["loopkv_equals_vllm"]
+    assert result["loopkv_vs_vllm"]["first_divergence"] == [2, None]
+    assert result["loopkv_vs_vllm"]["logprobs"]["positions_per_prompt"] == [3, 3]
+    assert result["decode_loopkv_over_vllm"] == 0.8

@@ -124,7 +124,7 @@ class LoopKVImpl(AttentionImpl[LoopKVMetadata]):
         forward_cell(layer.loopkv_exact(), self.pool(kv_cache, query.dtype), attn_metadata.step,
                      query[:n].view(n, self.num_heads, self.head_size), key[:n].view(n, self.num_kv_heads, -1),
                      value[:n].view(n, self.num_kv_heads, -1), out[:n], bits=BITS, tau=layer.loopkv_tau,
-                     scale=self.scale)
+                     scale=self.scale, name=getattr(layer, "layer_name", "cell"))
         return output
 
 

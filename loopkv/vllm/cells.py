@@ -29,6 +29,7 @@ from torch import Tensor
 
 from loopkv.format import (PAGE, POOL_FIELDS, QUANTIZE_LENGTH, RING, SINK, n_pages, page_bytes, pool_field_kind,
                            pool_field_shapes, stored_pages)
+from loopkv.ops import cache_ops, step_ops  # noqa: F401 (register torch.ops.loopkv.write_pages_, token_attention_)
 
 _KINDS = {"float16": torch.float16, "uint8": torch.uint8}
 
@@ -298,11 +299,11 @@ def _write_prompt(cell: CellExact, pool: tuple[Tensor, ...], page_table: Tensor,
 
 
 def forward_cell(cell: CellExact, pool: tuple[Tensor, ...], step: Step, query: Tensor, key: Tensor, value: Tensor,
-                 output: Tensor, *, bits: int, tau: float, scale: float) -> Tensor:
+                 output: Tensor, *, bits: int, tau: float, scale: float, name: str = "cell") -> Tensor:
     """Write the step's tokens into one cell and attend with the served semantics (module docstring).
 
     query [T, Hq, D], key, value [T, H, D] (vLLM's packed batch, ``T >= step.num_tokens``); writes ``output``
-    [T, Hq, D] for the step's tokens and returns it."""
+    [T, Hq, D] for the step's tokens and returns it. ``name``: the cell's, for errors (vLLM's layer name)."""
     from loopkv.cache import checks
     from loopkv.cache.continuation import continue_rows
 
@@ -314,7 +315,7 @@ def forward_cell(cell: CellExact, pool: tuple[Tensor, ...], step: Step, query: T
         v = value[row.begin:row.end].transpose(0, 1)
         if row.start == 0:
             if bits in (4, 2) and (checks.uncodable(k) | checks.uncodable(v)).any():
-                raise checks.uncodable_error([-1])
+                raise checks.uncodable_error([name])
             _write_prompt(cell, pool, step.page_table, row.slot, k, v, bits)
             out = _exact_prompt(q, k, v, scale)
         else:

@@ -133,8 +133,8 @@ def check_servable(plan: Plan) -> None:
         counts[plan.option(c)] = counts.get(plan.option(c), 0) + 1
     tally = ", ".join(f"{n} {o}" for o, n in sorted(counts.items()))
     raise ValueError(
-        f"the loopkv plan has cells of {len(options)} options ({tally}); loopkv's vLLM plugin serves only plans with "
-        "one option for every cell, bf16 or int4, so far (docs/vllm.md, \"Not built\"). Serve this plan with "
+        f"the loopkv plan's cells are {tally}; loopkv's vLLM plugin serves only plans with one option for every "
+        "cell, bf16 or int4, so far (docs/vllm.md, \"Not built\"). Serve this plan with "
         "loopkv's own engine (loopkv serve, loopkv.serving), or use a uniform plan "
         "(Plan.from_config(config, option='int4')) in vLLM")
 

@@ -249,3 +249,95 @@ def test_builder_and_impl_equal_loopkv_cache(backend):
 def test_impl_refuses_what_it_does_not_serve(backend):
     with pytest.raises(ValueError, match="without \\['sliding_window'\\]"):
         backend.LoopKVImpl(4, 32, 0.1, num_kv_heads=2, sliding_window=128)
+
+
+def test_vllm_ouro_with_an_int4_plan_serves_loopkv_cells(backend, tmp_path):
+    # vLLM's own Ouro built by LoopKVOuroForCausalLM with a uniform-INT4 plan, run eagerly on CPU through vLLM's
+    # Attention layer (vLLM's native ops, dummy weights): every cell is loopkv's, and over a prompt and decode steps
+    # each cell's output equals LoopKVCache's for the same q/k/v, read in the model's order
+    import json
+    import math
+
+    from vllm.config import (CacheConfig, CompilationConfig, CompilationMode, DeviceConfig, SchedulerConfig,
+                             VllmConfig, set_current_vllm_config)
+    from vllm.distributed import parallel_state
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.forward_context import set_forward_context
+    from vllm.model_executor.model_loader.weight_utils import initialize_dummy_weights
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+    from vllm.v1.worker.gpu.attn_utils import get_kv_cache_spec
+    from vllm.v1.worker.utils import bind_kv_cache
+
+    import loopkv.models
+    from loopkv.cache.attention import loopkv_attention
+    from loopkv.cache.loop_cache import LoopKVCache
+    from loopkv.format import page_bytes
+    from loopkv.vllm.model import LoopKVOuroForCausalLM
+
+    loopkv.models.register_ouro()
+    config = OuroConfig(num_hidden_layers=2, hidden_size=256, num_attention_heads=2, num_key_value_heads=2,
+                        head_dim=128, intermediate_size=64, vocab_size=128, total_ut_steps=2)
+    d = config.to_dict()
+    d.update(architectures=["OuroForCausalLM"], model_type="ouro")
+    (tmp_path / "config.json").write_text(json.dumps(d))
+    plan = Plan.from_config(config, option="int4", tau=3.0)
+    model_config = EngineArgs(model=str(tmp_path), load_format="dummy", dtype="float32", skip_tokenizer_init=True,
+                              max_model_len=1024).create_model_config()
+    vc = VllmConfig(model_config=model_config, device_config=DeviceConfig(device="cpu"),
+                    cache_config=CacheConfig(block_size=32, enable_prefix_caching=False),
+                    scheduler_config=SchedulerConfig(max_num_seqs=2, max_model_len=1024, is_encoder_decoder=False),
+                    compilation_config=CompilationConfig(mode=CompilationMode.NONE, custom_ops=["none"]),
+                    additional_config={"loopkv_plan": plan.to_dict()})
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
+                                                    distributed_init_method=f"file://{tmp_path}/dist")
+    with set_current_vllm_config(vc):
+        if not parallel_state.model_parallel_is_initialized():
+            parallel_state.initialize_model_parallel(1, 1)
+        model = LoopKVOuroForCausalLM(vllm_config=vc)
+        initialize_dummy_weights(model, model_config, low=-0.3, high=0.3)  # K, V of order 1, not vLLM's 1e-3
+        specs = get_kv_cache_spec(vc)
+        names = [f"model.layers.{i}.self_attn.attn" for i in range(4)]  # cell t * L + l
+        assert sorted(specs) == names and {type(s) for s in specs.values()} == {backend.LoopKVPageSpec}
+        bind_kv_cache({n: torch.zeros(40, page_bytes(4, 2, 128), dtype=torch.uint8) for n in names},
+                      vc.compilation_config.static_forward_context, [])
+        builder = backend.LoopKVMetadataBuilder(specs[names[0]], names, vc, torch.device("cpu"))
+        seen = []  # (layer name, q, k, v, out) in the model's order
+        for name in names:
+            layer = vc.compilation_config.static_forward_context[name]
+            assert isinstance(layer, backend.LoopKVAttention) and layer.loopkv_tau == 3.0
+            forward = layer.impl.forward
+
+            def recording(lay, q, k, v, kv, meta, output, *rest, _forward=forward, **kw):
+                out = _forward(lay, q, k, v, kv, meta, output, *rest, **kw)
+                seen.append((lay.layer_name, q.clone(), k.clone(), v.clone(), out.clone()))
+                return out
+
+            layer.impl.forward = recording
+
+        def step(ids, start):
+            n = len(ids)
+            qsl = torch.tensor([0, n], dtype=torch.int32)
+            common = CommonAttentionMetadata(
+                query_start_loc=qsl, query_start_loc_cpu=qsl, seq_lens=torch.tensor([start + n], dtype=torch.int32),
+                num_reqs=1, num_actual_tokens=n, max_query_len=n, max_seq_len=start + n,
+                block_table_tensor=torch.arange(7, 7 + 20, dtype=torch.int32)[None],
+                slot_mapping=torch.zeros(n, dtype=torch.long))
+            meta = builder.build(0, common)
+            with set_forward_context({nm: meta for nm in names}, vc, slot_mapping={nm: common.slot_mapping
+                                                                                    for nm in names}):
+                return model(torch.tensor(ids), torch.arange(start, start + n))
+
+        gen = torch.Generator().manual_seed(0)
+        hidden = step(torch.randint(1, 128, (330,), generator=gen).tolist(), 0)
+        for i in range(3):  # the third decode token makes the row 333 long: page 0 was quantized at 319
+            hidden = step([int(hidden[-1].abs().argmax()) % 127 + 1], 330 + i)
+        assert torch.isfinite(hidden).all()
+    cache = LoopKVCache(plan, config=config, max_batch_size=1, max_cache_len=1024, dtype=torch.float32, device="cpu")
+    assert [s[0] for s in seen] == names * 4  # 4 forwards, every cell once per forward, loop by loop
+    for name, q, k, v, out in seen:
+        handle, _ = cache.update(k.transpose(0, 1)[None], v.transpose(0, 1)[None], names.index(name))
+        want, _ = loopkv_attention(None, q.transpose(0, 1)[None], handle, handle, None, scaling=128**-0.5)
+        assert 0.1 < float(v.abs().mean()) < 10 and 0.01 < float(want.abs().mean()) < 10  # a real signal
+        torch.testing.assert_close(out.view(want[0].shape), want[0], atol=1e-5, rtol=1e-5, msg=name)
+    assert math.isfinite(float(cache.storage(0).k_scale.float().abs().max()))
