@@ -2,12 +2,13 @@
 tiny shape with Ouro-1.4B's 96 cells, on the CPU (or a GPU if there is one).
 
     python benchmarks/profile_serving.py [--loops 4] [--layers 24] [--requests 8] [--new 48]
-        [--max-batch-tokens 512] [--cprofile 25]
+        [--prompt 40] [--max-batch-tokens 512] [--cprofile 25]
         [--out benchmarks/results/serving_profile.json]
 
-Reports, per decode-only step (every request decoding one token):
+Reports, per decode-only step (every request decoding one token) and per step with prompts or prompt chunks:
 * the step's wall time (from one forward's first cell to the next's: the engine's scheduling, its batch preparation,
-  the model and loopkv's cache, i.e. everything a step costs on the host when the device is fast);
+  the model and loopkv's cache, i.e. everything a step costs on the host when the device is fast); for steps with
+  prompts, the median and each step's packed tokens;
 * the calls that would synchronize the host with a GPU, counted by caller (transformers' engine, loopkv, the rest):
   ``Tensor.tolist``, ``Tensor.item``, ``bool``/``int`` of a tensor, and tensors built from host data with a device
   argument (``torch.tensor(..., device=)``, a blocking host-to-device copy on a GPU);
@@ -102,10 +103,11 @@ def main(argv=None) -> dict:
 
     gen = GenerationConfig(max_new_tokens=args.new, do_sample=False, eos_token_id=-1, pad_token_id=0)
     prompts = [[3 + (i * 7 + j) % 90 for j in range(args.prompt)] for i in range(args.requests)]
-    cb = engine_config(plan, pool_pages=args.requests * 4, max_batch_tokens=args.max_batch_tokens)
+    max_len = max(512, args.prompt + args.new)
+    cb = engine_config(plan, pool_pages=args.requests * -(-max_len // 32), max_batch_tokens=args.max_batch_tokens)
 
-    # per forward: when its first cell ran, whether every token decoded, and the sync counts so far
-    steps: list[tuple[float, bool, collections.Counter]] = []
+    # per forward: when its first cell ran, whether every token decoded, the sync counts so far, its packed tokens
+    steps: list[tuple[float, bool, collections.Counter, int]] = []
     counts: collections.Counter = collections.Counter()
     attend = EngineCache.attend
 
@@ -113,13 +115,13 @@ def main(argv=None) -> dict:
         if cell == 0:
             if not steps and args.cprofile:  # the engine's thread: profile it from its first forward on
                 profiler.enable()
-            steps.append((time.perf_counter(), query.shape[2] <= args.requests, counts.copy()))  # prompts are longer
+            steps.append((time.perf_counter(), query.shape[2] <= args.requests, counts.copy(), query.shape[2]))
         return attend(self, cell, query, *a, **k)
 
     profiler = cProfile.Profile()
     EngineCache.attend = timed_attend
     try:
-        with engine_cache(plan, max_slots=args.requests, max_len=512), count_host_syncs(counts), torch.no_grad():
+        with engine_cache(plan, max_slots=args.requests, max_len=max_len), count_host_syncs(counts), torch.no_grad():
             model.generate_batch(prompts, generation_config=gen, continuous_batching_config=cb)
     finally:
         EngineCache.attend = attend
@@ -133,6 +135,9 @@ def main(argv=None) -> dict:
         per_step.update(c)
     syncs = {f"{who}:{what}": n / len(decode) for (who, what), n in sorted(per_step.items())}
     prompt = [steps[i + 1][2] - steps[i][2] for i in range(len(steps) - 1) if not steps[i][1]]
+    prompt_ms = [(steps[i + 1][0] - steps[i][0]) * 1e3 for i in range(len(steps) - 1) if not steps[i][1]]
+    prompt_tokens = [steps[i][3] for i in range(len(steps) - 1) if not steps[i][1]]
+    prompt_ms_median = sorted(prompt_ms)[len(prompt_ms) // 2] if prompt_ms else None
     per_prompt_step = collections.Counter()
     for c in prompt:
         per_prompt_step.update(c)
@@ -150,6 +155,8 @@ def main(argv=None) -> dict:
         "decode_step_ms_median": step_ms, "host_syncs_per_decode_step": syncs,
         "host_syncs_per_decode_step_total": sum(syncs.values()),
         "prompt_steps_measured": len(prompt), "host_syncs_per_prompt_step": prompt_syncs,
+        "host_syncs_per_prompt_step_total": sum(prompt_syncs.values()), "prompt_step_ms": prompt_ms,
+        "prompt_step_tokens": prompt_tokens, "prompt_step_ms_median": prompt_ms_median,
         "own_time_s_by_package": dict(by_package),
         "top_own_time": [{"own_s": o, "total_s": t, "calls": c, "function": f} for o, t, c, f in rows[:args.cprofile]],
     }
@@ -162,7 +169,9 @@ def main(argv=None) -> dict:
           f"{len(decode)}), host syncs per decode step {result['host_syncs_per_decode_step_total']:.1f}:")
     for name, n in syncs.items():
         print(f"  {name:<40}{n:8.1f}")
-    print(f"host syncs per step with prompts or chunks ({len(prompt)} steps):")
+    print(f"steps with prompts or chunks: {len(prompt)}, packed tokens {prompt_tokens}, "
+          f"ms {[round(m, 1) for m in prompt_ms]} (median {prompt_ms_median or 0:.1f}); host syncs per such step "
+          f"{result['host_syncs_per_prompt_step_total']:.1f}:")
     for name, n in prompt_syncs.items():
         print(f"  {name:<40}{n:8.1f}")
     return result

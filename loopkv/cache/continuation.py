@@ -43,20 +43,27 @@ def share_limit(held: int, source_held: int) -> int:
 
 
 def continue_rows(cache, layer_idx: int, query: Tensor, k: Tensor, v: Tensor, *, scale: float,
-                  rows: list[int] | None = None) -> Tensor:
+                  rows: list[int] | None = None, held: list[int] | None = None,
+                  source_held: list[int] | None = None, check: bool = True) -> Tensor:
     """Write ``k, v`` [B, H, S, D] after what rows ``rows`` (default ``0 .. B-1``) of cell ``layer_idx`` hold and
     attend ``query`` [B, Hq, S, D] with the served semantics; returns [B, S, Hq, D]. The caller has checked the rows
-    and the capacity and reserved the pages."""
+    and the capacity and reserved the pages.
+
+    ``held`` (and, for a ``share`` cell, ``source_held``): the tokens each row (its source's row) holds, where the
+    caller knows them on the host; otherwise they are read from the device (a wait per row on a GPU). ``check=False``:
+    the caller checks that the new tokens are codable itself (a serving engine, once per step: a token found uncodable
+    after it was written fails the step, and the engine frees its requests)."""
     B, H, S, D = k.shape
     rows = list(range(B)) if rows is None else rows
     st = cache._rows(layer_idx, cache.max_batch_size)
-    held = [int(st.lengths[r]) for r in rows]
+    held = [int(st.lengths[r]) for r in rows] if held is None else list(held)
     bits = st.read_bits
     source = None
     if st.own_bits == 0 and bits:
         source = cache._rows(cache.layout.flat_index(cache.layout.source(cache.layout.cell(layer_idx))),
                              cache.max_batch_size)
-        source_held = [int(source.lengths[r]) for r in rows]
+        if source_held is None:
+            source_held = [int(source.lengths[r]) for r in rows]
         limits = [share_limit(h, sh) for h, sh in zip(held, source_held, strict=True)]
         if S > min(limits):
             raise ValueError(
@@ -64,7 +71,7 @@ def continue_rows(cache, layer_idx: int, query: Tensor, k: Tensor, v: Tensor, *,
                 f"here, not {S}: the pages its tokens would read do not exist until its source (the final loop) has "
                 f"run on them. Feed the turn in pieces of at most {min(limits)} tokens (loopkv's Ouro does this "
                 "itself), or use a plan without 'share' cells")
-    if st.own_bits in (4, 2):
+    if check and st.own_bits in (4, 2):
         from loopkv.cache import checks
 
         if (checks.uncodable(k) | checks.uncodable(v)).any():

@@ -4,7 +4,10 @@ An engine's step mixes requests at different stages: some slots decode one token
 chunk of a longer prompt, the rest wait. Per cell, in the model's order:
 
 * :func:`prefill` writes a new request's prompt into its empty slot (``LoopKVCache.prefill_cell`` with ``rows``);
-  its attention over the prompt is exact, as in ``generate``;
+  its attention over the prompt is exact, as in ``generate``. An engine writes all of a step's new prompts at once
+  with :func:`prefill_step`: where each prompt token goes (sink slot, ring slot, history page) is a
+  :class:`PrefillStep`, device index tensors built on the host once per step from the lengths the host knows, so a
+  cell's writes are a few gathers and scatters and read nothing back;
 * :func:`extend` adds several tokens to a slot that holds some (a prompt's next chunk), with the served semantics
   (``loopkv/cache/continuation.py``);
 * :func:`decode` reads and writes one token for each decoding slot: one ``token_attention_`` over every row of the
@@ -26,20 +29,97 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from loopkv.format import PAGE, RING, SINK, n_pages, stored_pages
+
 
 def prefill(cache, cell: int, slot: int, k: Tensor, v: Tensor) -> None:
     """Write a prompt (k, v [H, n, D]) into empty ``slot`` of ``cell``."""
     cache.prefill_cell(cell, k[None], v[None], torch.zeros(1, dtype=torch.long), rows=[slot])
 
 
-def extend(cache, cell: int, slot: int, held: int, query: Tensor, k: Tensor, v: Tensor, *, scale: float) -> Tensor:
-    """Several tokens (k, v [H, n, D], query [Hq, n, D]) after the ``held`` tokens ``slot`` holds (the caller's
-    count: reading it from the device would wait for it); returns [n, Hq, D]."""
+def extend(cache, cell: int, slot: int, held: int, query: Tensor, k: Tensor, v: Tensor, *, scale: float,
+           check: bool = True) -> Tensor:
+    """Several tokens (k, v [H, n, D], query [Hq, n, D]) after the ``held`` tokens ``slot`` holds in every cell
+    before the step (the caller's count: reading it from the device would wait for it); returns [n, Hq, D].
+    ``check=False``: the caller checks the tokens are codable itself (an engine, once per step)."""
     from loopkv.cache.continuation import continue_rows
 
     if k.shape[1] + held > cache.max_cache_len:
         raise ValueError(f"slot {slot} would pass max_cache_len={cache.max_cache_len}")
-    return continue_rows(cache, cell, query[None], k[None], v[None], scale=scale, rows=[slot])[0]
+    return continue_rows(cache, cell, query[None], k[None], v[None], scale=scale, rows=[slot], held=[held],
+                         source_held=[held], check=check)[0]
+
+
+@dataclass(frozen=True)
+class PrefillStep:
+    """Where the tokens of a step's new prompts go, as device index tensors (``*_src``: the packed token; ``*_row``:
+    the slot): sink slots, ring slots, history pages (``page_src`` holds each page's ``PAGE`` tokens in order) and
+    each slot's length after the step. Every cell of a step writes the same places (a ``share`` cell no pages)."""
+
+    sink_src: Tensor
+    sink_row: Tensor
+    sink_pos: Tensor
+    win_src: Tensor
+    win_row: Tensor
+    win_slot: Tensor
+    page_src: Tensor  # [pages * PAGE]
+    page_row: Tensor  # [pages]
+    page_logical: Tensor  # [pages]
+    rows: Tensor
+    lengths: Tensor
+
+    @classmethod
+    def build(cls, prompts: list[tuple[int, int, int]], *, device) -> PrefillStep:
+        """``prompts``: (row, first packed token, tokens) of each new prompt of the step (each row empty before).
+        The same placement as ``LoopKVCache.prefill_cell``: positions ``< SINK`` in the sink, the pages stored at
+        ``n`` tokens (``stored_pages``) from position ``SINK`` on, the positions from ``SINK + PAGE * n_pages(n)``
+        on in the ring."""
+        parts: dict[str, list[int]] = {name: [] for name in cls.__dataclass_fields__}
+        for row, start, n in prompts:
+            ns = min(n, SINK)
+            parts["sink_src"] += range(start, start + ns)
+            parts["sink_row"] += [row] * ns
+            parts["sink_pos"] += range(ns)
+            nst = stored_pages(n)
+            parts["page_src"] += range(start + SINK, start + SINK + PAGE * nst)
+            parts["page_row"] += [row] * nst
+            parts["page_logical"] += range(nst)
+            first = SINK + PAGE * n_pages(n)
+            parts["win_src"] += range(start + first, start + n)
+            parts["win_row"] += [row] * max(0, n - first)
+            parts["win_slot"] += [(p - SINK) % RING for p in range(first, n)]
+            parts["rows"].append(row)
+            parts["lengths"].append(n)
+        host = torch.tensor([x for xs in parts.values() for x in xs], dtype=torch.long)
+        if torch.device(device).type == "cuda":  # pinned: the copy does not wait for the device
+            host = host.pin_memory()
+        buf = host.to(device, non_blocking=True)
+        fields, at = {}, 0
+        for name, xs in parts.items():
+            fields[name] = buf[at:at + len(xs)]
+            at += len(xs)
+        return cls(**fields)
+
+
+def prefill_step(cache, cell: int, step: PrefillStep, k: Tensor, v: Tensor) -> None:
+    """Write every new prompt of ``step`` (k, v: the packed batch [T, H, D]) into ``cell``: the same tensors as
+    ``LoopKVCache.prefill_cell`` per prompt, with a few gathers and scatters and no host read. The caller has
+    reserved the pages, knows the rows were empty and checks that the tokens are codable."""
+    st = cache._rows(cell, cache.max_batch_size)
+    if step.sink_src.numel():
+        st.sink_k[step.sink_row, :, step.sink_pos] = k.index_select(0, step.sink_src)
+        st.sink_v[step.sink_row, :, step.sink_pos] = v.index_select(0, step.sink_src)
+    if step.win_src.numel():
+        st.win_k[step.win_row, :, step.win_slot] = k.index_select(0, step.win_src)
+        st.win_v[step.win_row, :, step.win_slot] = v.index_select(0, step.win_src)
+    pages = step.page_row.numel()
+    if pages and st.own_bits:
+        H, D = k.shape[1:]
+        page_k = k.index_select(0, step.page_src).view(pages, PAGE, H, D).transpose(1, 2).contiguous()
+        page_v = v.index_select(0, step.page_src).view(pages, PAGE, H, D).transpose(1, 2).contiguous()
+        ids = st.page_table[step.page_row, step.page_logical].long()
+        torch.ops.loopkv.write_pages_(page_k, page_v, ids, *st.pool(), st.own_bits)
+    st.lengths[step.rows] = step.lengths.to(st.lengths.dtype)
 
 
 @dataclass(frozen=True)

@@ -17,9 +17,13 @@ history:
   engine prepares the batch (:meth:`schedule`, from its per-request index call), so splitting the packed batch reads
   nothing back from the device;
 * **the model** calls :meth:`update` per cell, as with any transformers cache, and the ``"loopkv"`` attention function
-  hands the packed batch to :meth:`attend`, which runs the prompts and chunks per segment and every decoding slot
-  in one fixed-shape call through ``loopkv/cache/slots.py`` (the decoding rows' gather indices are copied to the
-  device once per step, at the first cell).
+  hands the packed batch to :meth:`attend`, which, through ``loopkv/cache/slots.py``, writes the step's new prompts
+  together (a :class:`~loopkv.cache.slots.PrefillStep`), runs their exact attention and the chunks per segment, and
+  every decoding slot in one fixed-shape call (a :class:`~loopkv.cache.slots.DecodeStep`). Both steps' index tensors
+  are built on the host and copied to the device once per step, at the first cell; nothing is read back per cell.
+* **uncodable prompt tokens** (non-finite, or beyond the INT4/INT2 codec's fp16 range) are flagged on the device per
+  quantized cell and read once, at the step's last cell: such a step raises the cache's usual error and the engine
+  fails its requests and frees their slots, so nothing of it stays stored.
 
 A finished, cancelled or preempted request's slot and pages are freed by ``free_blocks``; a preempted request comes
 back under the same id as a new prompt (its generated tokens appended) and is prefilled again.
@@ -29,13 +33,14 @@ from __future__ import annotations
 
 import logging
 import math
-from collections import OrderedDict
+import time
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from loopkv.cache import slots
+from loopkv.cache import checks, slots
 from loopkv.cache.attention import _prompt_attention
 from loopkv.cache.layer import LoopKVHandle
 from loopkv.cache.loop_cache import LoopKVCache
@@ -43,6 +48,7 @@ from loopkv.format import PAGE
 
 logger = logging.getLogger(__name__)
 LIVES_KEPT = 1024  # requests whose steps EngineCache.lives keeps
+STEPS_KEPT = 4096  # forwards EngineCache.steps keeps
 
 
 class EngineHandle(LoopKVHandle):
@@ -80,6 +86,12 @@ class EngineCache:
         self._held = [0] * max_slots  # tokens each slot holds (the cache's lengths, kept on the host)
         self._scheduled: list[tuple[str, int, int]] | None = None  # (request, past, new) of the batch being prepared
         self._step: _Step | None = None  # the segments of the forward in progress
+        self._uncodable: list[tuple[int, Tensor]] = []  # the step's (cell, device flag: a prompt token is uncodable)
+        self._quantized = any(layer.storage.own_bits in (4, 2) for layer in self.cache.layers)
+        self._no_pad = torch.zeros(1, dtype=torch.long, device=self.device)
+        # the last STEPS_KEPT forwards: (time.perf_counter() at the first cell, decoding rows, prompt and chunk
+        # tokens); a step lasts until the next one starts (what a benchmark times decode steps by)
+        self.steps: deque[tuple[float, int, int]] = deque(maxlen=STEPS_KEPT)
         self.admissions = 0  # slots given out: more than the requests served means some were preempted
         # per request (the last LIVES_KEPT), each admission's (first position, tokens) steps: how its tokens went
         self.lives: OrderedDict[str, list[list[tuple[int, int]]]] = OrderedDict()
@@ -126,6 +138,11 @@ class EngineCache:
             self._free_slots.append(slot)
             self._free_slots.sort()
 
+    @property
+    def requests_held(self) -> int:
+        """Requests holding a slot."""
+        return len(self._slot)
+
     def free_all(self) -> None:
         for request_id in list(self._slot):
             self.free(request_id)
@@ -165,19 +182,26 @@ class EngineCache:
             self._step = self._begin_step(query.shape[2])
         step = self._step
         q, kk, vv = query[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1)  # [T, Hq|H, D]
+        if step.prefill is not None:  # the new prompts' writes, all at once
+            slots.prefill_step(self.cache, cell, step.prefill, kk, vv)
+        if step.checked is not None and self.cache.layers[cell].storage.own_bits in (4, 2):
+            kp, vp = kk.index_select(0, step.checked), vv.index_select(0, step.checked)
+            self._uncodable.append((cell, (checks.uncodable(kp) | checks.uncodable(vp)).any()))
         written = []
         for slot, pos, start, n in step.prompts:
             seg = slice(start, start + n)
-            qs, ks, vs = query[0, :, seg], k[0, :, seg], v[0, :, seg]  # [Hq|H, n, D]
-            if pos == 0:  # a new prompt
-                slots.prefill(self.cache, cell, slot, ks, vs)
-                zero = torch.zeros(1, dtype=torch.long, device=q.device)
-                written.append((seg, _prompt_attention(qs[None], ks[None], vs[None], zero, scale)[0]))
+            qs, ks, vs = query[:, :, seg], k[:, :, seg], v[:, :, seg]  # [1, Hq|H, n, D]
+            if pos == 0:  # a new prompt (written above): exact attention over itself
+                written.append((seg, _prompt_attention(qs, ks, vs, step.no_pad, scale)[0]))
             else:  # a prompt's next chunk
-                written.append((seg, slots.extend(self.cache, cell, slot, pos, qs, ks, vs, scale=scale)))
+                written.append((seg, slots.extend(self.cache, cell, slot, pos, qs[0], ks[0], vs[0], scale=scale,
+                                                  check=False)))
+        last = cell == len(self.cache.layers) - 1
+        if last:
+            self._check_codable()
         if step.decode is not None:
             out = slots.decode(self.cache, cell, step.decode, q, kk, vv, scale=scale)
-            if cell == len(self.cache.layers) - 1:
+            if last:
                 slots.end_step(self.cache, step.decode)
         else:
             out = query.new_zeros(q.shape)
@@ -185,13 +209,27 @@ class EngineCache:
             out[seg] = o
         return out[None]
 
+    def _check_codable(self) -> None:
+        """At the step's last cell: refuse the step if a quantized cell got a prompt token the codec cannot store
+        (one read from the device per step with prompts). The engine then fails the step's requests and frees their
+        slots, so nothing written stays stored."""
+        flags, self._uncodable = self._uncodable, []
+        if flags:
+            read = torch.stack([f for _, f in flags]).cpu().tolist()
+            bad = [cell for (cell, _), f in zip(flags, read, strict=True) if f]
+            if bad:
+                raise checks.uncodable_error(bad)
+
     def _begin_step(self, tokens: int) -> _Step:
         """The forward's first cell: the scheduled segments, checked against what each slot holds, their pages
-        reserved, and the decoding rows as a :class:`~loopkv.cache.slots.DecodeStep`."""
+        reserved, the new prompts' writes as a :class:`~loopkv.cache.slots.PrefillStep` and the decoding rows as a
+        :class:`~loopkv.cache.slots.DecodeStep`."""
         scheduled, self._scheduled = self._scheduled, None
         if scheduled is None:
             raise RuntimeError("the LoopKV engine cache got a forward the engine did not schedule through "
                                "extend_read_and_write_indices")
+        began = time.perf_counter()
+        self._uncodable = []
         prompts, decoding, start = [], [], 0
         for request_id, pos, n in scheduled:
             slot = self._slot[request_id]
@@ -211,16 +249,37 @@ class EngineCache:
             self._held[self._slot[request_id]] = pos + n
         decode = (slots.DecodeStep.build(decoding, rows=self.max_slots, tokens=tokens, device=self.device)
                   if decoding else None)
-        return _Step(prompts=prompts, decode=decode)
+        new = [(slot, start, n) for slot, pos, start, n in prompts if pos == 0]
+        for slot, _, _ in new:
+            self.cache._pads[slot] = 0  # the engine's prompts are not padded
+        prefill = slots.PrefillStep.build(new, device=self.device) if new else None
+        checked = None
+        if prompts and self._quantized:  # the prompt and chunk tokens, checked codable once per step
+            index = [t for _, _, start, n in prompts for t in range(start, start + n)]
+            checked = _to_device(index, self.device)
+        self.steps.append((began, len(decoding), sum(n for *_, n in prompts)))
+        return _Step(prompts=prompts, decode=decode, prefill=prefill, checked=checked, no_pad=self._no_pad)
+
+
+def _to_device(values: list[int], device) -> Tensor:
+    """An int64 tensor of host values on ``device``, copied without waiting for the device (pinned on CUDA)."""
+    host = torch.tensor(values, dtype=torch.long)
+    if torch.device(device).type == "cuda":
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)
 
 
 @dataclass(frozen=True)
 class _Step:
     """A forward's segments: ``prompts`` (slot, first position, first packed token, tokens) of each new prompt or
-    prompt chunk, run per segment; ``decode`` the decoding rows, run together (None if none decodes)."""
+    prompt chunk, their attention run per segment; ``decode`` the decoding rows, run together (None if none
+    decodes)."""
 
     prompts: list[tuple[int, int, int, int]]
     decode: slots.DecodeStep | None
+    prefill: slots.PrefillStep | None = None  # the new prompts' writes (None if none starts)
+    checked: Tensor | None = None  # the packed tokens of prompts and chunks, checked codable (quantized plans)
+    no_pad: Tensor | None = None  # a prompt's padding for its exact attention: none
 
 
 def blocks_for(tokens: int) -> int:

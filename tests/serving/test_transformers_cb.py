@@ -203,10 +203,10 @@ def test_a_request_longer_than_max_len_fails_alone_in_a_running_engine(model, ca
 
 @needs_engine
 def test_a_decode_step_reads_nothing_back_from_the_device(tmp_path):
-    """The segments come from the engine's host-side scheduling and the decoding rows go to the device once per
-    step: in a decode step, loopkv's cache and shim make no call that would wait for a GPU (``tolist``, ``item``,
-    ``bool``/``int`` of a tensor, a tensor built from host data on a device), while the counter does see the engine's
-    own (it builds its index tensors from host lists every step)."""
+    """The segments come from the engine's host-side scheduling and the decoding rows and new prompts' writes go to
+    the device once per step: in a decode step, loopkv's cache and shim make no call that would wait for a GPU
+    (``tolist``, ``item``, ``bool``/``int`` of a tensor, a tensor built from host data on a device), while the
+    counter does see the engine's own (it builds its index tensors from host lists every step)."""
     import importlib.util
     import pathlib
 
@@ -220,3 +220,10 @@ def test_a_decode_step_reads_nothing_back_from_the_device(tmp_path):
     assert result["decode_steps_measured"] >= 3
     assert syncs.get("transformers:tensor(device=)", 0) > 0  # the counter counts
     assert not {name: n for name, n in syncs.items() if name.startswith("loopkv:")}
+    # a step with prompts reads one thing back: whether a prompt token was uncodable (an INT4 plan), at its end;
+    # the page table's update, when the step's rows get pages, is the one blocking copy (two tensors)
+    prompt = {name: n for name, n in result["host_syncs_per_prompt_step"].items() if name.startswith("loopkv:")}
+    assert result["prompt_steps_measured"] >= 1
+    assert prompt.pop("loopkv:tolist") == 1
+    assert prompt.pop("loopkv:tensor(device=)", 0) <= 2
+    assert not prompt
