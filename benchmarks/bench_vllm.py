@@ -28,17 +28,27 @@ On one H200 (the numbers the issue asks for; about 6 minutes):
 ``--quick``: 1K context, 32 + 16 tokens, batches 1 and 4, ``enforce_eager``, no StaticCache run: proves that vLLM
 starts and generates (about 2 minutes).
 
-``--plan PLAN.json`` (issue 31 stage 2; docs/vllm.md, "Checks on the GPU") measures nothing: it checks that loopkv's
-vLLM plugin serving an all-bf16 plan gives vLLM's own greedy tokens. The plan is checked against the dummy model's
-config first (no GPU spent on a plan that does not fit or has cells the plugin cannot serve). Then three arms, each
-vLLM in a fresh process of this script (``--arm``, engine in process): ``vllm`` (vLLM's Ouro, no plugin),
-``vllm_again`` (the same, again: vLLM need not repeat itself across processes) and ``loopkv``
-(``LOOPKV_PLAN=PLAN.json`` and ``loopkv.vllm.plugin.register()``, so vLLM builds ``LoopKVOuroForCausalLM``). Each
-generates ``PLAN_NEW_TOKENS`` greedy tokens for the same seeded prompts (``PLAN_PROMPT_LENGTHS``, one batch) from the
-same dummy weights (vLLM seeds every parameter with 1234, so equal shapes give equal weights), and reports its model
-class. Prints a table and writes ``benchmarks/results/vllm_plan.json``; exits 1 unless ``loopkv`` equals ``vllm``:
+``--plan PLAN.json`` (issue 31 stage 2; docs/vllm.md, "Checks on the GPU"): loopkv's vLLM plugin serving a plan,
+against vLLM's own BF16 cache. The plan is checked against the dummy model's config first (no GPU spent on a plan
+that does not fit or that the plugin cannot serve). Each arm is vLLM in a fresh process of this script (``--arm``,
+engine in process), ``block_size=32``, prefix caching off, every prompt in one chunk (``max_num_batched_tokens`` =
+``max_model_len``), greedy ``PLAN_NEW_TOKENS`` tokens with their top-``PLAN_LOGPROBS`` logprobs for the same seeded
+prompts (``PLAN_PROMPT_LENGTHS``, one batch) from the same dummy weights (vLLM seeds every parameter with 1234, so
+equal shapes give equal weights), and its model class; with ``--plan-decode-context N`` also decode tok/s of one
+request at N tokens (``decode_tok_s`` of a run of ``--plan-decode-base`` and one of that plus
+``--plan-decode-tokens`` new tokens).
 
-    python benchmarks/bench_vllm.py --plan PLAN.json
+* An all-bf16 plan is a check: arms ``vllm`` (no plugin), ``vllm_again`` (vLLM need not repeat itself across
+  processes) and ``loopkv`` (``LOOPKV_PLAN=PLAN.json`` and ``loopkv.vllm.plugin.register()``, so vLLM builds
+  ``LoopKVOuroForCausalLM``); exits 1 unless ``loopkv``'s tokens equal ``vllm``'s.
+* An all-int4 plan is a comparison: arms ``vllm`` and ``loopkv``; reports per prompt where the tokens first diverge,
+  the logprobs on the positions whose context is still the same in both (top-1 agreement, KL over the tokens both
+  top-K lists hold, the gap in the logprob of vLLM's token) and the decode rates side by side; exits 1 unless
+  ``loopkv`` ran with loopkv's class and generated every token.
+
+Prints a table and writes ``benchmarks/results/vllm_plan.json`` (or ``--out``):
+
+    python benchmarks/bench_vllm.py --plan PLAN.json --enforce-eager --plan-decode-context 16384
 """
 
 from __future__ import annotations
@@ -355,7 +365,8 @@ def run_plan_arm(args) -> dict:
     engine_kw = dict(model=str(write_model_dir(tmp.name)), load_format="dummy", dtype="bfloat16",
                      kv_cache_dtype="auto", skip_tokenizer_init=True, max_model_len=max_len,
                      enforce_eager=args.enforce_eager, gpu_memory_utilization=args.gpu_memory_utilization,
-                     enable_prefix_caching=False, block_size=PLAN_BLOCK_SIZE, max_num_seqs=len(prompts), seed=0)
+                     enable_prefix_caching=False, block_size=PLAN_BLOCK_SIZE, max_num_seqs=len(prompts), seed=0,
+                     max_num_batched_tokens=max_len)  # every prompt in one chunk: exact prefill in both arms
     if args.attention_backend:
         engine_kw["attention_backend"] = args.attention_backend
     with Step(f"[{args.arm}] vllm.LLM") as s:
