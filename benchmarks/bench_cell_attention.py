@@ -93,6 +93,15 @@ ALTERNATIVES = {
     "cc_w2": dict(reader="cc", num_warps=2, num_stages=1, near_block=32, maxnreg=128, chunk_coef=0.002),
     "cc_w4": dict(reader="cc", num_warps=4, num_stages=1, near_block=32, chunk_coef=0.002),
     "cc_w8": dict(reader="cc", num_warps=8, num_stages=1, near_block=32, chunk_coef=0.002),
+    # the tensor-core reader with the query heads alone as rows (triton_dot.far_gqa), for 3-8 query heads per KV head.
+    # Static sm_90 builds at Dory's cell (Triton 3.6, INT4): 233 registers uncapped (two programs per SM), 168 with
+    # 16 B of stack (three), 128 with 104 B (four); eight warps replicate its 16-row tiles (same instructions per warp)
+    "gqa_w4": dict(reader="gqa", num_warps=4, num_stages=1, near_block=64),
+    "gqa_w4_s2": dict(reader="gqa", num_warps=4, num_stages=2, near_block=64),
+    "gqa_w4_r168": dict(reader="gqa", num_warps=4, num_stages=1, near_block=64, maxnreg=168),
+    "gqa_w4_r128": dict(reader="gqa", num_warps=4, num_stages=1, near_block=64, maxnreg=128),
+    # ... and twice the history programs per (row, KV head) where the split count is at its cap (B x KV heads < 43)
+    "gqa_w4_r168_x96": dict(reader="gqa", num_warps=4, num_stages=1, near_block=64, maxnreg=168, max_splits=96),
 }
 
 
@@ -227,18 +236,21 @@ def n_sets_for(nbytes: int, device) -> int:
 
 @contextlib.contextmanager
 def launched_as(name: str | None):
-    """Every reader call inside runs the launch ``ALTERNATIVES[name]`` (None: the table's)."""
+    """Every reader call inside runs the launch ``ALTERNATIVES[name]`` (None: the table's); its ``max_splits``, if
+    any, replaces ``triton_config.MAX_SPLITS``."""
     if name is None:
         yield
         return
     from loopkv.ops import triton_config
 
-    table = triton_config.launch_config
-    triton_config.launch_config = lambda *args: triton_config.Launch(**ALTERNATIVES[name])
+    fields = dict(ALTERNATIVES[name])
+    saved = triton_config.launch_config, triton_config.MAX_SPLITS
+    triton_config.MAX_SPLITS = fields.pop("max_splits", triton_config.MAX_SPLITS)
+    triton_config.launch_config = lambda *args: triton_config.Launch(**fields)
     try:
         yield
     finally:
-        triton_config.launch_config = table
+        triton_config.launch_config, triton_config.MAX_SPLITS = saved
 
 
 def sdpa_call(q, k, v, scale: float, device):
@@ -257,8 +269,9 @@ def sdpa_call(q, k, v, scale: float, device):
     raise RuntimeError(f"no SDPA backend runs q {tuple(q.shape)}, k {tuple(k.shape)}")
 
 
-def run_shape(B: int, ctx: int, *, cell: Cell, capacity: int | None, alternatives: list[str], device) -> dict:
-    """cuDNN BF16 and the reader in every mode (and the INT4 alternatives) at one shape."""
+def run_shape(B: int, ctx: int, *, cell: Cell, capacity: int | None, alternatives: list[str], device,
+              alt_modes: tuple[str, ...] = ("int4",)) -> dict:
+    """cuDNN BF16 and the reader in every mode (and the alternatives, in ``alt_modes``) at one shape."""
     from loopkv.ops import triton_attention
 
     H, G, D = cell.kv_heads, cell.group, cell.head_dim
@@ -278,13 +291,14 @@ def run_shape(B: int, ctx: int, *, cell: Cell, capacity: int | None, alternative
     ms = bench(make_sdpa, sets_dense, device)
     res["cudnn_bf16"] = {"ms": ms, "bytes": dense_bytes, "tb_s": dense_bytes / ms / 1e9, "backend": backend[0]}
     hot = [make_dense(B, cell, ctx, seed=100 + s, hot=True, device=device) for s in range(sets)]
-    arms = [(*m, None) for m in MODES] + [(f"int4@{a}", 4, math.inf, False, a) for a in alternatives]
+    arms = [(*m, None) for m in MODES] + [(f"{m[0]}@{a}", *m[1:], a) for a in alternatives for m in MODES
+                                          if m[0] in alt_modes]
     for mode, bits, tau, vpdata, launch in arms:
         data = hot if vpdata else plain[:sets]
         cells = [make_cell(d, bits, capacity) for d in data]
         qs = [d["q"] for d in data]
         cold = 0.0
-        if mode == "int4_vp":
+        if mode.startswith("int4_vp") and tau == TAU:
             res["hot_fraction"] = hot_fraction(qs[0], cells[0], tau)
             cold = 1.0 - res["hot_fraction"] if fmt.n_pages(ctx) else 0.0
         with launched_as(launch):
@@ -340,6 +354,8 @@ def main(argv=None) -> dict:
                     help=f"comma-separated cell shapes from {', '.join(CELLS)} (default: ouro)")
     ap.add_argument("--alternatives", type=_names(ALTERNATIVES), default=[],
                     help=f"INT4 again under these launches too, from {', '.join(ALTERNATIVES)}")
+    ap.add_argument("--alt-modes", type=_names([m for m, *_ in MODES]), default=["int4"],
+                    help="the modes the alternatives run in (default: int4)")
     ap.add_argument("--capacity", type=int, default=None,
                     help="page tables sized for rows of this many tokens (default: the context); the rows hold "
                          "the context")
@@ -371,7 +387,7 @@ def main(argv=None) -> dict:
         for B, ctx in shapes:
             try:
                 row = run_shape(B, ctx, cell=cell, capacity=args.capacity, alternatives=args.alternatives,
-                                device=device)
+                                device=device, alt_modes=tuple(args.alt_modes))
             except torch.OutOfMemoryError as e:
                 row = {"batch": B, "context": ctx, "error": repr(e)[:300]}
             result["rows"].append({"cell": name, **row})

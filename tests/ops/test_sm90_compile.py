@@ -90,3 +90,22 @@ def test_fp32_inputs_take_the_four_warp_tensor_core_reader_without_spilling():
     assert got["options"]["num_stages"] == 1
     assert got["stack"] is None or got["stack"] <= 1024, got["stack"]
     assert got["ftz_not_ex2"] == []
+
+
+@pytest.mark.parametrize(("bits", "tau", "cap", "max_stack", "regions"), [
+    (4, None, None, 64, 7),  # Dory's cell, INT4: no stack (Triton 3.6: 252 registers, 3.9: 198)
+    (4, 14.0, 168, 128, 6),  # V precision capped at 168 (three programs per SM): 16 B of stack with 3.6, 40 B with 3.9
+    (2, None, None, 64, 6),  # INT2 (no lo plane): no stack
+])
+def test_query_head_row_reader_compiles_for_sm90(bits, tau, cap, max_stack, regions):
+    """The query-head-row tensor-core reader (``far_gqa``, the benchmark's ``gqa_*`` launches) at Dory's cell: the L2
+    prefetch of every region it reads (the lo plane left to its masked load under V precision), no denormal flush
+    outside ``ex2.approx`` (its codes are subnormal fp16 operands), and a small stack."""
+    launch = {"reader": "gqa", "num_warps": 4, "num_stages": 1, "near_block": 64, "maxnreg": cap}
+    got = compile_sm90(bits=bits, tau=tau, batch=32, heads=4, group=4, head_dim=256, launch=launch)
+    assert not got["cc"]
+    assert got["l2"]
+    assert got["prefetch_l2"] == regions
+    assert got["options"].get("maxnreg") == cap
+    assert got["stack"] is None or got["stack"] <= max_stack, got["stack"]
+    assert got["ftz_not_ex2"] == []

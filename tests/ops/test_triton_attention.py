@@ -194,6 +194,56 @@ def test_every_served_shape_reads_and_writes_like_the_reference(bits, tau, group
     assert_close_to_reference(got, q, appended, bits, tau, scale)
 
 
+# The query-head-row tensor-core reader (triton_dot.far_gqa, launch reader "gqa": a benchmark arm for 3-8 query heads
+# per KV head, not yet in the table): Dory's cell (4 x 256) in every page kind, and padded head_dim and group sizes.
+# bits, tau, query heads per KV head, head_dim, dtype; the default set runs the first three
+GQA_CASES = [
+    (4, 2.0, 4, 256, torch.bfloat16),  # Dory, V precision with cold and hot tokens
+    (2, INF, 4, 256, torch.bfloat16),
+    (4, INF, 3, 96, torch.float16),  # padded head_dim (a padded 32-channel group) and group
+    (4, INF, 4, 256, torch.bfloat16),
+    (4, 0.0, 8, 128, torch.bfloat16),  # every token cold
+    (2, INF, 5, 224, torch.bfloat16),
+    (4, 14.0, 8, 64, torch.float16),
+]
+
+
+@interpret
+@pytest.mark.interpret
+@pytest.mark.parametrize(("bits", "tau", "group", "head_dim", "dtype"),
+                         [pytest.param(*c, marks=() if i < 3 else pytest.mark.slow) for i, c in enumerate(GQA_CASES)])
+def test_query_head_row_reader_matches_reference(bits, tau, group, head_dim, dtype, monkeypatch):
+    """``far_gqa`` through a share-style page table (pages out of order, two rows on the same pages), with the table's
+    split count and with 2 history programs per (row, KV head), on the read and the token path: within the bf16 tier
+    of the float64 reference (its products round ``q * k_scale`` and ``p * v_scale`` to fp16, as ``far_dot``'s do);
+    the token written bit for bit as the reference writes it."""
+    gqa = triton_config.Launch("gqa", 4, 1, 64)
+    monkeypatch.setattr(triton_config, "launch_config", lambda *a: gqa)
+    maxp, heads = 3, 2
+    lengths = [17, 288 + 32 * 2 + 5, capacity(maxp)]
+    table = torch.tensor([[6, 2, 0], [6, 2, 4], [1, 5, 3]])
+    st = make_cell(3, heads, head_dim, maxp, bits, lengths, dtype=dtype, pool_pages=7, page_table=table,
+                   seed=head_dim + group)
+    g = torch.Generator().manual_seed(bits + group)
+    q = (2 * torch.randn(3, heads * group, head_dim, generator=g)).to(dtype)
+    scale = head_dim**-0.5
+    want = reference64(q, st, bits, tau, scale)
+    choose = triton_config.choose_splits
+    for splits in (None, 2):
+        monkeypatch.setattr(triton_config, "choose_splits", choose if splits is None else lambda *a: splits)
+        out = ta.cell_attention(q, *st, bits, tau, scale)
+        torch.testing.assert_close(out.double(), want, atol=ATTN_BF16_ATOL, rtol=ATTN_BF16_RTOL)
+    kn, vn = (torch.randn(3, heads, 1, head_dim, generator=g).to(dtype) for _ in range(2))
+    want_st = [t.clone() for t in st]
+    token_attention_reference(q, kn, vn, *want_st, bits, tau, scale)
+    got = ta.token_attention(q, kn, vn, *st, bits, tau, scale)
+    for i, (a, b) in enumerate(zip(st, want_st, strict=True)):
+        assert torch.equal(a, b), i
+    want_st[4] += (want_st[4] < capacity(maxp)).int()
+    torch.testing.assert_close(got.double(), reference64(q, want_st, bits, tau, scale), atol=ATTN_BF16_ATOL,
+                               rtol=ATTN_BF16_RTOL)
+
+
 TOKEN_CASES = [  # bits, tau, query heads per KV head, dtype
     (4, 14.0, 1, torch.bfloat16), (2, INF, 2, torch.float16), (4, INF, 4, torch.bfloat16),
     (4, 14.0, 1, torch.float32), (16, INF, 1, torch.bfloat16), (0, INF, 2, torch.bfloat16),
