@@ -87,10 +87,12 @@ def warn_reference(head_dim: int, group: int) -> None:
 class Launch:
     """How one call of the fused cell attention runs.
 
-    ``reader``: "cc" (CUDA-core code reader, ``triton_far``), "dot" (tensor-core code reader, ``triton_dot``) or
-    "exact" (BF16 pages read as exact tiles; also no history at all). ``near_block``: sink + window slots per near
-    program. ``maxnreg``: the register cap per thread handed to ptxas (None: uncapped). ``i32``: 32-bit history
-    offsets. ``chunk_coef``: the minimum-chunk rule (``CHUNK_COEF``; 0: an even split)."""
+    ``reader``: "cc" (CUDA-core code reader, ``triton_far``), "dot" (tensor-core code reader with expanded rows,
+    ``triton_dot.far_dot``), "gqa" (tensor-core code reader with the query heads as rows, ``triton_dot.far_gqa``;
+    16-bit inputs, fp32 ones take "dot"'s) or "exact" (BF16 pages read as exact tiles; also no history at all).
+    ``near_block``: sink + window slots per near program. ``maxnreg``: the register cap per thread handed to ptxas
+    (None: uncapped). ``i32``: 32-bit history offsets. ``chunk_coef``: the minimum-chunk rule (``CHUNK_COEF``; 0: an
+    even split)."""
 
     reader: str
     num_warps: int
@@ -164,9 +166,9 @@ TABLE = (
     Entry(SM80, (2,), TWO, WIDE, "16-bit", 0, Launch(**CC2, i32=True),
           "INT2 as INT4 above, with INT2's 32-bit offsets (static), not timed"),
     Entry(SM80, (4, 2), FEW_MANY, WIDE, "16-bit", 0, Launch("dot", 4, 3, 64),
-          "Dory's cell (4 query heads x 256): four warps spill 296 B, one warp 6.9 KB (static); the CUDA-core reader "
-          "(no spill at 4-8 warps) does 4x the field work per byte there; against it and eight warps: --cells dory "
-          "--alternatives dot_w8,cc_w8, not yet run"),
+          "Dory's cell (4 query heads x 256): four warps spill 296 B, one warp 6.9 KB (static); INT4 at B = 32 x 16K "
+          "1.50 ms (0.33x cuDNN) against eight warps' 2.78 and the CUDA-core reader's 1.95 on eight (--cells dory "
+          "--alternatives dot_w8,cc_w8); the query-head-row reader is timed by --alternatives gqa_w4,..."),
     Entry(SM80, (4, 2), MOST, WIDE, "16-bit", 0, Launch("dot", 8, 1, 64),
           "5-8 query heads at 256: eight warps spill 144-184 B, four 464 B, one 62 KB (static); one stage: Triton 3.6 "
           "cannot pipeline its 64-row warp-group MMA with V precision (3.9 can), not timed"),

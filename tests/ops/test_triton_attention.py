@@ -230,7 +230,7 @@ def test_query_head_row_reader_matches_reference(bits, tau, group, head_dim, dty
     want = reference64(q, st, bits, tau, scale)
     choose = triton_config.choose_splits
     for splits in (None, 2):
-        monkeypatch.setattr(triton_config, "choose_splits", choose if splits is None else lambda *a: splits)
+        monkeypatch.setattr(triton_config, "choose_splits", choose if splits is None else lambda *a, s=splits: s)
         out = ta.cell_attention(q, *st, bits, tau, scale)
         torch.testing.assert_close(out.double(), want, atol=ATTN_BF16_ATOL, rtol=ATTN_BF16_RTOL)
     kn, vn = (torch.randn(3, heads, 1, head_dim, generator=g).to(dtype) for _ in range(2))
