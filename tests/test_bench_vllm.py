@@ -123,7 +123,9 @@ def test_run_plan_compares_the_arms(bench, tmp_path, monkeypatch, loopkv_tokens,
     monkeypatch.setattr(bench.subprocess, "run", fake_run)
     args = bench.build_parser().parse_args(["--plan", str(plan_path)])
     result = bench.run_plan(args, str(tmp_path / "out.json"))
-    assert result["loopkv_equals_vllm"] is equal and result["passed"] is equal and result["mode"] == "check"
+    assert result["loopkv_equals_vllm"] is equal
+    assert result["passed"] is equal
+    assert result["mode"] == "check"
     assert result["complete"]
     assert result["vllm_again_vs_vllm"]["equal"]
     if loopkv_tokens:
@@ -151,7 +153,8 @@ def test_compare_logprobs_uses_same_context_positions(bench):
     ref = [[lp({1: .6, 2: .4}), lp({2: .7, 1: .3}), lp({3: .9, 1: .1})], [lp({4: .5, 5: .5}), lp({4: .6, 5: .4})]]
     other = [[lp({1: .6, 2: .4}), lp({1: .5, 2: .5}), lp({7: 1.0})], [lp({4: .5, 5: .5}), lp({4: .6, 5: .4})]]
     got = bench.compare_logprobs(ref_tokens, ref, other, [1, None])  # prompt 0 diverges at 1: positions 0, 1
-    assert got["positions_per_prompt"] == [2, 2] and got["positions"] == 4
+    assert got["positions_per_prompt"] == [2, 2]
+    assert got["positions"] == 4
     assert got["top1_agreement"] == pytest.approx(3 / 4)  # position 1 of prompt 0: 2 against 1 (tie -> first)
     assert got["ref_token_logprob_gap_max"] == pytest.approx(abs(math.log(.7) - math.log(.5)))
     assert got["topk_kl_max"] == pytest.approx(.7 * math.log(.7 / .5) + .3 * math.log(.3 / .5))
@@ -180,8 +183,11 @@ def test_run_plan_compares_a_quantized_plan(bench, tmp_path, monkeypatch):
     monkeypatch.setattr(bench, "PLAN_NEW_TOKENS", 3)
     args = bench.build_parser().parse_args(["--plan", str(plan_path), "--plan-decode-context", "16384"])
     result = bench.run_plan(args, str(tmp_path / "out.json"))
-    assert ran == ["vllm", "loopkv"] and result["mode"] == "compare"
-    assert result["passed"] and result["loopkv_generates"] and not result["loopkv_equals_vllm"]
+    assert ran == ["vllm", "loopkv"]
+    assert result["mode"] == "compare"
+    assert result["passed"]
+    assert result["loopkv_generates"]
+    assert not result["loopkv_equals_vllm"]
     assert result["loopkv_vs_vllm"]["first_divergence"] == [2, None]
     assert result["loopkv_vs_vllm"]["logprobs"]["positions_per_prompt"] == [3, 3]
     assert result["decode_loopkv_over_vllm"] == 0.8

@@ -4,9 +4,12 @@ Importing this package imports no vLLM: :mod:`loopkv.vllm.settings` (where the p
 the served model) and :mod:`loopkv.vllm.layout` (per cell: its vLLM layer, option, bytes per 32-token page, and the
 layer whose blocks a ``share`` cell reads) are pure and testable without vLLM. :mod:`loopkv.vllm.plugin` is the
 ``vllm.general_plugins`` entry point; :mod:`loopkv.vllm.model` (imported by vLLM only) is the served Ouro.
+:mod:`loopkv.vllm.cells` (pure: a quantized cell's step plan, write and read inside vLLM's batches) and
+:mod:`loopkv.vllm.backend` (vLLM's classes around it, imported by vLLM only) serve ``int4`` cells.
 
-What is served today: plans whose cells are all ``bf16``, through vLLM's own attention backend and KV cache.
-Quantized and ``share`` cells are refused at start-up, naming the cells (docs/vllm.md, "Not built").
+What is served: plans whose cells are all ``bf16`` (vLLM's own attention backend and KV cache) or all ``int4``
+(loopkv's pages in vLLM's blocks). Other plans are refused at start-up, naming their options (docs/vllm.md,
+"Still to build").
 """
 
 from loopkv.vllm.layout import CellKV, block_bytes, exact_bytes_per_request, kv_layout, layer_name, parse_layer_name

@@ -25,8 +25,15 @@ from typing import ClassVar
 import torch
 from vllm.config import get_current_vllm_config
 from vllm.model_executor.layers.attention import Attention
-from vllm.v1.attention.backend import (AttentionBackend, AttentionCGSupport, AttentionImpl, AttentionMetadata,
-                                       AttentionMetadataBuilder, AttentionType, CommonAttentionMetadata)
+from vllm.v1.attention.backend import (
+    AttentionBackend,
+    AttentionCGSupport,
+    AttentionImpl,
+    AttentionMetadata,
+    AttentionMetadataBuilder,
+    AttentionType,
+    CommonAttentionMetadata,
+)
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 
 from loopkv.format import PAGE, page_bytes

@@ -27,8 +27,18 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from loopkv.format import (PAGE, POOL_FIELDS, QUANTIZE_LENGTH, RING, SINK, n_pages, page_bytes, pool_field_kind,
-                           pool_field_shapes, stored_pages)
+from loopkv.format import (
+    PAGE,
+    POOL_FIELDS,
+    QUANTIZE_LENGTH,
+    RING,
+    SINK,
+    n_pages,
+    page_bytes,
+    pool_field_kind,
+    pool_field_shapes,
+    stored_pages,
+)
 from loopkv.ops import cache_ops, step_ops  # noqa: F401 (register torch.ops.loopkv.write_pages_, token_attention_)
 
 _KINDS = {"float16": torch.float16, "uint8": torch.uint8}

@@ -123,7 +123,7 @@ def check_servable(plan: Plan) -> None:
     """Refuse, at start-up, a plan with cells this version of the plugin cannot serve inside vLLM.
 
     Served: every cell ``bf16`` (vLLM's own attention and KV cache) or every cell ``int4`` (loopkv's backend, one KV
-    spec for all cells). Mixed plans and ``share`` cells are not built yet (docs/vllm.md, "Not built").
+    spec for all cells). Mixed plans and ``share`` cells are not built yet (docs/vllm.md, "Still to build").
     """
     options = sorted(set(plan.options))
     if len(options) == 1 and options[0] in SERVED_OPTIONS:
@@ -134,7 +134,7 @@ def check_servable(plan: Plan) -> None:
     tally = ", ".join(f"{n} {o}" for o, n in sorted(counts.items()))
     raise ValueError(
         f"the loopkv plan's cells are {tally}; loopkv's vLLM plugin serves only plans with one option for every "
-        "cell, bf16 or int4, so far (docs/vllm.md, \"Not built\"). Serve this plan with "
+        "cell, bf16 or int4, so far (docs/vllm.md, \"Still to build\"). Serve this plan with "
         "loopkv's own engine (loopkv serve, loopkv.serving), or use a uniform plan "
         "(Plan.from_config(config, option='int4')) in vLLM")
 

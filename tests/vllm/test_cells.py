@@ -38,10 +38,12 @@ def test_pool_views_tile_the_blocks():
         if shapes[name] == (0,):
             assert view.numel() == 0
             continue
-        assert tuple(view.shape) == shapes[name] and view.is_contiguous()
+        assert tuple(view.shape) == shapes[name]
+        assert view.is_contiguous()
         start = view.data_ptr() - kv.data_ptr()
         ends.append((start, start + view.numel() * view.element_size()))
-    assert ends[0][0] == 0 and ends[-1][1] == kv.numel()
+    assert ends[0][0] == 0
+    assert ends[-1][1] == kv.numel()
     assert all(a[1] == b[0] for a, b in zip(ends, ends[1:], strict=False))  # back to back, no overlap
     with pytest.raises(ValueError, match="page of 2 heads x 32 has"):
         pool_views(torch.zeros(blocks, 7, dtype=torch.uint8), 4, H, D)
@@ -160,7 +162,8 @@ def check_storage(engine, refs, slot_map, cell, pool):
     live = (torch.arange(SINK + PAGE * n_pages(358), 358) - SINK) % RING  # ring slots of the window
     for mine, ref in ((cell.win_k, st.win_k), (cell.win_v, st.win_v)):
         assert torch.equal(mine[a_slot][:, live], ref[0][:, live])
-    assert torch.equal(cell.sink_k[a_slot], st.sink_k[0]) and torch.equal(cell.sink_v[a_slot], st.sink_v[0])
+    assert torch.equal(cell.sink_k[a_slot], st.sink_k[0])
+    assert torch.equal(cell.sink_v[a_slot], st.sink_v[0])
     for p in range(2):  # pages 0 and 1 (quantized at 319 and 351)
         block = engine.blocks["a"][p + 1]
         for field, mine, ref in zip(POOL_FIELDS, pool, st.pool(), strict=True):
@@ -195,10 +198,14 @@ def test_dummy_rows_get_no_slot_and_zeros():
     table = torch.tensor([[0, 0, 0], [0, 0, 0], [5, 6, 0], [0, 0, 0]], dtype=torch.int32)
     step = plan_step(slot_map, page_table, query_start_loc=[0, 3, 4, 6, 6], seq_lens=[3, 1, 2, 0],
                      first_blocks=[0, 0, 5, 0], block_table=table)
-    assert step.dummy == ((0, 3), (3, 4)) and [r.slot for r in step.prompts] == [0]
-    assert slot_map.held == [2, 0] and page_table[0].tolist() == [6, 0, 0, 0]
+    assert step.dummy == ((0, 3), (3, 4))
+    assert [r.slot for r in step.prompts] == [0]
+    assert slot_map.held == [2, 0]
+    assert page_table[0].tolist() == [6, 0, 0, 0]
     q, k, v = torch.randn(6, HQ, D), torch.randn(6, H, D), torch.randn(6, H, D)
     out = torch.full((6, HQ, D), float("nan"))
     forward_cell(cell, pool, step, q, k, v, out, bits=4, tau=math.inf, scale=SCALE)
-    assert not out[:4].any() and torch.isfinite(out[4:]).all()
-    assert torch.equal(cell.sink_k[0, :, :2], k[4:].transpose(0, 1)) and not cell.sink_k[1].any()
+    assert not out[:4].any()
+    assert torch.isfinite(out[4:]).all()
+    assert torch.equal(cell.sink_k[0, :, :2], k[4:].transpose(0, 1))
+    assert not cell.sink_k[1].any()

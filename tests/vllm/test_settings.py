@@ -137,7 +137,8 @@ def test_engine_settings_for_int4(config):
 
 
 def test_importing_the_plugin_package_imports_no_vllm():
-    code = ("import sys, loopkv, loopkv.vllm, loopkv.vllm.plugin, loopkv.vllm.settings, loopkv.vllm.layout, loopkv.vllm.cells; "
+    code = ("import sys, loopkv, loopkv.vllm, loopkv.vllm.plugin, loopkv.vllm.settings, loopkv.vllm.layout, "
+            "loopkv.vllm.cells; "
             "assert 'vllm' not in sys.modules, 'vllm imported'; assert 'triton' not in sys.modules; print('ok')")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
     assert out.returncode == 0, out.stderr

@@ -187,7 +187,8 @@ def test_int4_spec_is_one_group_sized_by_the_layout(vllm_kv, backend):
         vllm_kv, layout, lambda c: backend.LoopKVPageSpec(block_size=32, num_kv_heads=c.kv_heads,
                                                           head_size=c.head_dim, dtype=torch.uint8))
     assert layout[0].block_bytes == 80 * 1024  # Ouro-1.4B: 2.5 KiB per token and cell (docs/vllm.md)
-    assert len(groups) == 1 and sorted(groups[0].layer_names) == sorted(specs)
+    assert len(groups) == 1
+    assert sorted(groups[0].layer_names) == sorted(specs)
     assert type(groups[0].kv_cache_spec) is backend.LoopKVPageSpec
     assert groups[0].kv_cache_spec.page_size_bytes == layout[0].block_bytes
     assert config.num_blocks == available // block_bytes(layout)
@@ -201,7 +202,8 @@ def test_int4_spec_is_one_group_sized_by_the_layout(vllm_kv, backend):
 def test_int4_spec_merge_keeps_its_page(backend):
     spec = backend.LoopKVPageSpec(block_size=32, num_kv_heads=2, head_size=64, dtype=torch.uint8)
     merged = backend.LoopKVPageSpec.merge([spec, spec])
-    assert merged == spec and merged.page_size_bytes == spec.page_size_bytes
+    assert merged == spec
+    assert merged.page_size_bytes == spec.page_size_bytes
     other = dataclasses.replace(spec, loopkv_bits=2)
     with pytest.raises(ValueError, match="different storage"):
         backend.LoopKVPageSpec.merge([spec, other])
@@ -216,7 +218,7 @@ def test_builder_and_impl_equal_loopkv_cache(backend):
 
     from loopkv.format import page_bytes
     from loopkv.vllm.cells import CellExact
-    from tests.vllm.test_cells import CONFIG, D, H, HQ, MAX_LEN, NUM_BLOCKS, SCALE, SLOTS, check_storage, run_scenario
+    from tests.vllm.test_cells import CONFIG, HQ, MAX_LEN, NUM_BLOCKS, SCALE, SLOTS, D, H, check_storage, run_scenario
 
     tau = 2.0
     plan = Plan.from_config(CONFIG, option="int4", tau=tau)
@@ -243,7 +245,8 @@ def test_builder_and_impl_equal_loopkv_cache(backend):
 
     engine, refs = run_scenario(plan, forward)
     check_storage(engine, refs, builder.slot_map, cell, impl.pool(kv, torch.float32))
-    assert impl.forward(layer, None, None, None, kv, None, out := torch.ones(3)) is out and not out.any()  # profiling
+    assert impl.forward(layer, None, None, None, kv, None, out := torch.ones(3)) is out
+    assert not out.any()
 
 
 def test_impl_refuses_what_it_does_not_serve(backend):
@@ -258,8 +261,15 @@ def test_vllm_ouro_with_an_int4_plan_serves_loopkv_cells(backend, tmp_path):
     import json
     import math
 
-    from vllm.config import (CacheConfig, CompilationConfig, CompilationMode, DeviceConfig, SchedulerConfig,
-                             VllmConfig, set_current_vllm_config)
+    from vllm.config import (
+        CacheConfig,
+        CompilationConfig,
+        CompilationMode,
+        DeviceConfig,
+        SchedulerConfig,
+        VllmConfig,
+        set_current_vllm_config,
+    )
     from vllm.distributed import parallel_state
     from vllm.engine.arg_utils import EngineArgs
     from vllm.forward_context import set_forward_context
@@ -298,14 +308,16 @@ def test_vllm_ouro_with_an_int4_plan_serves_loopkv_cells(backend, tmp_path):
         initialize_dummy_weights(model, model_config, low=-0.3, high=0.3)  # K, V of order 1, not vLLM's 1e-3
         specs = get_kv_cache_spec(vc)
         names = [f"model.layers.{i}.self_attn.attn" for i in range(4)]  # cell t * L + l
-        assert sorted(specs) == names and {type(s) for s in specs.values()} == {backend.LoopKVPageSpec}
+        assert sorted(specs) == names
+        assert {type(s) for s in specs.values()} == {backend.LoopKVPageSpec}
         bind_kv_cache({n: torch.zeros(40, page_bytes(4, 2, 128), dtype=torch.uint8) for n in names},
                       vc.compilation_config.static_forward_context, [])
         builder = backend.LoopKVMetadataBuilder(specs[names[0]], names, vc, torch.device("cpu"))
         seen = []  # (layer name, q, k, v, out) in the model's order
         for name in names:
             layer = vc.compilation_config.static_forward_context[name]
-            assert isinstance(layer, backend.LoopKVAttention) and layer.loopkv_tau == 3.0
+            assert isinstance(layer, backend.LoopKVAttention)
+            assert layer.loopkv_tau == 3.0
             forward = layer.impl.forward
 
             def recording(lay, q, k, v, kv, meta, output, *rest, _forward=forward, **kw):
@@ -338,6 +350,7 @@ def test_vllm_ouro_with_an_int4_plan_serves_loopkv_cells(backend, tmp_path):
     for name, q, k, v, out in seen:
         handle, _ = cache.update(k.transpose(0, 1)[None], v.transpose(0, 1)[None], names.index(name))
         want, _ = loopkv_attention(None, q.transpose(0, 1)[None], handle, handle, None, scaling=128**-0.5)
-        assert 0.1 < float(v.abs().mean()) < 10 and 0.01 < float(want.abs().mean()) < 10  # a real signal
+        assert 0.1 < float(v.abs().mean()) < 10
+        assert 0.01 < float(want.abs().mean()) < 10
         torch.testing.assert_close(out.view(want[0].shape), want[0], atol=1e-5, rtol=1e-5, msg=name)
     assert math.isfinite(float(cache.storage(0).k_scale.float().abs().max()))
