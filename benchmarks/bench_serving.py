@@ -2,40 +2,45 @@
 LoopKV storage (loopkv/serving), one arm per plan under the same KV budget, in one process (paper §5.1, §5.4).
 
     python benchmarks/bench_serving.py [--arms bf16,kivi4,loopkv-r,loopkv-m] [--budget-gib 96] [--max-len 16384]
-        [--rates 0.125,0.25,0.5,1,2,4,8,16] [--requests 24] [--trace-s 20] [--start auto|lowest]
-        [--peak-prompt 512] [--peak-batch N] [--ttft-s 10] [--tpot-x 3] [--time-budget-s 420] [--seed 0] [--smoke]
+        [--requests 16] [--min-requests 6] [--trace-s 10] [--start-rate auto|R] [--max-trials 4] [--bracket 1.5]
+        [--peak-prompt 64] [--peak-steps 8] [--ttft-s 10] [--tpot-x 3] [--time-budget-s 540] [--seed 0] [--smoke]
         [--out benchmarks/results/serving.json]
     python benchmarks/bench_serving.py --plot benchmarks/results/serving.json   # the figure from a JSON
 
 Model: Ouro-1.4B's shapes with random weights, bf16 (``--smoke``: a tiny one, on the CPU if there is no GPU). Trace:
-seeded Poisson arrivals at each rate, the same requests at every rate; prompts uniform in [max_len / 16, max_len / 2],
-outputs uniform in [16, 128] tokens (capped to max_len): the paper's SLO workload (AIME, 11K output tokens on
-average) takes hours per ladder, this one minutes. Arms: ``bf16`` stores every cell exact (an all-bf16 plan:
-transformers' own paged cache has one layer per physical layer and cannot hold a looped model's cells), ``kivi4``
-INT4 in every cell, ``loopkv-r`` and ``loopkv-m`` the paper's compositions (as in bench_decode.py). Each arm gets the
-slots and pages the budget buys: ``slots = budget // (a slot's exact sink and window + bytes per token x the trace's
-mean context)``, the rest pages.
+seeded Poisson arrivals, the same requests at every rate (arrival times scale with 1 / rate); prompts uniform in
+[max_len / 16, max_len - 64], outputs uniform in [16, 64] tokens, so contexts grow to max_len: the paper's SLO
+workload (AIME, 11K output tokens on average) takes hours per rate, this one seconds. Arms: ``bf16`` stores every cell
+exact (an all-bf16 plan: transformers' own paged cache has one layer per physical layer and cannot hold a looped
+model's cells), ``kivi4`` INT4 in every cell, ``loopkv-r`` and ``loopkv-m`` the paper's compositions (as in
+bench_decode.py). Each arm gets the slots and pages the budget buys: ``slots = budget // (a slot's exact sink and
+window + bytes per token x the trace's mean context)``, the rest pages.
 
-SLO, per request: time to first token <= 10 s and mean time per output token <= 3x the BF16 batch-1 decode step
-(measured first, in this run, through the same engine with one slot); ``--ttft-s`` and ``--tpot-x`` change the bounds
-(the smoke run's are loose: its numbers mean nothing, and a busy CPU would miss the paper's). Attainment = the share
-of a rate's requests meeting it; goodput = the highest tested rate with attainment >= 95% below the lowest tested rate
-under it (``goodput_status``: ``measured`` when such a rate under 95% exists, ``at least`` when none does, ``below
-lowest``).
+Steps are timed from the engine cache's own step log (``EngineCache.steps``: when each forward began, its decoding
+rows and its prompt tokens; a step lasts until the next begins), so decode is timed apart from prompt steps:
 
-Each arm runs in one engine (built and started once): a warm-up request (builds the kernels; the BF16 batch-1 engine
-has one too), the peak decode throughput (``--peak-batch`` requests, default the arm's slots, of ``--peak-prompt``
-tokens sent at once: prompt tokens per second until the last first token, then decode tokens per second while every
-one of them decodes), then the ladder. It starts (``--start auto``) at the highest rate at most half of what the arm
-could finish at its peak's speeds (:func:`first_rate`), goes up while a rate meets 95% and down while it does not,
-and stops once two neighbouring rates bracket the goodput, at the ends of ``--rates``, or when the arm's share of
-``--time-budget-s`` (what is left, split over the arms left) runs out: that rate is marked incomplete and does not
-count. ``--start lowest`` walks up from the lowest rate. A rate's trace is its first ``--requests`` arrivals within
-``--trace-s`` seconds. It ends when every request is finished or past its SLO deadline (arrival + TTFT bound +
-(tokens - 1) x TPOT bound: a request unfinished then cannot meet the SLO, so it counts as a miss and is cancelled),
-or as soon as misses make 95% impossible (``stopped_early``; its attainment is then an upper bound). The JSON is
-rewritten after every rate, so a run cut short keeps what finished; progress lines carry timings; the figure
-(attainment against rate per arm) goes next to the JSON (``.png``).
+* **the SLO's step**: BF16 with one slot and a pool for one request, one request of max_len / 4 tokens: the median
+  decode-only step. SLO, per request: time to first token <= 10 s and mean time per output token <= 3x that step
+  (``--ttft-s``, ``--tpot-x``; the smoke run's are loose: its numbers mean nothing, and a busy CPU would miss them);
+* **peak decode** per arm: as many requests as the arm has slots, ``--peak-prompt`` tokens each, sent at once; once
+  ``--peak-steps`` decode-only steps with every slot decoding have run, they are cancelled: tokens/s = slots / the
+  median of those steps (and prompt tokens/s until the first decode-only step);
+* **goodput** per arm: a search on the rate (:func:`search`): from ``--start-rate`` (``auto``: half what the arm
+  could finish one request after another, from a mean prompt's time to first token alone and the peak's decode
+  speed, :func:`first_rate`) it doubles while a rate meets 95% and halves while it does
+  not, then bisects (geometric) between the highest rate met and the lowest missed until they are within
+  ``--bracket`` of each other, ``--max-trials`` are run or the arm's time is spent. A rate's trace is its arrivals
+  within ``--trace-s`` seconds (at least ``--min-requests``, at most ``--requests``); it ends when every request is
+  finished or past its SLO deadline (arrival + TTFT bound + (tokens - 1) x TPOT bound: unfinished then, it counts as a
+  miss and is cancelled), or as soon as misses make 95% impossible (``stopped_early``; its attainment is then an upper
+  bound). Attainment = the share of a rate's requests meeting the SLO; goodput = the highest tested rate with
+  attainment >= 95% below the lowest tested rate under it (``goodput_status``: ``measured`` when such a rate under
+  95% exists, ``at least`` when none does, ``below lowest``).
+
+``--time-budget-s`` bounds the whole run, model building included: every arm gets an equal share of what is left when
+it starts, and its peak and search stop at the end of that share (a rate cut short is marked incomplete and does not
+count). The JSON is rewritten after every rate, so a run cut short keeps what finished; progress lines carry timings;
+the figure (attainment against rate per arm) goes next to the JSON (``.png``).
 
 The engine runs eagerly (no CUDA graphs: loopkv's shim splits prompts from decode tokens on the host), so these
 numbers include the engine's and the shim's host time; compare the peak with bench_decode.py's static-batch graphs
@@ -82,15 +87,16 @@ def plans(cfg) -> dict[str, loopkv.Plan]:
     return {"bf16": loopkv.Plan.uniform(loops=loops, layers=layers, option="bf16"), **paper_plans(loops, layers)}
 
 
-def trace(rate: float, n: int, max_len: int, seed: int, smoke: bool) -> list[tuple[float, int, int]]:
-    """(arrival s, prompt tokens, output tokens) per request; the same requests at every rate."""
+def trace(n: int, max_len: int, seed: int, smoke: bool) -> list[tuple[float, int, int]]:
+    """(arrival s at 1 request/s, prompt tokens, output tokens) per request; the same requests at every rate."""
     rng = random.Random(seed)
     t, out = 0.0, []
-    lo_out, hi_out = (4, 12) if smoke else (16, 128)
+    lo_out, hi_out = (4, 12) if smoke else (16, 64)
+    longest = max_len // 4 if smoke else max_len - hi_out  # the smoke run's CPU: short prompts
     for _ in range(n):
-        t += rng.expovariate(1.0) / rate
-        prompt = rng.randint(max_len // 16, max_len // 2)
-        out.append((t, prompt, min(rng.randint(lo_out, hi_out), max_len - prompt)))
+        t += rng.expovariate(1.0)
+        new = rng.randint(lo_out, hi_out)
+        out.append((t, rng.randint(max_len // 16, longest), new))
     return out
 
 
@@ -106,7 +112,7 @@ def budget_split(plan, cfg, budget: int, mean_context: float, dtype_bytes: int) 
 
 class Engine:
     """One arm's engine, started once: requests go in with :meth:`submit`, finished ones come back in
-    :meth:`collect` with their latencies."""
+    :meth:`collect` with their latencies; :attr:`cache` is loopkv's engine cache (its step log)."""
 
     def __init__(self, model, plan, *, slots: int, pages: int, max_len: int):
         from transformers import GenerationConfig
@@ -115,7 +121,7 @@ class Engine:
         gen = GenerationConfig(do_sample=False, eos_token_id=-1, pad_token_id=0, max_new_tokens=max_len)
         cb = engine_config(plan, pool_pages=pages, max_batch_tokens=256 if "share" in plan.options else 1024)
         self._context = engine_cache(plan, max_slots=slots, max_len=max_len)
-        self._context.__enter__()
+        self._built = self._context.__enter__()
         try:
             self.manager = model.init_continuous_batching(generation_config=gen, continuous_batching_config=cb)
             self.manager.start()
@@ -123,6 +129,12 @@ class Engine:
             self._context.__exit__(None, None, None)
             raise
         self.submitted: dict[str, float] = {}
+
+    @property
+    def cache(self):
+        if not self._built:
+            raise RuntimeError("the engine has not built its cache yet (it does at its first step)")
+        return self._built[-1]
 
     def submit(self, request_id: str, prompt: int, new: int) -> None:
         seed = zlib.crc32(request_id.encode())
@@ -151,6 +163,11 @@ class Engine:
         self.submitted.pop(request_id, None)
         self.manager.cancel_request(request_id)
 
+    def idle(self, stop_at: float) -> None:
+        """Wait (by ``stop_at``) until no request holds a slot, draining finished results."""
+        while self._built and self.cache.requests_held and time.perf_counter() < stop_at:
+            self.collect(timeout=0.05)
+
     def close(self) -> None:
         try:
             self.manager.stop(block=True)
@@ -158,42 +175,70 @@ class Engine:
         finally:
             self._context.__exit__(None, None, None)
             self.manager = None
+            self._built.clear()  # the cache's memory goes back before the next arm builds its own
             gc.collect()
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
 
-    def run_all(self, requests: dict[str, tuple[int, int]], timeout: float) -> list[dict]:
-        """Submit every request now and wait for all of them."""
+    def run_all(self, requests: dict[str, tuple[int, int]], stop_at: float) -> list[dict]:
+        """Submit every request now and wait (by ``stop_at``) for all of them."""
         for rid, (prompt, new) in requests.items():
             self.submit(rid, prompt, new)
-        done, deadline = [], time.perf_counter() + timeout
+        done = []
         while len(done) < len(requests):
-            if time.perf_counter() > deadline:
-                raise RuntimeError(f"the engine returned {len(done)} of {len(requests)} requests in {timeout} s")
-            got = self.collect(timeout=1.0)
+            if time.perf_counter() > stop_at:
+                raise RuntimeError(f"the engine returned {len(done)} of {len(requests)} requests in its time")
+            got = self.collect(timeout=0.2)
             if got is not None:
                 done.append(got)
         return done
 
 
-def peak_decode(engine: Engine, slots: int, prompt: int, new: int, timeout: float) -> dict:
-    """``slots`` requests at once: decode tokens per second while all of them decode (from the last first token to
-    the first finish), and prompt tokens per second until the last first token."""
-    sent = time.perf_counter()
-    done = engine.run_all({f"peak{i}": (prompt, new) for i in range(slots)}, timeout)
-    start = max(r["stamps"][0] for r in done)
-    end = min(r["stamps"][-1] for r in done)
-    tokens = sum(start < t <= end for r in done for t in r["stamps"])
-    return {"batch": slots, "prompt": prompt, "new": new, "window_s": end - start,
-            "tokens_per_s": tokens / (end - start) if end > start else None,
-            "prompt_tokens_per_s": slots * prompt / (start - sent)}
+def decode_steps(steps, since: float, batch: int) -> tuple[list[float], float | None]:
+    """From a step log (``EngineCache.steps``: start, decoding rows, prompt tokens), the steps begun after ``since``:
+    the durations of the decode-only steps with ``batch`` rows decoding (each until the next step began), and the
+    prompt tokens per second until the first decode-only step (None if there is none, or no prompt before it)."""
+    steps = [s for s in steps if s[0] >= since]
+    durations = [b[0] - a[0] for a, b in zip(steps, steps[1:]) if a[2] == 0 and a[1] == batch]
+    first = next((s[0] for s in steps if s[2] == 0 and s[1]), None)
+    prompt = sum(s[2] for s in steps if first is not None and s[0] < first)
+    return durations, (prompt / (first - since) if first is not None and prompt else None)
+
+
+def median(xs: list[float]) -> float:
+    return sorted(xs)[len(xs) // 2]
+
+
+def peak_decode(engine: Engine, batch: int, prompt: int, new: int, steps: int, stop_at: float) -> dict:
+    """``batch`` requests at once (``prompt`` tokens, room for ``new``): once ``steps`` decode-only steps with all of
+    them decoding have run, they are cancelled. Decode tokens/s = batch / the median such step; prompt tokens/s until
+    the first decode-only step."""
+    since = time.perf_counter()
+    ids = [f"peak{batch}x{i}" for i in range(batch)]
+    for rid in ids:
+        engine.submit(rid, prompt, new)
+    try:
+        while time.perf_counter() < stop_at:
+            engine.collect(timeout=0.05)
+            durations, _ = decode_steps(engine.cache.steps, since, batch) if engine._built else ([], None)
+            if len(durations) >= steps:
+                break
+    finally:
+        for rid in ids:
+            engine.cancel(rid)
+        engine.idle(stop_at)
+    durations, prompt_rate = decode_steps(engine.cache.steps, since, batch)
+    step = median(durations) if durations else None
+    return {"batch": batch, "prompt": prompt, "decode_steps": len(durations), "step_s": step,
+            "tokens_per_s": batch / step if step else None, "prompt_tokens_per_s": prompt_rate}
 
 
 def run_rate(engine: Engine, name: str, rate: float, reqs, *, ttft_slo: float, tpot_slo: float, trace_s: float,
-             stop_at: float) -> dict:
-    """One rate of the ladder (module docstring); returns its row."""
-    reqs = [r for r in reqs if r[0] <= trace_s] or reqs[:1]
-    ids = [f"{name}@{rate}#{i}" for i in range(len(reqs))]
+             min_requests: int, stop_at: float) -> dict:
+    """One rate (module docstring); ``reqs`` at 1 request/s. Returns its row."""
+    reqs = [(a / rate, p, n) for a, p, n in reqs]
+    reqs = reqs[:max(min_requests, sum(a <= trace_s for a, _, _ in reqs))]
+    ids = [f"{name}@{rate:.4g}#{i}" for i in range(len(reqs))]
     deadline = {}  # request id -> the time by which it must finish to meet the SLO
     results, misses, complete = {}, 0, True
     allowed_misses = int((1 - ATTAINMENT) * len(reqs) + 1e-9)
@@ -225,6 +270,9 @@ def run_rate(engine: Engine, name: str, rate: float, reqs, *, ttft_slo: float, t
                 engine.cancel(rid)
             break
     wall = time.perf_counter() - start
+    for rid, _ in pending:
+        engine.submitted.pop(rid, None)
+    engine.idle(stop_at)  # the next rate starts on an empty engine
     finished = [r for r in results.values() if r["tokens"]]
     return {"arm": name, "rate": rate, "requests": len(reqs), "judged": len(results), "complete": complete,
             "attainment": 1 - misses / len(reqs),  # an upper bound when stopped early
@@ -238,7 +286,7 @@ def run_rate(engine: Engine, name: str, rate: float, reqs, *, ttft_slo: float, t
 
 def capacity(rows: list[dict]) -> tuple[float, str]:
     """An arm's goodput from its complete rows: the highest rate meeting 95% below the lowest rate missing it, and
-    whether that is bracketed (``measured``: the next tested rate up missed), ``at least`` (no tested rate missed) or
+    whether that is bracketed (``measured``: a tested rate above it missed), ``at least`` (no tested rate missed) or
     ``below lowest`` (the lowest tested rate missed: 0)."""
     rows = [r for r in rows if r["complete"]]
     failed = [r["rate"] for r in rows if r["attainment"] < ATTAINMENT]
@@ -260,27 +308,37 @@ def summarize(arms: dict, rows: list[dict]) -> dict:
             "peak_tokens_per_s": {n: a["peak"]["tokens_per_s"] for n, a in arms.items() if a.get("peak")}}
 
 
-def ladder(rates: list[float], first: int, run) -> list[dict]:
-    """Run ``run(rate) -> row`` from ``rates[first]``: up while a rate meets 95%, down while it does not, until two
-    neighbouring rates bracket the goodput, an end of ``rates`` is passed, or a row is incomplete."""
-    rows, tested, i = [], set(), first
-    while 0 <= i < len(rates) and i not in tested:
-        rows.append(run(rates[i]))
+def search(start: float, run, *, max_trials: int, bracket: float, factor: float = 2.0) -> list[dict]:
+    """Rates from ``start`` (``run(rate) -> row``): times ``factor`` while every rate tested met 95%, divided by it
+    while every one missed, then the geometric mean of the highest rate met and the lowest missed, until those are
+    within ``bracket`` of each other, ``max_trials`` rows are run, or a row is incomplete (its time ran out)."""
+    rows, rate = [], start
+    while len(rows) < max_trials:
+        rows.append(run(rate))
         if not rows[-1]["complete"]:
             break
-        tested.add(i)
-        i += 1 if rows[-1]["attainment"] >= ATTAINMENT else -1
+        done = [r for r in rows if r["complete"]]
+        met = [r["rate"] for r in done if r["attainment"] >= ATTAINMENT]
+        missed = [r["rate"] for r in done if r["attainment"] < ATTAINMENT]
+        if not missed:
+            rate = max(met) * factor
+        elif not met or min(met) >= min(missed):  # every rate met is above one missed: go below the lowest missed
+            rate = min(missed) / factor
+        else:
+            lo, hi = max(m for m in met if m < min(missed)), min(missed)
+            if hi / lo <= bracket:
+                break
+            rate = math.sqrt(lo * hi)
     return rows
 
 
-def first_rate(rates: list[float], peak: dict, mean_prompt: float, mean_new: float, start: str) -> int:
-    """The ladder's first rate: the lowest, or (``auto``) the highest at most half the rate the arm could finish at
-    its peak's speeds (1 / (mean prompt / prompt tok/s + mean output / decode tok/s); queueing, longer contexts and
-    the SLO make the real one lower)."""
-    if start == "lowest" or not peak["tokens_per_s"]:
-        return 0
-    estimate = 1 / (mean_prompt / peak["prompt_tokens_per_s"] + mean_new / peak["tokens_per_s"]) / 2
-    return max([i for i, r in enumerate(rates) if r <= estimate], default=0)
+def first_rate(probe_s: float, peak: dict, mean_new: float, floor: float) -> float:
+    """The search's first rate: half the rate the arm could finish one request after another, each taking the probe's
+    first token (a mean prompt alone, ``probe_s``) and a mean output at the peak's decode speed (queueing, longer
+    contexts and the SLO make the real capacity lower, batching higher), at least ``floor``."""
+    if not peak.get("tokens_per_s"):
+        return floor
+    return max(floor, 1 / (probe_s + mean_new / peak["tokens_per_s"]) / 2)
 
 
 def plot(result: dict, path) -> None:
@@ -292,7 +350,7 @@ def plot(result: dict, path) -> None:
 
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     for name in result["arms"]:
-        rows = [r for r in result["rows"] if r["arm"] == name and r["complete"]]
+        rows = sorted((r for r in result["rows"] if r["arm"] == name and r["complete"]), key=lambda r: r["rate"])
         color, marker = STYLE.get(name, ("tab:gray", "x"))
         ratio = result["goodput_vs_bf16"].get(name)
         label = f"{name}: {result['goodput_rps'][name]:.3g} req/s" + (f" ({ratio:.2f}x BF16)" if ratio else "")
@@ -314,33 +372,39 @@ def plot(result: dict, path) -> None:
 
 def run_arm(model, name: str, plan, split: tuple[int, int], reqs, args, result: dict, *, tpot_slo: float,
             stop_at: float) -> None:
-    """One arm in one engine: warm-up, peak, ladder (module docstring); ``result`` is updated and written after
+    """One arm in one engine: warm-up, peak, rate search (module docstring); ``result`` is updated and written after
     every rate."""
     slots, pages = split
-    small_new, timeout = (8, 120) if args.smoke else (64, 300)
     arm = result["arms"][name] = {"slots": slots, "pool_pages": pages, "peak": None}
     log(f"{name}: {slots} slots, {pages} pool pages; {stop_at - time.perf_counter():.0f} s for this arm")
     engine = Engine(model, plan, slots=slots, pages=pages, max_len=args.max_len)
 
     def one(rate: float) -> dict:
-        row = run_rate(engine, name, rate, [(a / rate, p, n) for a, p, n in reqs], ttft_slo=args.ttft_s,
-                       tpot_slo=tpot_slo, trace_s=args.trace_s, stop_at=stop_at) | {"slots": slots, "pool_pages": pages}
+        row = run_rate(engine, name, rate, reqs, ttft_slo=args.ttft_s, tpot_slo=tpot_slo, trace_s=args.trace_s,
+                       min_requests=args.min_requests, stop_at=stop_at) | {"slots": slots, "pool_pages": pages}
         result["rows"].append(row)
         result.update(summarize(result["arms"], result["rows"]))
         write_json(args.out, result)
-        log(f"{name} rate {rate:g}: {row['requests']} requests, attainment {row['attainment']:.2f} "
+        log(f"{name} rate {rate:.3g}: {row['requests']} requests, attainment {row['attainment']:.2f} "
             f"({row['ttft_misses']} TTFT / {row['tpot_misses']} TPOT misses), {row['tokens_per_s']:.1f} tok/s, "
             f"{row['wall_s']:.0f} s{'' if row['complete'] else ', cut short: incomplete'}")
         return row
 
     try:
-        engine.run_all({"warm": (args.peak_prompt, 4)}, timeout)
-        batch = min(slots, args.peak_batch or slots)
-        arm["peak"] = peak_decode(engine, batch, args.peak_prompt, small_new, timeout)
-        log(f"{name}: peak decode {arm['peak']['tokens_per_s'] or 0:.1f} tok/s at batch {batch}")
-        rates = [float(r) for r in args.rates.split(",")]
+        engine.run_all({"warm": (args.peak_prompt, 4)}, stop_at)
+        arm["peak"] = peak_decode(engine, slots, args.peak_prompt, args.max_len - args.peak_prompt,
+                                  args.peak_steps, stop_at)
+        log(f"{name}: peak decode {arm['peak']['tokens_per_s'] or 0:.1f} tok/s at batch {slots} "
+            f"({arm['peak']['decode_steps']} steps), prompts {arm['peak']['prompt_tokens_per_s'] or 0:.0f} tok/s")
         mean_prompt, mean_new = (sum(r[i] for r in reqs) / len(reqs) for i in (1, 2))
-        ladder(rates, first_rate(rates, arm["peak"], mean_prompt, mean_new, args.start), one)
+        if args.start_rate == "auto":  # a mean prompt alone: its time to first token
+            arm["probe_ttft_s"] = engine.run_all({"probe": (round(mean_prompt), 2)}, stop_at)[0]["ttft_s"]
+            start = first_rate(arm["probe_ttft_s"], arm["peak"], mean_new, floor=1 / 64)
+            log(f"{name}: a mean prompt ({mean_prompt:.0f} tokens) alone: first token in {arm['probe_ttft_s']:.2f} "
+                f"s; the search starts at {start:.3g} req/s")
+        else:
+            start = float(args.start_rate)
+        search(start, one, max_trials=args.max_trials, bracket=args.bracket)
     finally:
         engine.close()
         result.update(summarize(result["arms"], result["rows"]))
@@ -352,15 +416,16 @@ def main(argv=None) -> dict:
     ap.add_argument("--arms", default="bf16,kivi4,loopkv-r,loopkv-m")
     ap.add_argument("--budget-gib", type=float, default=96.0)
     ap.add_argument("--max-len", type=int, default=16384)
-    ap.add_argument("--rates", default="0.125,0.25,0.5,1,2,4,8,16", help="requests per second, increasing")
-    ap.add_argument("--requests", type=int, default=24, help="requests per rate at most")
-    ap.add_argument("--trace-s", type=float, default=20.0, help="arrivals per rate within this many seconds")
-    ap.add_argument("--peak-prompt", type=int, default=512,
-                    help="prompt tokens of the warm-up and peak-throughput requests (past 319: pages get written)")
-    ap.add_argument("--peak-batch", type=int, default=0, help="peak-throughput requests (0: the arm's slots)")
-    ap.add_argument("--time-budget-s", type=float, default=420.0, help="the whole run, model building included")
-    ap.add_argument("--start", choices=("auto", "lowest"), default="auto",
-                    help="the ladder's first rate: from the arm's peak throughput, or the lowest (first_rate)")
+    ap.add_argument("--requests", type=int, default=16, help="requests per rate at most")
+    ap.add_argument("--min-requests", type=int, default=6, help="requests per rate at least")
+    ap.add_argument("--trace-s", type=float, default=10.0, help="arrivals per rate within this many seconds")
+    ap.add_argument("--start-rate", default="auto", help="the search's first rate (req/s), or auto (first_rate)")
+    ap.add_argument("--max-trials", type=int, default=4, help="rates tested per arm at most")
+    ap.add_argument("--bracket", type=float, default=1.5,
+                    help="stop once the highest rate met and the lowest missed are within this factor")
+    ap.add_argument("--peak-prompt", type=int, default=64, help="prompt tokens of the warm-up and peak requests")
+    ap.add_argument("--peak-steps", type=int, default=8, help="decode-only steps the peak is the median of")
+    ap.add_argument("--time-budget-s", type=float, default=540.0, help="the whole run, model building included")
     ap.add_argument("--ttft-s", type=float, default=TTFT_SLO_S, help="the SLO's time to first token")
     ap.add_argument("--tpot-x", type=float, default=TPOT_SLO_X,
                     help="the SLO's time per output token, in BF16 batch-1 steps")
@@ -375,8 +440,9 @@ def main(argv=None) -> dict:
         return {}
     if args.smoke:  # sizes the smoke run overrides unless given
         given = set(argv if argv is not None else sys.argv[1:])
-        for flag, value in (("--max-len", 640), ("--requests", 3), ("--rates", "8"), ("--budget-gib", 0.02),
-                            ("--arms", "loopkv-m"), ("--peak-prompt", 64), ("--peak-batch", 2), ("--trace-s", 5.0),
+        for flag, value in (("--max-len", 640), ("--requests", 3), ("--min-requests", 3), ("--start-rate", "8"),
+                            ("--max-trials", 1), ("--budget-gib", 0.02), ("--arms", "loopkv-m"),
+                            ("--peak-prompt", 64), ("--peak-steps", 3), ("--trace-s", 5.0),
                             ("--ttft-s", 600.0), ("--tpot-x", 100.0)):  # a CPU, maybe busy: every request meets it
             if flag not in given:
                 setattr(args, flag[2:].replace("-", "_"), value)
@@ -390,38 +456,35 @@ def main(argv=None) -> dict:
     if unknown:
         raise SystemExit(f"unknown arms {sorted(unknown)}; choose from {sorted(plans(cfg))}")
     arm_plans = {name: plans(cfg)[name] for name in names}
-    rates = [float(r) for r in args.rates.split(",")]
-    if rates != sorted(set(rates)):
-        raise SystemExit("--rates must increase")
     torch.manual_seed(0)
     with torch.device(device):  # initialized where it runs: minutes less on the host for 1.4B parameters
         model = OuroForCausalLM(cfg).to(dtype=dtype).eval()
     budget = int(args.budget_gib * 2**30)
-    small_new = 8 if args.smoke else 64
-    timeout = 120 if args.smoke else 300
     log(f"model built on {device}")
 
     result = run_info(__file__, argv, device) | {
         "model": "smoke" if args.smoke else "Ouro-1.4B shapes, random weights", "dtype": str(dtype),
-        "budget_gib": args.budget_gib, "max_len": args.max_len, "requests": args.requests, "trace_s": args.trace_s,
-        "seed": args.seed, "arms": {}, "rows": []}
+        "budget_gib": args.budget_gib, "max_len": args.max_len, "requests": args.requests,
+        "min_requests": args.min_requests, "trace_s": args.trace_s, "seed": args.seed, "arms": {}, "rows": []}
 
-    # the SLO's step: BF16 with one slot, through the same engine (after a warm-up request)
-    bf16 = plans(cfg)["bf16"]
-    engine = Engine(model, bf16, slots=1, pages=budget_split(bf16, cfg, budget, args.max_len, dtype_bytes)[1],
-                    max_len=args.max_len)
+    # the SLO's step: BF16 with one slot and a pool for one request, through the same engine
+    one_stop = time.perf_counter() + min(60.0, (stop_all - time.perf_counter()) / (len(arm_plans) + 1))
+    engine = Engine(model, plans(cfg)["bf16"], slots=1, pages=math.ceil(args.max_len / 32), max_len=args.max_len)
     try:
-        engine.run_all({"warm": (args.peak_prompt, 4)}, timeout)
-        base = engine.run_all({"one": (args.max_len // 4, small_new)}, timeout)[0]["tpot_s"]
+        engine.run_all({"warm": (args.peak_prompt, 4)}, one_stop)
+        one = peak_decode(engine, 1, args.max_len // 4, args.max_len - args.max_len // 4, args.peak_steps, one_stop)
     finally:
         engine.close()
+    if one["step_s"] is None:
+        raise SystemExit("the BF16 batch-1 step was not measured in its time: raise --time-budget-s")
+    base = one["step_s"]
     tpot_slo = args.tpot_x * base
     result["slo"] = {"ttft_s": args.ttft_s, "tpot_s": tpot_slo, "tpot_x": args.tpot_x, "bf16_batch1_step_s": base,
-                     "attainment": ATTAINMENT}
+                     "bf16_batch1_steps": one["decode_steps"], "attainment": ATTAINMENT}
     log(f"BF16 batch-1 step {1e3 * base:.1f} ms: TPOT bound {1e3 * tpot_slo:.1f} ms")
     write_json(args.out, result)
 
-    reqs = trace(1.0, args.requests, args.max_len, args.seed, args.smoke)
+    reqs = trace(args.requests, args.max_len, args.seed, args.smoke)
     mean_ctx = sum(p + n for _, p, n in reqs) / len(reqs)
     for k, (name, plan) in enumerate(arm_plans.items()):
         stop_at = time.perf_counter() + (stop_all - time.perf_counter()) / (len(arm_plans) - k)
@@ -442,6 +505,7 @@ def main(argv=None) -> dict:
         print(f"{name:<10}{result['arms'][name].get('slots', '-'):>6}{result['goodput_rps'][name]:>15.3g}{status:>14}"
               f"{(f'{vs_b:.2f}' if vs_b else '-'):>8}{(f'{vs_k:.2f}' if vs_k else '-'):>10}"
               f"{(f'{peak:.1f}' if peak else '-'):>12}")
+    log("done")
     return result
 
 

@@ -1,14 +1,13 @@
-"""bench_serving's rate ladder and goodput rule (benchmarks/bench_serving.py), on rows made up for an arm whose
-attainment falls below 95% above a known rate: wherever the ladder starts, it brackets that rate and the goodput is it.
-"""
+"""bench_serving's rate search, goodput rule and step timing (benchmarks/bench_serving.py), on rows made up for an
+arm whose attainment falls below 95% above a known rate, and on a made-up step log."""
 
 import importlib.util
+import math
 import pathlib
 
 import pytest
 
 PATH = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "bench_serving.py"
-RATES = [0.125, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0]
 
 
 @pytest.fixture(scope="module")
@@ -25,27 +24,55 @@ def _arm(capacity):
     return run
 
 
-@pytest.mark.parametrize("capacity", [0.5, 2.0])
-@pytest.mark.parametrize("first", range(len(RATES)))
-def test_the_ladder_brackets_the_goodput_from_any_start(bench, capacity, first):
-    rows = bench.ladder(RATES, first, _arm(capacity))
-    assert bench.capacity(rows) == (capacity, "measured")
+@pytest.mark.parametrize("capacity", [0.07, 0.5, 1.3, 9.0])
+@pytest.mark.parametrize("start", [0.02, 0.4, 1.0, 3.0, 50.0])
+def test_the_search_brackets_the_goodput_from_any_start(bench, capacity, start):
+    """Enough trials: the goodput found meets 95%, and the lowest rate tested above it misses, within the bracket."""
+    rows = bench.search(start, _arm(capacity), max_trials=30, bracket=1.5)
+    goodput, status = bench.capacity(rows)
+    assert status == "measured"
+    assert goodput <= capacity
+    above = min(r["rate"] for r in rows if r["rate"] > goodput)
+    assert above > capacity and above / goodput <= 1.5
     tested = [r["rate"] for r in rows]
     assert len(set(tested)) == len(tested)  # no rate twice
-    assert {capacity, RATES[RATES.index(capacity) + 1]} <= set(tested)
+    # doubling or halving to the bracket, then bisecting: about log2(distance) + log2(log2(2) / log2(1.5)) trials
+    assert len(rows) <= abs(math.log2(start / capacity)) + 4
 
 
-def test_censored_ladders_say_so(bench):
-    assert bench.capacity(bench.ladder(RATES, 2, _arm(100.0))) == (8.0, "at least")
-    assert bench.capacity(bench.ladder(RATES, 3, _arm(0.01))) == (0.0, "below lowest")
-    cut = [{"rate": 0.5, "complete": True, "attainment": 1.0}, {"rate": 1.0, "complete": False, "attainment": 0.0}]
-    assert bench.capacity(cut) == (0.5, "at least")  # an incomplete rate counts for nothing
+def test_the_search_stops_at_its_trials_and_at_an_incomplete_rate(bench):
+    assert len(bench.search(1.0, _arm(100.0), max_trials=3, bracket=1.5)) == 3
+    rows = bench.search(1.0, _arm(100.0), max_trials=3, bracket=1.5)
+    assert bench.capacity(rows) == (4.0, "at least")
+    assert bench.capacity(bench.search(1.0, _arm(0.01), max_trials=3, bracket=1.5)) == (0.0, "below lowest")
+
+    def cut(rate):
+        return {"rate": rate, "complete": rate < 2.0, "attainment": 1.0}
+    rows = bench.search(1.0, cut, max_trials=10, bracket=1.5)
+    assert [r["rate"] for r in rows] == [1.0, 2.0]
+    assert bench.capacity(rows) == (1.0, "at least")  # an incomplete rate counts for nothing
 
 
-def test_the_first_rate_is_half_what_the_peak_speeds_could_finish(bench):
-    # 100-token prompts at 1000 tok/s and 100-token outputs at 400 tok/s: 0.35 s a request, 2.86 req/s; half is 1.43
-    peak = {"prompt_tokens_per_s": 1000.0, "tokens_per_s": 400.0}
-    assert RATES[bench.first_rate(RATES, peak, 100.0, 100.0, "auto")] == 1.0
-    assert bench.first_rate(RATES, peak, 100.0, 100.0, "lowest") == 0
-    assert bench.first_rate(RATES, {"prompt_tokens_per_s": 1.0, "tokens_per_s": 1.0}, 100.0, 100.0, "auto") == 0
-    assert bench.first_rate(RATES, {"prompt_tokens_per_s": 1.0, "tokens_per_s": None}, 1.0, 1.0, "auto") == 0
+def test_noise_above_a_miss_does_not_count(bench):
+    rows = [{"rate": 1.0, "complete": True, "attainment": 0.5}, {"rate": 2.0, "complete": True, "attainment": 1.0}]
+    assert bench.capacity(rows) == (0.0, "below lowest")
+    nxt = bench.search(1.0, lambda r: rows.pop(0) if rows else _arm(0.6)(r), max_trials=3, bracket=1.5)
+    assert nxt[-1]["rate"] == 0.5  # below the lowest rate missed
+
+
+def test_the_first_rate_is_half_what_one_request_after_another_could_finish(bench):
+    # a mean prompt's first token in 0.1 s and 100-token outputs at 400 tok/s: 0.35 s a request, 2.86 req/s; half
+    assert bench.first_rate(0.1, {"tokens_per_s": 400.0}, 100.0, floor=0.01) == pytest.approx(1 / 0.35 / 2)
+    assert bench.first_rate(100.0, {"tokens_per_s": 1.0}, 100.0, floor=0.01) == 0.01
+    assert bench.first_rate(0.1, {"tokens_per_s": None}, 1.0, floor=0.5) == 0.5
+
+
+def test_decode_steps_are_timed_apart_from_prompt_steps(bench):
+    """(start, decoding rows, prompt tokens): prompt and mixed steps are left out, a decode-only step with fewer rows
+    too, and each step lasts until the next begins; prompt tokens/s runs until the first decode-only step."""
+    log = [(0.0, 0, 0), (10.0, 0, 300), (10.5, 1, 200), (11.5, 2, 0), (11.7, 2, 0), (12.0, 2, 64), (13.0, 2, 0),
+           (13.1, 1, 0), (13.4, 1, 0)]
+    durations, prompt_rate = bench.decode_steps(log, since=10.0, batch=2)
+    assert durations == pytest.approx([0.2, 0.3, 0.1])
+    assert prompt_rate == pytest.approx(500 / 1.5)
+    assert bench.decode_steps(log, since=13.05, batch=1) == (pytest.approx([0.3]), None)

@@ -56,7 +56,7 @@ def test_a_steps_prompts_written_together_equal_prefill_cell_per_prompt(per_loop
 
 
 @needs_engine
-def test_an_uncodable_prompt_token_fails_its_step_and_leaves_nothing_stored(caplog):
+def test_an_uncodable_prompt_token_fails_its_step_and_leaves_nothing_stored():
     """A token whose K/V are NaN (its embedding is NaN) in an INT4 plan: found at the step's end, the step raises the
     cache's error naming the cells, the engine fails the request, and the slot and every page are back."""
     model = copy.deepcopy(tiny_ouro())
@@ -75,7 +75,7 @@ def test_an_uncodable_prompt_token_fails_its_step_and_leaves_nothing_stored(capl
             manager.stop(block=True)
             model.destroy_cached_continuous_batching_manager()
     (engine,) = built
-    assert result is not None and result.request_id == "bad" and result.error
-    assert "the INT4/INT2 codec cannot store" in caplog.text and "cells [0, 1, 2, 3]" in caplog.text
+    assert result is not None and result.request_id == "bad"
+    assert "the INT4/INT2 codec cannot store" in str(result.error) and "cells [0, 1, 2, 3]" in str(result.error)
     assert engine.cache.pages_in_use == 0 and engine.free_block_count() == engine.num_blocks
     assert all(not engine.cache.storage(c).lengths.any() for c in range(4))
