@@ -50,10 +50,13 @@ def checkpoint(request, tmp_path_factory):
 
 
 def _generate(model, ids, cache=None):
-    keyword = "cache" if model.config.model_type == "dory" else "past_key_values"
-    extra = {"state_generator": torch.Generator().manual_seed(3)} if model.config.model_type != "dory" else {}
-    return model.generate(ids, **{keyword: cache}, max_new_tokens=6, do_sample=False, eos_token_id=None,
-                          pad_token_id=0, **extra)
+    """Greedy tokens; Dory reads a LoopKVCache through the "loopkv" attention (its attention follows its config)."""
+    if model.config.model_type == "dory":
+        model.set_attn_implementation("sdpa" if cache is None else "loopkv")
+        call = {"cache": cache}
+    else:
+        call = {"past_key_values": cache, "state_generator": torch.Generator().manual_seed(3)}
+    return model.generate(ids, **call, max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=0)
 
 
 def test_profile_plan_show(checkpoint, tmp_path, capsys):
@@ -85,9 +88,9 @@ def test_profile_plan_show(checkpoint, tmp_path, capsys):
     assert plan.family == family and (plan.loops, plan.layers) == (layout.loops, layout.layers)
     assert set(plan.options) != {"bf16"}
     assert main(["show", str(plan_path), "--profile", str(prof)]) == 0
-    assert "loop" in capsys.readouterr().out
+    assert f"loopkv plan: {family} model, {layout.loops} loops x {layout.layers} layers" in capsys.readouterr().out
     assert main(["show", str(prof)]) == 0
-    assert "kl_share" in capsys.readouterr().out
+    assert f"loopkv profile: {family} model, {layout.loops} loops x {layout.layers} layers" in capsys.readouterr().out
 
     loaded = load_model(str(folder / "model"), device="cpu")
     assert type(loaded) is type(model)
@@ -120,6 +123,19 @@ def test_a_plan_or_profile_of_another_family_is_refused(checkpoint, tmp_path, ca
                         family=other).validate_for(model.config)
 
 
+def test_eval_refuses_a_random_initial_state(checkpoint, tmp_path, capsys):
+    """Huginn's like-init state is drawn anew in every forward: the served and exact runs of ``loopkv eval`` would
+    start from different states, so it is refused naming state_init='zero'."""
+    family, model, folder = checkpoint
+    if family != "huginn":
+        pytest.skip("Dory's state is deterministic")
+    plan = tmp_path / "plan.json"
+    Plan.from_config(model.config).to_json(plan)
+    assert main(["eval", str(folder / "model"), "--plan", str(plan), "--documents", str(folder / "docs.pt"),
+                 "--quiet"]) == 2
+    one_error_line(capsys, "state_init='zero'")
+
+
 def test_unknown_model_type_is_refused(tmp_path, capsys):
     folder = tmp_path / "llama"
     folder.mkdir()
@@ -134,6 +150,7 @@ def test_dory_last_loop_mode_is_refused(tmp_path, capsys):
     _dory("last_loop").save_pretrained(tmp_path / "model")
     docs = torch.randint(3, 50, (1, DOC_LEN))
     torch.save(docs, tmp_path / "docs.pt")
+    capsys.readouterr()  # save_pretrained's progress bar
     assert main(["profile", str(tmp_path / "model"), "--documents", str(tmp_path / "docs.pt"),
                  "--out", str(tmp_path / "p.json"), "--quiet"]) == 2
     one_error_line(capsys, "recurrent_kv_cache_mode='per_loop'")

@@ -31,6 +31,7 @@ from loopkv.planning import correction as _correction
 from loopkv.planning.knapsack import predicted_damage
 from loopkv.planning.plan import Plan
 from loopkv.planning.profiler import as_documents, kl_per_position
+from loopkv.planning.looped import random_initial_state
 from loopkv.planning.simulate import FIRST_HISTORY, check_model
 
 
@@ -63,6 +64,12 @@ class KLResult:
 def _check(model, plan, prefill_len: int | None, max_positions: int | None) -> tuple[int, int]:
     check_model(model)
     plan.validate_for(model.config)
+    if random_initial_state(model):
+        raise ValueError(
+            "this model's recurrent state starts at random in every forward (state_init="
+            f"{model.config.state_init!r}), so the served run and the exact run would start from different states; "
+            "measure the KL of a plan with config.state_init='zero' (its profile's damages are measured from one "
+            "fixed draw: loopkv.planning.looped)")
     prefill = FIRST_HISTORY if prefill_len is None else prefill_len
     if not isinstance(prefill, int) or prefill < 1:
         raise ValueError(f"prefill_len must be a positive int (default {FIRST_HISTORY}), got {prefill_len!r}")

@@ -66,13 +66,14 @@ def describe(model: Any, layout: ModelLayout) -> dict[str, Any]:
         fixed[slot.kind] = fixed.get(slot.kind, 0) + 1
     out = {"family": layout.family, "loops": layout.loops, "loops_from": f"config.{loops_field(layout)}",
            "planned_layers": layout.layers, "fixed_slots": fixed}
-    if _random_state(model):
+    if random_initial_state(model):
         out["initial_state"] = (f"{model.config.state_init}, one draw from torch.Generator seeded {STATE_SEED}, "
                                 "the same for every row and forward of a document")
     return out
 
 
-def _random_state(model: Any) -> bool:
+def random_initial_state(model: Any) -> bool:
+    """Whether ``model``'s recurrent state starts at random in every forward (Huginn's ``like-init``)."""
     return callable(getattr(model, "initial_state", None)) and getattr(model.config, "state_init", None) != "zero"
 
 
@@ -80,7 +81,7 @@ def _random_state(model: Any) -> bool:
 def repeatable_state(model: Any, seed: int = STATE_SEED) -> Iterator[None]:
     """Inside the block, a model with a random initial recurrent state (``model.initial_state``, Huginn's) starts
     every forward from one draw of a generator seeded ``seed`` for one row, the same for all rows."""
-    if not _random_state(model):
+    if not random_initial_state(model):
         yield
         return
     original = model.initial_state

@@ -45,7 +45,7 @@ def format_plan(plan: Any, *, config_or_shape: Any = None, profile: Profile | No
     shape = _shape(plan, config_or_shape, profile)
     width = len(str(L - 1))
     label = max(len(f"loop {T - 1} (final)"), len("layer"))
-    lines = [f"loopkv plan: {T} loops x {L} layers ({T * L} cells), {_tau_text(plan)}"]
+    lines = [f"loopkv plan: {_family_text(plan.family)}{T} loops x {L} layers ({T * L} cells), {_tau_text(plan)}"]
     for digit in range(width):
         head = "layer" if digit == width - 1 else ""
         lines.append(f"{head:<{label}}  " + "".join(str(layer).rjust(width)[digit] for layer in range(L)))
@@ -80,6 +80,11 @@ def format_plan(plan: Any, *, config_or_shape: Any = None, profile: Profile | No
     return "\n".join(lines)
 
 
+def _family_text(family: str) -> str:
+    """``"huginn model, "`` for a family other than Ouro (whose files say nothing of it), else nothing."""
+    return "" if family == "ouro" else f"{family} model, "
+
+
 def format_profile(profile: Profile) -> str:
     """A text summary of a profile: completeness, the unit, and per option and loop the summed and
     largest single-cell damage (in KL_share units when the unit is known)."""
@@ -89,7 +94,8 @@ def format_profile(profile: Profile) -> str:
     scale = 1.0 / kl if kl else 1.0
     missing = profile.missing()
     lines = [
-        f"loopkv profile: {T} loops x {L} layers, {profile.kv_heads} KV heads x {profile.head_dim}",
+        f"loopkv profile: {_family_text(profile.family)}{T} loops x {L} layers, {profile.kv_heads} KV heads x "
+        f"{profile.head_dim}",
         f"kl_share: {kl if kl is not None else 'not measured'}; "
         + ("complete" if profile.is_complete else f"partial: {len(missing)} (cell, option) pairs missing"),
         f"damage per loop ({unit}): sum over layers / largest cell [layer]",
