@@ -97,11 +97,11 @@ ALTERNATIVES = {
     # Static sm_90 builds at Dory's cell (Triton 3.6, INT4): 233 registers uncapped (two programs per SM), 168 with
     # 16 B of stack (three), 128 with 104 B (four); eight warps replicate its 16-row tiles (same instructions per warp)
     "gqa_w4": dict(reader="gqa", num_warps=4, num_stages=1, near_block=64),
-    "gqa_w4_s2": dict(reader="gqa", num_warps=4, num_stages=2, near_block=64),
     "gqa_w4_r168": dict(reader="gqa", num_warps=4, num_stages=1, near_block=64, maxnreg=168),
     "gqa_w4_r128": dict(reader="gqa", num_warps=4, num_stages=1, near_block=64, maxnreg=128),
-    # ... and twice the history programs per (row, KV head) where the split count is at its cap (B x KV heads < 43)
-    "gqa_w4_r168_x96": dict(reader="gqa", num_warps=4, num_stages=1, near_block=64, maxnreg=168, max_splits=96),
+    # ... and up to 128 history programs per (row, KV head), not 48 (MAX_SPLITS): the split count is at that cap below
+    # B x KV heads = 171 (Dory at batch 1, 8 and 32), where a program reads about 10 pages of 16K rows
+    "gqa_w4_r168_x128": dict(reader="gqa", num_warps=4, num_stages=1, near_block=64, maxnreg=168, max_splits=128),
 }
 
 
