@@ -173,7 +173,10 @@ class Step:
     dummy: token ranges ``[begin, end)`` of the requests of a vLLM dummy run (:func:`plan_step`), answered with zeros.
     decode: ``(token, decoding, out_rows, out_tokens)``: per slot the packed token it decodes and whether it does
     (``loopkv.cache.slots.DecodeStep``'s fields), and the decoding slots with their packed tokens; ``None`` when no
-    row decodes.
+    row decodes or when ``span`` serves them.
+    span: ``(first slot, packed tokens, lengths)`` when the decoding rows hold consecutive slots ``first, first + 1,
+    ...`` (tokens and int32 lengths before the token, in slot order): the read covers those slots only, not every
+    slot (a slot left by a finished request still holds its tokens, which ``decode`` would read again).
     lengths: int32 [slots] on the device: per slot the tokens held before its decode token (decoding slots) or after
     the step (others: ``token_attention_`` writes a zero token at that next position, which no read reaches before
     the slot writes it again).
@@ -186,6 +189,7 @@ class Step:
     prompts: tuple[Row, ...]
     dummy: tuple[tuple[int, int], ...]
     decode: tuple[Tensor, Tensor, Tensor, Tensor] | None
+    span: tuple[int, Tensor, Tensor] | None
     lengths: Tensor
     page_table: Tensor
     quantize: tuple[Tensor, Tensor, Tensor] | None
@@ -220,15 +224,23 @@ def plan_step(slot_map: SlotMap, page_table: Tensor, *, query_start_loc: list[in
     decoding = [r for r in all_rows if r.decodes]
     prompts = tuple(r for r in all_rows if not r.decodes)
     lengths = list(slot_map.held)
-    decode = quantize = None
+    decode = span = quantize = None
     if decoding:
-        token, flag = [0] * slot_map.slots, [0] * slot_map.slots
-        for r in decoding:
-            token[r.slot], flag[r.slot], lengths[r.slot] = r.begin, 1, r.start
-        host = torch.tensor([token, flag, [r.slot for r in decoding] + [0] * (slot_map.slots - len(decoding)),
-                             [r.begin for r in decoding] + [0] * (slot_map.slots - len(decoding))], dtype=torch.long)
-        dev = host.to(device)
-        decode = (dev[0], dev[1].bool(), dev[2, :len(decoding)], dev[3, :len(decoding)])
+        by_slot = sorted(decoding, key=lambda r: r.slot)
+        first = by_slot[0].slot
+        if [r.slot for r in by_slot] == list(range(first, first + len(by_slot))):  # consecutive slots
+            host = torch.tensor([[r.begin for r in by_slot], [r.start for r in by_slot]], dtype=torch.long)
+            dev = host.to(device)
+            span = (first, dev[0], dev[1].to(torch.int32))
+        else:
+            token, flag = [0] * slot_map.slots, [0] * slot_map.slots
+            for r in decoding:
+                token[r.slot], flag[r.slot], lengths[r.slot] = r.begin, 1, r.start
+            pad = [0] * (slot_map.slots - len(decoding))
+            host = torch.tensor([token, flag, [r.slot for r in decoding] + pad, [r.begin for r in decoding] + pad],
+                                dtype=torch.long)
+            dev = host.to(device)
+            decode = (dev[0], dev[1].bool(), dev[2, :len(decoding)], dev[3, :len(decoding)])
         done = [(r.slot, (r.start + 1 - QUANTIZE_LENGTH) // PAGE) for r in decoding
                 if r.start + 1 >= QUANTIZE_LENGTH and (r.start + 1 - QUANTIZE_LENGTH) % PAGE == 0]
         if done:
@@ -236,8 +248,8 @@ def plan_step(slot_map: SlotMap, page_table: Tensor, *, query_start_loc: list[in
             logical = torch.tensor([p for _, p in done], dtype=torch.long, device=device)
             ring = (PAGE * logical[:, None]) % RING + torch.arange(PAGE, device=device)
             quantize = (q_slots, ring, page_table[q_slots, logical].long())
-    return Step(num_tokens=query_start_loc[reqs] if reqs else 0, prompts=prompts, decode=decode, dummy=dummy,
-                lengths=torch.tensor(lengths, dtype=torch.int32).to(device), page_table=page_table,
+    return Step(num_tokens=query_start_loc[reqs] if reqs else 0, prompts=prompts, decode=decode, span=span,
+                dummy=dummy, lengths=torch.tensor(lengths, dtype=torch.int32).to(device), page_table=page_table,
                 quantize=quantize)
 
 
@@ -336,7 +348,15 @@ def forward_cell(cell: CellExact, pool: tuple[Tensor, ...], step: Step, query: T
             out = continue_rows(_ContinuationCache(rows, tau), 0, q[None], k[None], v[None], scale=scale,
                                 rows=[row.slot])[0]
         output[row.begin:row.end] = out.to(output.dtype)
-    if step.decode is not None:
+    if step.span is not None:  # the decoding rows are the slots first .. first + B - 1: read those only
+        first, tokens, lengths = step.span
+        rows = slice(first, first + tokens.shape[0])
+        out = torch.ops.loopkv.token_attention_(
+            query.index_select(0, tokens), key.index_select(0, tokens)[:, :, None],
+            value.index_select(0, tokens)[:, :, None], cell.sink_k[rows], cell.sink_v[rows], cell.win_k[rows],
+            cell.win_v[rows], lengths, step.page_table[rows], *pool, bits, tau, scale)
+        output.index_copy_(0, tokens, out.to(output.dtype))
+    elif step.decode is not None:  # any slots: one read over every slot, the others given zeros
         token, decoding, out_rows, out_tokens = step.decode
         keep = decoding[:, None, None]
         q_all = torch.where(keep, query.index_select(0, token), 0)
@@ -346,9 +366,9 @@ def forward_cell(cell: CellExact, pool: tuple[Tensor, ...], step: Step, query: T
             q_all, k_all, v_all, cell.sink_k, cell.sink_v, cell.win_k, cell.win_v, step.lengths, step.page_table,
             *pool, bits, tau, scale)
         output.index_copy_(0, out_tokens, out.index_select(0, out_rows).to(output.dtype))
-        if step.quantize is not None:
-            slots, ring, blocks = step.quantize
-            page_k = cell.win_k[slots[:, None], :, ring].transpose(1, 2).contiguous()  # [n, H, PAGE, D]
-            page_v = cell.win_v[slots[:, None], :, ring].transpose(1, 2).contiguous()
-            torch.ops.loopkv.write_pages_(page_k, page_v, blocks, *pool, bits)
+    if step.quantize is not None:  # the pages the decode tokens completed leave the ring for their blocks
+        slots, ring, blocks = step.quantize
+        page_k = cell.win_k[slots[:, None], :, ring].transpose(1, 2).contiguous()  # [n, H, PAGE, D]
+        page_v = cell.win_v[slots[:, None], :, ring].transpose(1, 2).contiguous()
+        torch.ops.loopkv.write_pages_(page_k, page_v, blocks, *pool, bits)
     return output

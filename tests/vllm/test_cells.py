@@ -179,14 +179,18 @@ def test_scheduled_steps_equal_loopkv_cache(tau):
     cell = CellExact.allocate(SLOTS, H, D, dtype=torch.float32)
     pool = pool_views(torch.zeros(NUM_BLOCKS, page_bytes(4, H, D), dtype=torch.uint8), 4, H, D)
 
+    paths = set()
+
     def forward(qsl, seq_lens, first, table, q, k, v, out):
         step = plan_step(slot_map, page_table, query_start_loc=qsl, seq_lens=seq_lens, first_blocks=first,
                          block_table=table)
+        paths.add("span" if step.span else "all slots" if step.decode else None)
         T = step.num_tokens
         forward_cell(cell, pool, step, q[:T], k[:T], v[:T], out[:T], bits=4, tau=tau, scale=SCALE)
 
     engine, refs = run_scenario(plan, forward)
     check_storage(engine, refs, slot_map, cell, pool)
+    assert paths == {"span", "all slots", None}  # both decode reads ran (d, a, c: slots 1 | 0, 2)
 
 
 def test_dummy_rows_get_no_slot_and_zeros():
