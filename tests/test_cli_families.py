@@ -67,13 +67,14 @@ def test_profile_plan_show(checkpoint, tmp_path, capsys):
     family, model, folder = checkpoint
     prof, plan_path = tmp_path / "profile.json", tmp_path / "plan.json"
     assert main(["profile", str(folder / "model"), "--documents", str(folder / "docs.pt"), "--out", str(prof),
-                 "--quiet", "--batch-cells", "17"]) == 0
+                 "--quiet", "--batch-cells", "17", "--share-passes", "1"]) == 0  # exact below 608 tokens
     assert "wrote" in capsys.readouterr().out
     profile = Profile.from_json(prof)
     layout = model_layout(model)
     assert profile.family == family
     assert (profile.loops, profile.layers) == (layout.loops, layout.layers)
-    assert profile.is_complete and profile.missing() == []
+    assert profile.is_complete
+    assert profile.missing() == []
     measured = {profile.layout.cell(i) for i, _ in profile.damage}
     assert measured == set(layout)  # every planned cell, nothing else (fixed slots are not cells)
     assert all(v > 0 for v in profile.damage.values())
@@ -85,7 +86,8 @@ def test_profile_plan_show(checkpoint, tmp_path, capsys):
     assert main(["plan", str(prof), "--max-damage", "100", "--out", str(plan_path)]) == 0
     capsys.readouterr()
     plan = Plan.from_json(plan_path)
-    assert plan.family == family and (plan.loops, plan.layers) == (layout.loops, layout.layers)
+    assert plan.family == family
+    assert (plan.loops, plan.layers) == (layout.loops, layout.layers)
     assert set(plan.options) != {"bf16"}
     assert main(["show", str(plan_path), "--profile", str(prof)]) == 0
     assert f"loopkv plan: {family} model, {layout.loops} loops x {layout.layers} layers" in capsys.readouterr().out

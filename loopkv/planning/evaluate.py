@@ -29,9 +29,9 @@ from torch import Tensor
 
 from loopkv.planning import correction as _correction
 from loopkv.planning.knapsack import predicted_damage
+from loopkv.planning.looped import random_initial_state
 from loopkv.planning.plan import Plan
 from loopkv.planning.profiler import as_documents, kl_per_position
-from loopkv.planning.looped import random_initial_state
 from loopkv.planning.simulate import FIRST_HISTORY, check_model
 
 
