@@ -43,6 +43,9 @@ def model_layout(model: Any) -> ModelLayout:
             "transformers' DoryForCausalLM (transformers >= 5.24) or loopkv.models.huginn.HuginnForCausalLM; "
             f"got {type(model).__name__}")
     layout = layout_of(config)
+    if layout.family == "ouro" and "sliding_attention" in (getattr(config, "layer_types", None) or ()):
+        raise ValueError("Ouro-style models with sliding-window layers are not supported by the served simulation: "
+                         "Ouro's layout plans every layer (Dory's keeps sliding layers as fixed slots)")
     if layout.reads_without_update:
         raise ValueError(
             f"this {layout.family} model's cache mode ({getattr(config, 'recurrent_kv_cache_mode', None)!r}) lets "
