@@ -133,3 +133,22 @@ def test_profiled_damage_equals_the_served_cache_by_hand(family, cell, option):
         (got, _), = runner.measure([(cell, option)], _NoBar())
     assert want > 1e-9  # the pages are read: the damage is real
     assert got == pytest.approx(want, rel=1e-9, abs=0)
+
+
+@pytest.mark.parametrize("matmul", [False, True])
+def test_exact_attention_over_a_sliding_window(matmul):
+    """A fixed sliding-window slot attends to its last ``window`` keys (itself included), SDPA and matmul paths,
+    against a per-query loop in float64 (GQA: query head h reads KV head h // 2)."""
+    from loopkv.planning.simulate import exact_attention
+
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 50, 8, dtype=torch.float64, generator=gen)
+    k, v = (torch.randn(2, 2, 50, 8, dtype=torch.float64, generator=gen) for _ in range(2))
+    got = exact_attention(q, k, v, scale=0.3, matmul=matmul, block=16, window=7)
+    want = torch.empty_like(q)
+    for i in range(50):
+        keys = slice(max(0, i - 6), i + 1)
+        for h in range(4):
+            w = torch.softmax(torch.einsum("bd,bnd->bn", q[:, h, i], k[:, h // 2, keys]) * 0.3, -1)
+            want[:, h, i] = torch.einsum("bn,bnd->bd", w, v[:, h // 2, keys])
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
