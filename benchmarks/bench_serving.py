@@ -27,15 +27,16 @@ rows and its prompt tokens; a step lasts until the next begins), so decode is ti
   median of those steps (and prompt tokens/s until the first decode-only step);
 * **goodput** per arm: a search on the rate (:func:`search`): from ``--start-rate`` (``auto``: half what the arm
   could finish one request after another, from a mean prompt's time to first token alone and the peak's decode
-  speed, :func:`first_rate`) it doubles while a rate meets 95% and halves while it does
-  not, then bisects (geometric) between the highest rate met and the lowest missed until they are within
-  ``--bracket`` of each other, ``--max-trials`` are run or the arm's time is spent. A rate's trace is its arrivals
-  within ``--trace-s`` seconds (at least ``--min-requests``, at most ``--requests``); it ends when every request is
-  finished or past its SLO deadline (arrival + TTFT bound + (tokens - 1) x TPOT bound: unfinished then, it counts as a
-  miss and is cancelled), or as soon as misses make 95% impossible (``stopped_early``; its attainment is then an upper
-  bound). Attainment = the share of a rate's requests meeting the SLO; goodput = the highest tested rate with
-  attainment >= 95% below the lowest tested rate under it (``goodput_status``: ``measured`` when such a rate under
-  95% exists, ``at least`` when none does, ``below lowest``).
+  speed, :func:`first_rate`) it doubles while a rate meets 95% and halves while it does not, then bisects
+  (geometric) between the highest rate met and the lowest missed until they are within ``--bracket`` of each other,
+  ``--max-trials`` are run or the arm's time is spent. A rate's trace is its arrivals within ``--trace-s`` seconds
+  (at least ``--min-requests``, at most ``--requests``); it ends when every request is finished or past its SLO
+  deadline (arrival + TTFT bound + (tokens - 1) x TPOT bound, or the TTFT bound if the step ending its prompt has
+  not run by then: it counts as a miss and is cancelled), or as soon as misses make 95% impossible
+  (``stopped_early``; its attainment is then an upper bound). Attainment = the share of a rate's requests meeting
+  the SLO; goodput = the highest tested rate with attainment >= 95% below the lowest tested rate under it
+  (``goodput_status``: ``measured`` when such a rate under 95% exists, ``at least`` when none does, ``below
+  lowest``).
 
 ``--time-budget-s`` bounds the whole run, model building included: every arm gets an equal share of what is left when
 it starts, and its peak and search stop at the end of that share (a rate cut short is marked incomplete and does not
@@ -159,12 +160,19 @@ class Engine:
                 "tpot_s": (stamps[-1] - stamps[0]) / (len(stamps) - 1) if len(stamps) > 1 else 0.0,
                 "tokens": len(result.generated_tokens), "stamps": stamps, "error": getattr(result, "error", None)}
 
+    def started(self, request_id: str, prompt: int) -> bool:
+        """Whether the engine has run the step that ends ``request_id``'s prompt (its first token), from the engine
+        cache's record of its steps (``EngineCache.lives``)."""
+        lives = self.cache.lives.get(request_id, []) if self._built else []
+        return any(pos + n >= prompt for life in list(lives) for pos, n in list(life))
+
     def cancel(self, request_id: str) -> None:
         self.submitted.pop(request_id, None)
         self.manager.cancel_request(request_id)
 
-    def idle(self, stop_at: float) -> None:
-        """Wait (by ``stop_at``) until no request holds a slot, draining finished results."""
+    def idle(self, stop_at: float, most_s: float = 30.0) -> None:
+        """Wait (by ``stop_at``, ``most_s`` at most) until no request holds a slot, draining finished results."""
+        stop_at = min(stop_at, time.perf_counter() + most_s)
         while self._built and self.cache.requests_held and time.perf_counter() < stop_at:
             self.collect(timeout=0.05)
 
@@ -198,8 +206,8 @@ def decode_steps(steps, since: float, batch: int) -> tuple[list[float], float | 
     """From a step log (``EngineCache.steps``: start, decoding rows, prompt tokens), the steps begun after ``since``:
     the durations of the decode-only steps with ``batch`` rows decoding (each until the next step began), and the
     prompt tokens per second until the first decode-only step (None if there is none, or no prompt before it)."""
-    steps = [s for s in steps if s[0] >= since]
-    durations = [b[0] - a[0] for a, b in zip(steps, steps[1:]) if a[2] == 0 and a[1] == batch]
+    steps = [s for s in list(steps) if s[0] >= since]  # list(): one C call, so the engine's thread cannot append midway
+    durations = [b[0] - a[0] for a, b in zip(steps, steps[1:], strict=False) if a[2] == 0 and a[1] == batch]
     first = next((s[0] for s in steps if s[2] == 0 and s[1]), None)
     prompt = sum(s[2] for s in steps if first is not None and s[0] < first)
     return durations, (prompt / (first - since) if first is not None and prompt else None)
@@ -240,6 +248,7 @@ def run_rate(engine: Engine, name: str, rate: float, reqs, *, ttft_slo: float, t
     reqs = reqs[:max(min_requests, sum(a <= trace_s for a, _, _ in reqs))]
     ids = [f"{name}@{rate:.4g}#{i}" for i in range(len(reqs))]
     deadline = {}  # request id -> the time by which it must finish to meet the SLO
+    first = {}  # request id -> (the time by which its first token must come, its prompt) until it has come
     results, misses, complete = {}, 0, True
     allowed_misses = int((1 - ATTAINMENT) * len(reqs) + 1e-9)
     start = time.perf_counter()
@@ -250,6 +259,7 @@ def run_rate(engine: Engine, name: str, rate: float, reqs, *, ttft_slo: float, t
             rid, (arrival, prompt, new) = pending.pop(0)
             engine.submit(rid, prompt, new)
             deadline[rid] = now + ttft_slo + (new - 1) * tpot_slo
+            first[rid] = (now + ttft_slo, prompt)
         wait = start + pending[0][1][0] - now if pending else 0.2
         got = engine.collect(timeout=max(0.01, min(wait, 0.2)))
         if got is not None and got["id"] in deadline:
@@ -258,6 +268,11 @@ def run_rate(engine: Engine, name: str, rate: float, reqs, *, ttft_slo: float, t
             results[got["id"]] = got
             misses += not got["ok"]
         now = time.perf_counter()
+        for rid, (by, prompt) in list(first.items()):
+            if rid not in deadline or engine.started(rid, prompt):
+                del first[rid]
+            elif by < now:  # no first token in time: a miss already
+                deadline[rid] = now - 1
         for rid in [r for r, d in deadline.items() if d < now]:  # cannot meet the SLO any more
             engine.cancel(rid)
             del deadline[rid]

@@ -39,7 +39,7 @@ def test_a_steps_prompts_written_together_equal_prefill_cell_per_prompt(per_loop
         start += n + 1
     assert start <= total
     reference, packed = caches
-    for row, start, n in segments:  # pages given out in the same order (prefill_cell reserves per prompt)
+    for row, _, n in segments:  # pages given out in the same order (prefill_cell reserves per prompt)
         packed.reserve({row: n})
     step = slots.PrefillStep.build(segments, device="cpu")
     for cell in range(len(plan.options)):
@@ -75,7 +75,10 @@ def test_an_uncodable_prompt_token_fails_its_step_and_leaves_nothing_stored():
             manager.stop(block=True)
             model.destroy_cached_continuous_batching_manager()
     (engine,) = built
-    assert result is not None and result.request_id == "bad"
-    assert "the INT4/INT2 codec cannot store" in str(result.error) and "cells [0, 1, 2, 3]" in str(result.error)
-    assert engine.cache.pages_in_use == 0 and engine.free_block_count() == engine.num_blocks
+    assert result is not None
+    assert result.request_id == "bad"
+    assert "the INT4/INT2 codec cannot store" in str(result.error)
+    assert "cells [0, 1, 2, 3]" in str(result.error)
+    assert engine.cache.pages_in_use == 0
+    assert engine.free_block_count() == engine.num_blocks
     assert all(not engine.cache.storage(c).lengths.any() for c in range(4))
