@@ -20,6 +20,7 @@ from loopkv.cache.paging import exact_bytes_per_row, pool_pages_for
 from loopkv.families import DORY_MIN_TRANSFORMERS, layout_of
 from loopkv.format import page_bytes
 from loopkv.models.ouro import OuroConfig
+from loopkv.ops import codec
 from tests.cache.driver import CodecHistoryCache
 from tests.cache.test_short_cache import allocated_bytes
 from tests.tolerances import LOGITS_FP32_ATOL, LOGITS_FP32_RTOL
@@ -271,6 +272,50 @@ def test_last_loop_mode_equals_the_dense_cache(last_loop_model, prompt, new, bat
         per_loop = build("per_loop")
         _, other = _generate(per_loop, ids, new, mask=mask)
         assert (other - ref_logits).abs().max() > 100 * LOGITS_FP32_ATOL
+
+
+class StoredCodecCache(DynamicCache):
+    """Dory's dense cache for ``last_loop`` mode, with the history pages of the ``planned`` indices *stored* as the
+    codec's round trip once complete (page ``p``, positions ``32 + 32p .. 63 + 32p``, when the row reaches
+    ``319 + 32p`` tokens; read as history from ``320 + 32p`` on), so that the earlier loops, which read the stored
+    tensors, see what the last loop's reads see. Prefill attends exactly; batch 1."""
+
+    def __init__(self, config, planned: set[int], bits: int) -> None:
+        super().__init__(config=config)
+        self.bits, self.stored = bits, dict.fromkeys(planned, 0)
+
+    def update(self, key, value, layer_idx, *args, **kwargs):
+        k, v = super().update(key, value, layer_idx, *args, **kwargs)  # the stored tensors, [1, H, n, D]
+        if layer_idx not in self.stored:
+            return k, v
+        n = k.shape[2]
+        read_k, read_v = k.clone(), v.clone()  # this read: exact, but for the pages it reads as history
+        complete = max(0, (n + 1 - 288) // 32)
+        for p in range(self.stored[layer_idx], complete):
+            at = slice(32 + 32 * p, 64 + 32 * p)
+            k[:, :, at] = codec.dequantize_k(*codec.quantize_k(k[:, :, at], self.bits))
+            v[:, :, at] = codec.dequantize_v(*codec.quantize_v(v[:, :, at], self.bits))
+        self.stored[layer_idx] = max(self.stored[layer_idx], complete)
+        history = slice(32, 32 + 32 * max(0, (n - 288) // 32)) if key.shape[2] == 1 else slice(0, 0)
+        read_k[:, :, history], read_v[:, :, history] = k[:, :, history], v[:, :, history]
+        return read_k, read_v
+
+
+def test_last_loop_int4_reads_the_last_loops_pages_through_the_codec(last_loop_model):
+    """INT4 in the last loop, the earlier loops shared: the dense last_loop cache whose complete pages are stored as
+    the codec's round trip (every loop reads them so), within fp32 noise; away from the exact model once pages are
+    read."""
+    model, ids, new = last_loop_model, _prompt(312, seed=10), 16
+    layout = layout_of(model.config)
+    planned = {layout.flat_index(c) for c in layout if c.loop == layout.final_loop}
+    assert planned == {2, 4}
+    ref_tokens, ref_logits = _generate(model, ids, new, StoredCodecCache(model.config, planned, bits=4))
+    plan = loopkv.Plan.from_config(model.config, option="int4", shared_loops=[0, 1])
+    tokens, logits = _generate(model, ids, new, _cache(model, plan, 312 + new))
+    assert torch.equal(tokens, ref_tokens)
+    torch.testing.assert_close(logits, ref_logits, atol=LOGITS_FP32_ATOL, rtol=LOGITS_FP32_RTOL)
+    _, exact = _generate(model, ids, new)
+    assert (logits - exact).abs().max() > 10 * LOGITS_FP32_ATOL
 
 
 def test_last_loop_mode_refuses_a_plan_that_stores_the_earlier_loops():
