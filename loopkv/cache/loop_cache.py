@@ -162,7 +162,7 @@ class LoopKVCache(Cache):
     def is_compileable(self) -> bool:
         """Whether a compiled step can drive this cache (transformers' generate compiles its forward when True, on
         CUDA): not with a shared page pool, whose pages are handed out on the host between steps."""
-        return self._pool is None and super().is_compileable
+        return self._pool is None and all(layer.is_compileable for layer in self.layers)
 
     @property
     def _is_user_defined(self) -> bool:
