@@ -97,11 +97,8 @@ ALTERNATIVES = {
     # Static sm_90 builds at Dory's cell (Triton 3.6, INT4): 233 registers uncapped (two programs per SM), 168 with
     # 16 B of stack (three), 128 with 104 B (four); eight warps replicate its 16-row tiles (same instructions per warp)
     "gqa_w4": dict(reader="gqa", num_warps=4, num_stages=1, near_block=64),
+    "gqa_w4_r128": dict(reader="gqa", num_warps=4, num_stages=1, near_block=64, maxnreg=128),  # the table's, INT4
     "gqa_w4_r168": dict(reader="gqa", num_warps=4, num_stages=1, near_block=64, maxnreg=168),
-    "gqa_w4_r128": dict(reader="gqa", num_warps=4, num_stages=1, near_block=64, maxnreg=128),
-    # ... and up to 128 history programs per (row, KV head), not 48 (MAX_SPLITS): the split count is at that cap below
-    # B x KV heads = 171 (Dory at batch 1, 8 and 32), where a program reads about 10 pages of 16K rows
-    "gqa_w4_r168_x128": dict(reader="gqa", num_warps=4, num_stages=1, near_block=64, maxnreg=168, max_splits=128),
 }
 
 
@@ -236,21 +233,19 @@ def n_sets_for(nbytes: int, device) -> int:
 
 @contextlib.contextmanager
 def launched_as(name: str | None):
-    """Every reader call inside runs the launch ``ALTERNATIVES[name]`` (None: the table's); its ``max_splits``, if
-    any, replaces ``triton_config.MAX_SPLITS``."""
+    """Every reader call inside runs the launch ``ALTERNATIVES[name]`` (None: the table's)."""
     if name is None:
         yield
         return
     from loopkv.ops import triton_config
 
-    fields = dict(ALTERNATIVES[name])
-    saved = triton_config.launch_config, triton_config.MAX_SPLITS
-    triton_config.MAX_SPLITS = fields.pop("max_splits", triton_config.MAX_SPLITS)
+    fields = ALTERNATIVES[name]
+    saved = triton_config.launch_config
     triton_config.launch_config = lambda *args: triton_config.Launch(**fields)
     try:
         yield
     finally:
-        triton_config.launch_config, triton_config.MAX_SPLITS = saved
+        triton_config.launch_config = saved
 
 
 def sdpa_call(q, k, v, scale: float, device):
