@@ -17,6 +17,7 @@ factors fitted on some plans (the named ones, by default) and scored on the othe
 
 from __future__ import annotations
 
+import contextlib
 import math
 import random
 from collections.abc import Sequence
@@ -29,7 +30,7 @@ from torch import Tensor
 
 from loopkv.planning import correction as _correction
 from loopkv.planning.knapsack import predicted_damage
-from loopkv.planning.looped import random_initial_state
+from loopkv.planning.looped import cache_keyword, model_layout, random_initial_state
 from loopkv.planning.plan import Plan
 from loopkv.planning.profiler import as_documents, kl_per_position
 from loopkv.planning.simulate import FIRST_HISTORY, check_model
@@ -95,13 +96,30 @@ def served_logits(model, plan, document: Tensor, *, prefill_len: int | None = No
     cache = LoopKVCache(plan, config=model.config, max_batch_size=1, max_cache_len=n, dtype=model.dtype,
                         device=model.device)
     prefill = min(prefill, n)
-    out = model(input_ids=ids[:, :prefill], past_key_values=cache, use_cache=True)
-    logits = [out.logits[0, first:prefill]] if prefill > first else []
-    for i in range(prefill, n):
-        out = model(input_ids=ids[:, i : i + 1], past_key_values=cache, use_cache=True)
-        if i >= first:
-            logits.append(out.logits[0, -1:])
+    keyword = cache_keyword(model)
+    with _cache_attention(model, cache):
+        out = model(input_ids=ids[:, :prefill], use_cache=True, **{keyword: cache})
+        logits = [out.logits[0, first:prefill]] if prefill > first else []
+        for i in range(prefill, n):
+            out = model(input_ids=ids[:, i : i + 1], use_cache=True, **{keyword: cache})
+            if i >= first:
+                logits.append(out.logits[0, -1:])
     return torch.cat(logits)
+
+
+@contextlib.contextmanager
+def _cache_attention(model, cache):
+    """transformers' own models (Dory) attend with their config's implementation: switch it to the cache's while
+    the cache is read (loopkv's Ouro and Huginn ask the cache themselves)."""
+    if model_layout(model).family != "dory":
+        yield
+        return
+    before = model.config._attn_implementation
+    model.set_attn_implementation(cache.attention_implementation)
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(before)
 
 
 @torch.no_grad()

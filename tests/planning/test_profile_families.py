@@ -152,3 +152,38 @@ def test_exact_attention_over_a_sliding_window(matmul):
             w = torch.softmax(torch.einsum("bd,bnd->bn", q[:, h, i], k[:, h // 2, keys]) * 0.3, -1)
             want[:, h, i] = torch.einsum("bn,bnd->bd", w, v[:, h // 2, keys])
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+def _fp32(family):
+    if family == "dory":
+        dory64()  # skips below 5.24
+        from tests.models.test_dory_generate import build
+
+        return build(window=64)
+    from tests.models.test_huginn import build_model, released_config
+
+    return build_model(released_config(state_init="zero"))  # eval's two runs must start from the same state
+
+
+@pytest.mark.parametrize("family", ["huginn", "dory"])
+def test_measured_kl_through_the_real_cache_is_the_profiled_damage(family):
+    """One cell at INT4 through a real LoopKVCache (prefill, then token by token; Dory through its 'loopkv'
+    attention) = the profiler's damage of that cell; an all-bf16 plan's KL is fp32 round-off. fp32 both sides,
+    rel 1e-3 as tests/planning/test_evaluate.py's Ouro check."""
+    import loopkv
+    from loopkv.planning.evaluate import measure_kl
+    from loopkv.planning.profiler import profile
+
+    model = _fp32(family)
+    doc = torch.randint(3, model.config.vocab_size, (1, N), generator=torch.Generator().manual_seed(2))
+    bf16 = loopkv.Plan.from_config(model.config, option="bf16")
+    assert measure_kl(model, bf16, doc, progress=False).kl < 1e-9
+    cell = Cell(1, 1)
+    options = list(bf16.options)
+    options[bf16.layout.flat_index(cell)] = "int4"
+    one = loopkv.Plan(loops=bf16.loops, layers=bf16.layers, options=tuple(options), family=bf16.family,
+                      kv_heads=bf16.kv_heads, head_dim=bf16.head_dim)
+    damage = profile(model, doc, options=("int4",), final_options=(), progress=False).damage_of(cell, "int4")
+    measured = measure_kl(model, one, doc, progress=False).kl
+    assert measured > 1e-9  # far above the bf16 plan's round-off
+    assert measured == pytest.approx(damage, rel=1e-3)
