@@ -165,17 +165,18 @@ TABLE = (
           "static), as 128 runs on one warp; not timed"),
     Entry(SM80, (2,), TWO, WIDE, "16-bit", 0, Launch(**CC2, i32=True),
           "INT2 as INT4 above, with INT2's 32-bit offsets (static), not timed"),
-    Entry(SM80, (4,), FEW_MANY, WIDE, "16-bit", 32, Launch("gqa", 4, 1, 64, maxnreg=128),
-          "Dory's cell (4 query heads x 256), INT4, from B x KV heads = 32: the query-head-row reader under a 128 "
-          "register cap (four programs per SM), at 16K 0.932 vs the tensor-core reader's 1.485 ms at B = 32 (0.51x vs "
+    Entry(SM80, (4, 2), FEW_MANY, WIDE, "16-bit", 32, Launch("gqa", 4, 1, 64, maxnreg=128),
+          "Dory's cell (4 query heads x 256) from B x KV heads = 32: the query-head-row reader under a 128 register "
+          "cap (four programs per SM). At 16K, INT4 0.932 vs the tensor-core reader's 1.485 ms at B = 32 (0.51x vs "
           "0.32x cuDNN BF16), 0.296 vs 0.407 at B = 8 (1.20x vs 0.87x); uncapped 1.165 / 0.340, capped at 168 0.986 / "
-          "0.298 (--cells dory --batches 32,1,8 --alternatives gqa_w4,gqa_w4_r168,gqa_w4_r128). V precision shares "
-          "the launch, not timed"),
+          "0.298 (--cells dory --batches 32,1,8 --alternatives gqa_w4,gqa_w4_r168,gqa_w4_r128); V precision 0.979 vs "
+          "1.713 and 0.307 vs 0.464, INT2 0.865 vs 1.343 and 0.278 vs 0.368 (--batches 32,8 --alternatives "
+          "dot_w4,gqa_w4_r128 --alt-modes int4_vp,int2)"),
     Entry(SM80, (4, 2), FEW_MANY, WIDE, "16-bit", 0, Launch("dot", 4, 3, 64),
           "Dory's cell (4 query heads x 256): four warps spill 296 B, one warp 6.9 KB (static); INT4 at B = 32 x 16K "
           "1.50 ms (0.33x cuDNN) against eight warps' 2.78 and the CUDA-core reader's 1.95 on eight (--cells dory "
-          "--alternatives dot_w8,cc_w8); below B x KV heads = 32 and for INT2 (query-head rows not timed there): at "
-          "B = 1 x 16K 0.087 ms vs the query-head-row reader's 0.095"),
+          "--alternatives dot_w8,cc_w8); below B x KV heads = 32: at B = 1 x 16K INT4 0.087 ms vs the query-head-row "
+          "reader's 0.095"),
     Entry(SM80, (4, 2), MOST, WIDE, "16-bit", 0, Launch("dot", 8, 1, 64),
           "5-8 query heads at 256: eight warps spill 144-184 B, four 464 B, one 62 KB (static); one stage: Triton 3.6 "
           "cannot pipeline its 64-row warp-group MMA with V precision (3.9 can), not timed"),

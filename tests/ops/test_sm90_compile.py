@@ -63,7 +63,6 @@ def test_tensor_core_reader_compiles_for_sm90():
 @pytest.mark.parametrize(("bits", "group", "head_dim", "cc", "warps", "cap", "max_stack"), [
     (4, 1, 256, True, 2, 128, 256),  # two warps under the cap: 64 B of stack (one warp: 1.4 KB)
     (2, 2, 256, True, 2, None, 64),  # two warps uncapped: none (one warp: 256 B)
-    (2, 4, 256, False, 4, None, 512),  # Dory's cell in INT2 (the expanded reader; one warp: 2.5 KB in INT4)
     (4, 8, 128, False, 2, None, 512),  # eight query heads: 152 B (one warp: 1.2 KB)
     (4, 8, 256, False, 8, None, 512),  # eight at 256, V precision: 152 B (one warp: 12 KB); one stage (Triton 3.6)
 ])
@@ -92,16 +91,17 @@ def test_fp32_inputs_take_the_four_warp_tensor_core_reader_without_spilling():
     assert got["ftz_not_ex2"] == []
 
 
-def test_the_table_gives_dorys_int4_cell_the_query_head_row_reader_under_its_cap():
-    """From B x KV heads = 32 (here 32 x 4) Dory's INT4 cell runs the query-head-row reader at four warps under a
-    128-register cap (the measured launch): 104 B of stack with Triton 3.6, every region prefetched."""
-    got = compile_sm90(bits=4, tau=None, batch=32, heads=4, group=4, head_dim=256)
+@pytest.mark.parametrize(("bits", "regions"), [(4, 7), (2, 6)])  # INT2: no lo plane
+def test_the_table_gives_dorys_cell_the_query_head_row_reader_under_its_cap(bits, regions):
+    """From B x KV heads = 32 (here 32 x 4) Dory's INT4 and INT2 cells run the query-head-row reader at four warps
+    under a 128-register cap (the measured launch): 104 B of stack with Triton 3.6, every region prefetched."""
+    got = compile_sm90(bits=bits, tau=None, batch=32, heads=4, group=4, head_dim=256)
     assert not got["cc"]
     assert got["options"]["num_warps"] == 4
     assert got["options"].get("maxnreg") == 128
     assert got["registers"] is None or got["registers"] <= 128
     assert got["stack"] is None or got["stack"] <= 256, got["stack"]
-    assert got["prefetch_l2"] == 7
+    assert got["prefetch_l2"] == regions
     assert got["ftz_not_ex2"] == []
 
 
