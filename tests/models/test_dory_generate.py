@@ -334,3 +334,41 @@ def test_last_loop_mode_refuses_a_later_turn_before_writing(last_loop_model):
     with pytest.raises(ValueError, match=r"last_loop mode \(a later turn\).*cache.reset\(\)"):
         _generate(last_loop_model, torch.cat([ids, tokens, ids], 1), 2, cache)
     assert all(torch.equal(cache.storage(i).lengths, h) for i, h in enumerate(held))
+
+
+@pytest.mark.parametrize(("mode", "backend"), [
+    ("per_loop", "aot_eager"), ("last_loop", "aot_eager"),
+    pytest.param("per_loop", "inductor", marks=pytest.mark.slow)])
+def test_a_compiled_decode_step_is_one_graph_equal_to_eager(mode, backend, error_on_recompile):
+    """A whole Dory model's decode step under ``torch.compile(fullgraph=True)``: fixed exact cells, sliding rings,
+    planned INT4 cells (in last_loop mode the earlier loops reading the last loop's cells), over 30 steps that
+    wrap the rings and quantize two pages (rows of 300 to 330 tokens): one graph, equal to eager. aot_eager
+    functionalizes the cache's mutating ops as inductor does, without its code generation."""
+    from torch._dynamo.utils import counters
+
+    model = build(mode)
+    shared = list(range(LOOPS - 1)) if mode == "last_loop" else None
+    plan = loopkv.Plan.from_config(model.config, option="int4", **({"shared_loops": shared} if shared else {}))
+    compiled_cache, eager_cache = (_cache(model, plan, 400, batch=2) for _ in range(2))
+    model.set_attn_implementation("loopkv")
+    ids = _prompt(300, seed=9, batch=2)
+
+    def step(tok, pos):
+        return model(input_ids=tok, position_ids=pos, cache=compiled_cache).logits
+
+    torch._dynamo.reset()
+    compiled = torch.compile(step, fullgraph=True, backend=backend)
+    counters.clear()
+    with torch.no_grad():
+        for cache in (compiled_cache, eager_cache):
+            model(input_ids=ids, cache=cache)
+        tok = ids[:, -1:].contiguous()
+        for i in range(30):
+            pos = torch.full((2, 1), 300 + i)
+            got = compiled(tok, pos)
+            want = model(input_ids=tok, position_ids=pos, cache=eager_cache).logits
+            torch.testing.assert_close(got, want, atol=LOGITS_FP32_ATOL, rtol=LOGITS_FP32_RTOL)
+            tok = got[:, -1].argmax(-1, keepdim=True)
+    assert compiled_cache.get_seq_length() == 330
+    assert counters["stats"]["unique_graphs"] == 1
+    assert not counters["graph_break"]
