@@ -27,7 +27,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from loopkv.cache.storage import CellStorage
 from loopkv.format import (
+    BITS,
     PAGE,
     POOL_FIELDS,
     QUANTIZE_LENGTH,
@@ -42,6 +44,7 @@ from loopkv.format import (
 from loopkv.ops import cache_ops, step_ops  # noqa: F401 (register torch.ops.loopkv.write_pages_, token_attention_)
 
 _KINDS = {"float16": torch.float16, "uint8": torch.uint8}
+OPTION_OF_BITS = {bits: option for option, bits in BITS.items()}
 
 
 def pool_views(kv: Tensor, bits: int, heads: int, head_dim: int, *, dtype: torch.dtype = torch.bfloat16
@@ -253,37 +256,14 @@ def plan_step(slot_map: SlotMap, page_table: Tensor, *, query_start_loc: list[in
                 quantize=quantize)
 
 
-@dataclass(eq=False)
-class _ContinuationRows:
-    """One cell's storage as ``loopkv.cache.continuation.continue_rows`` reads a ``CellStorage``."""
-
-    own_bits: int
-    read_bits: int
-    sink_k: Tensor
-    sink_v: Tensor
-    win_k: Tensor
-    win_v: Tensor
-    lengths: Tensor
-    page_table: Tensor
-    fields: tuple[Tensor, ...]
-
-    def __getattr__(self, name):  # the pool fields by name (k_pages, k_scale, ...)
-        if name in POOL_FIELDS:
-            return self.fields[POOL_FIELDS.index(name)]
-        raise AttributeError(name)
-
-    def pool(self) -> tuple[Tensor, ...]:
-        return self.fields
-
-
 class _ContinuationCache:
     """The three things ``continue_rows`` asks of a cache (``max_batch_size``, ``_rows``, ``_tau``), for one cell
     that stores its own pages (no ``share``)."""
 
-    def __init__(self, rows: _ContinuationRows, tau: float):
+    def __init__(self, rows: CellStorage, tau: float):
         self.rows, self.tau, self.max_batch_size = rows, tau, rows.sink_k.shape[0]
 
-    def _rows(self, layer_idx: int, batch: int) -> _ContinuationRows:
+    def _rows(self, layer_idx: int, batch: int) -> CellStorage:
         return self.rows
 
     def _tau(self, layer_idx: int, st) -> float:
@@ -341,12 +321,12 @@ def forward_cell(cell: CellExact, pool: tuple[Tensor, ...], step: Step, query: T
             _write_prompt(cell, pool, step.page_table, row.slot, k, v, bits)
             out = _exact_prompt(q, k, v, scale)
         else:
-            lengths = torch.zeros(cell.sink_k.shape[0], dtype=torch.int32)
-            lengths[row.slot] = row.start
-            rows = _ContinuationRows(bits, bits, cell.sink_k, cell.sink_v, cell.win_k, cell.win_v, lengths,
-                                     step.page_table, pool)
+            lengths = torch.zeros(cell.sink_k.shape[0], dtype=torch.int32, device=cell.sink_k.device)  # written
+            rows = CellStorage(option=OPTION_OF_BITS[bits], own_bits=bits, read_bits=bits, sink_k=cell.sink_k,
+                               sink_v=cell.sink_v, win_k=cell.win_k, win_v=cell.win_v, lengths=lengths,
+                               page_table=step.page_table, **dict(zip(POOL_FIELDS, pool, strict=True)))
             out = continue_rows(_ContinuationCache(rows, tau), 0, q[None], k[None], v[None], scale=scale,
-                                rows=[row.slot])[0]
+                                rows=[row.slot], held=[row.start])[0]
         output[row.begin:row.end] = out.to(output.dtype)
     if step.span is not None:  # the decoding rows are the slots first .. first + B - 1: read those only
         first, tokens, lengths = step.span
