@@ -164,6 +164,22 @@ def shape_cases():
             yield pytest.param(bits, tau, group, 256, torch.float32, marks=() if fast else pytest.mark.slow)
 
 
+SHARED_TABLE_PAGES = 3
+
+
+def shared_table_cell(bits, group, head_dim, dtype, heads):
+    """Three rows read through a share-style page table (pages out of order, two rows on the same physical pages, a
+    pool of 7 pages, more than the rows need) at 17 tokens, past the first window exits, and at capacity: the cell,
+    a query and the generator that drew it (for the new tokens)."""
+    lengths = [17, 288 + 32 * 2 + 5, capacity(SHARED_TABLE_PAGES)]
+    table = torch.tensor([[6, 2, 0], [6, 2, 4], [1, 5, 3]])
+    st = make_cell(3, heads, head_dim, SHARED_TABLE_PAGES, bits, lengths, dtype=dtype, pool_pages=7,
+                   page_table=table, seed=head_dim + group)
+    g = torch.Generator().manual_seed(bits + group)
+    q = (2 * torch.randn(3, heads * group, head_dim, generator=g)).to(dtype)
+    return st, q, g
+
+
 @interpret
 @pytest.mark.interpret
 @pytest.mark.parametrize(("bits", "tau", "group", "head_dim", "dtype"), list(shape_cases()))
@@ -173,13 +189,8 @@ def test_every_served_shape_reads_and_writes_like_the_reference(bits, tau, group
     reference; ``token_attention_`` writes the token bit for bit as the reference does (into the sink, the ring, not
     at capacity) and reads within its tier of the float64 reference of the appended state. One KV head (the
     interpreter's time is per program); ``test_matches_reference`` reads two at 256 x 8."""
-    maxp, heads = 3, 1
-    lengths = [17, 288 + 32 * 2 + 5, capacity(maxp)]
-    table = torch.tensor([[6, 2, 0], [6, 2, 4], [1, 5, 3]])
-    st = make_cell(3, heads, head_dim, maxp, bits, lengths, dtype=dtype, pool_pages=7, page_table=table,
-                   seed=head_dim + group)
-    g = torch.Generator().manual_seed(bits + group)
-    q = (2 * torch.randn(3, heads * group, head_dim, generator=g)).to(dtype)
+    maxp, heads = SHARED_TABLE_PAGES, 1
+    st, q, g = shared_table_cell(bits, group, head_dim, dtype, heads)
     kn, vn = (torch.randn(3, heads, 1, head_dim, generator=g).to(dtype) for _ in range(2))
     scale = head_dim**-0.5
     assert triton_config.serves(head_dim, group)
@@ -194,8 +205,9 @@ def test_every_served_shape_reads_and_writes_like_the_reference(bits, tau, group
     assert_close_to_reference(got, q, appended, bits, tau, scale)
 
 
-# The query-head-row tensor-core reader (triton_dot.far_gqa, launch reader "gqa": a benchmark arm for 3-8 query heads
-# per KV head, not yet in the table): Dory's cell (4 x 256) in every page kind, and padded head_dim and group sizes.
+# The query-head-row tensor-core reader (triton_dot.far_gqa, launch reader "gqa": the table's for Dory's cell from
+# B x KV heads = 32, forced here for every case): Dory's cell (4 x 256) in every page kind, and padded head_dim and
+# group sizes.
 # bits, tau, query heads per KV head, head_dim, dtype; the default set runs the first three
 GQA_CASES = [
     (4, 2.0, 4, 256, torch.bfloat16),  # Dory, V precision with cold and hot tokens
@@ -219,13 +231,8 @@ def test_query_head_row_reader_matches_reference(bits, tau, group, head_dim, dty
     the token written bit for bit as the reference writes it."""
     gqa = triton_config.Launch("gqa", 4, 1, 64)
     monkeypatch.setattr(triton_config, "launch_config", lambda *a: gqa)
-    maxp, heads = 3, 2
-    lengths = [17, 288 + 32 * 2 + 5, capacity(maxp)]
-    table = torch.tensor([[6, 2, 0], [6, 2, 4], [1, 5, 3]])
-    st = make_cell(3, heads, head_dim, maxp, bits, lengths, dtype=dtype, pool_pages=7, page_table=table,
-                   seed=head_dim + group)
-    g = torch.Generator().manual_seed(bits + group)
-    q = (2 * torch.randn(3, heads * group, head_dim, generator=g)).to(dtype)
+    maxp, heads = SHARED_TABLE_PAGES, 2
+    st, q, g = shared_table_cell(bits, group, head_dim, dtype, heads)
     scale = head_dim**-0.5
     want = reference64(q, st, bits, tau, scale)
     choose = triton_config.choose_splits
