@@ -6,17 +6,14 @@ import torch._dynamo
 from torch._dynamo.utils import counters
 
 import loopkv
-from loopkv.models.ouro import OuroConfig, OuroForCausalLM
+from tests.cache.driver import tiny_ouro
 from tests.tolerances import LOGITS_FP32_ATOL, LOGITS_FP32_RTOL
 
 
 @pytest.mark.parametrize("backend", ["inductor"])
 def test_decode_step_is_one_graph_across_exits_and_reset(backend, error_on_recompile):
-    torch.manual_seed(0)
-    cfg = OuroConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                     num_key_value_heads=2, head_dim=32, total_ut_steps=2, max_position_embeddings=4096,
-                     rope_theta=10000.0)
-    model = OuroForCausalLM(cfg).eval()
+    model = tiny_ouro()
+    cfg = model.config
     plan = loopkv.Plan.from_loops(loops=2, layers=2, per_loop=["share", "int4"], tau=14.0)
     compiled_cache, eager_cache = (
         loopkv.LoopKVCache(plan, config=cfg, max_batch_size=2, max_cache_len=700, dtype=torch.float32, device="cpu")
@@ -60,11 +57,8 @@ def test_one_compiled_step_serves_caches_of_three_lengths():
     (which failed in dynamo's guard building: "sources must not be empty for symbol"), and no size of a cell's view is
     a Python int of the cache: at the third length dynamo made such ints dynamic and the ops' fake kernels failed on
     the symbolic views. One short cache (no pages) among them."""
-    torch.manual_seed(0)
-    cfg = OuroConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                     num_key_value_heads=2, head_dim=32, total_ut_steps=2, max_position_embeddings=4096,
-                     rope_theta=10000.0)
-    model = OuroForCausalLM(cfg).eval()
+    model = tiny_ouro()
+    cfg = model.config
     plan = loopkv.Plan.from_loops(loops=2, layers=2, per_loop=["int4", "int4"], tau=14.0)
 
     def step(ids, pos, cache):
