@@ -98,6 +98,7 @@ class PrefillStep:
         for name, xs in parts.items():
             fields[name] = buf[at:at + len(xs)]
             at += len(xs)
+        fields["lengths"] = fields["lengths"].to(torch.int32)  # as the cells' lengths, cast once per step
         return cls(**fields)
 
 
@@ -119,7 +120,7 @@ def prefill_step(cache, cell: int, step: PrefillStep, k: Tensor, v: Tensor) -> N
         page_v = v.index_select(0, step.page_src).view(pages, PAGE, H, D).transpose(1, 2).contiguous()
         ids = st.page_table[step.page_row, step.page_logical].long()
         torch.ops.loopkv.write_pages_(page_k, page_v, ids, *st.pool(), st.own_bits)
-    st.lengths[step.rows] = step.lengths.to(st.lengths.dtype)
+    st.lengths[step.rows] = step.lengths
 
 
 @dataclass(frozen=True)
