@@ -6,17 +6,20 @@ tested on CPU without vLLM against ``LoopKVCache`` (``tests/vllm/test_cells.py``
 
 Where things live, per cell (``--block-size 32``: one vLLM block is one loopkv page):
 
-* history pages: in the cell's vLLM KV tensor, ``[num_blocks, page_bytes]`` bytes, read as loopkv's seven pool
-  fields laid out field after field (:func:`pool_views`); a request's block ``b >= 1`` holds its page ``b - 1``
-  (positions ``32 b .. 32 b + 31``), its block 0 is unused (the sink's positions, kept exact);
+* history pages: in the plan's one vLLM KV tensor, ``[num_blocks, block_bytes]`` bytes, where each storing cell's
+  pool is a region of ``num_blocks`` pages (:func:`cell_region`, at ``loopkv.vllm.layout.pool_refs``) read as
+  loopkv's seven pool fields laid out field after field (:func:`pool_views`); a request's block ``b >= 1`` holds its
+  page ``b - 1`` (positions ``32 b .. 32 b + 31``) in every cell, its block 0 is unused (the sink's positions, kept
+  exact); a ``share`` cell reads its source's region and writes none;
 * the exact sink and window ring: :class:`CellExact`, ``slots`` rows allocated when the model is built, one row per
-  running request (its *slot*, found from the request's first block id by :class:`SlotMap`).
+  running request (its *slot*, found from the request's first block id by :class:`SlotMap`), in every cell.
 
 Served semantics, as ``LoopKVCache`` serves them (docs/design.md, "Serving"): a prompt on an empty slot is written
 and attended exactly; a later chunk (chunked prefill) is the one-pass continuation
-(``loopkv.cache.continuation.continue_rows``); a decode token is written and read with ``token_attention_`` over all
-slots (the decoding slots' tokens gathered in, as ``loopkv.cache.slots.decode`` does), and a page that leaves the
-window is quantized into its block with ``write_pages_``.
+(``loopkv.cache.continuation.continue_rows``; a ``share`` cell takes at most ``WINDOW`` tokens so); a decode token is
+written and read with ``token_attention_`` over all slots (the decoding slots' tokens gathered in, as
+``loopkv.cache.slots.decode`` does), and a page that leaves the window is quantized into its block with
+``write_pages_`` by the cell that owns the pool.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from loopkv.format import (
     QUANTIZE_LENGTH,
     RING,
     SINK,
+    WINDOW,
     n_pages,
     page_bytes,
     pool_field_kind,
@@ -44,7 +48,21 @@ from loopkv.format import (
 from loopkv.ops import cache_ops, step_ops  # noqa: F401 (register torch.ops.loopkv.write_pages_, token_attention_)
 
 _KINDS = {"float16": torch.float16, "uint8": torch.uint8}
-OPTION_OF_BITS = {bits: option for option, bits in BITS.items()}
+OPTION_OF_BITS = {bits: option for option, bits in BITS.items()}  # 0: share
+
+
+def cell_region(kv: Tensor, offset: int, size: int) -> Tensor:
+    """The pool region of one cell in the plan's KV tensor ``kv`` (uint8 ``[num_blocks, block_bytes]``): ``[num_blocks,
+    size]`` bytes starting at byte ``num_blocks * offset``, contiguous (``offset``, ``size``: the bytes per block
+    before the pool and of the pool, ``loopkv.vllm.layout.PoolRef``)."""
+    if kv.dtype != torch.uint8 or kv.dim() != 2 or not kv.is_contiguous():
+        raise ValueError(f"the plan's vLLM KV tensor is contiguous uint8 [num_blocks, block_bytes], got {kv.dtype} "
+                         f"{tuple(kv.shape)}")
+    num_blocks, total = kv.shape
+    if offset < 0 or size <= 0 or offset + size > total:
+        raise ValueError(f"a pool of {size} bytes per block at offset {offset} does not fit the plan's block of "
+                         f"{total} bytes: the KV tensor is not the one this plan declared")
+    return kv.view(-1)[num_blocks * offset:num_blocks * (offset + size)].view(num_blocks, size)
 
 
 def pool_views(kv: Tensor, bits: int, heads: int, head_dim: int, *, dtype: torch.dtype = torch.bfloat16
@@ -256,18 +274,45 @@ def plan_step(slot_map: SlotMap, page_table: Tensor, *, query_start_loc: list[in
                 quantize=quantize)
 
 
-class _ContinuationCache:
-    """The three things ``continue_rows`` asks of a cache (``max_batch_size``, ``_rows``, ``_tau``), for one cell
-    that stores its own pages (no ``share``)."""
+class _OneCell:
+    """A layout of one cell (index 0) whose source is index 1 (itself when it stores its own pages)."""
 
-    def __init__(self, rows: CellStorage, tau: float):
-        self.rows, self.tau, self.max_batch_size = rows, tau, rows.sink_k.shape[0]
+    def __init__(self, shares: bool):
+        self.shares = shares
+
+    def cell(self, index: int) -> int:
+        return index
+
+    def source(self, cell: int) -> int:
+        return 1 if self.shares else cell
+
+    def flat_index(self, cell: int) -> int:
+        return cell
+
+
+class _ContinuationCache:
+    """What ``continue_rows`` asks of a cache (``max_batch_size``, ``layout``, ``_rows``, ``_tau``) for one cell at
+    index 0 and, for a ``share`` cell, its source at index 1."""
+
+    def __init__(self, rows: CellStorage, tau: float, source: CellStorage | None = None):
+        self.rows, self.source, self.tau, self.max_batch_size = rows, source, tau, rows.sink_k.shape[0]
+        self.layout = _OneCell(source is not None)
 
     def _rows(self, layer_idx: int, batch: int) -> CellStorage:
-        return self.rows
+        return self.source if layer_idx == 1 else self.rows
 
     def _tau(self, layer_idx: int, st) -> float:
         return self.tau
+
+
+def _storage(cell: CellExact, pool: tuple[Tensor, ...], page_table: Tensor, *, own_bits: int, read_bits: int
+             ) -> CellStorage:
+    """One cell's slots as a ``CellStorage`` (its lengths a fresh tensor: ``continue_rows`` is given the held counts
+    and only writes them)."""
+    lengths = torch.zeros(cell.sink_k.shape[0], dtype=torch.int32, device=cell.sink_k.device)
+    return CellStorage(option=OPTION_OF_BITS[own_bits], own_bits=own_bits, read_bits=read_bits, sink_k=cell.sink_k,
+                       sink_v=cell.sink_v, win_k=cell.win_k, win_v=cell.win_v, lengths=lengths,
+                       page_table=page_table, **dict(zip(POOL_FIELDS, pool, strict=True)))
 
 
 def _exact_prompt(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
@@ -280,15 +325,16 @@ def _exact_prompt(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
 
 
 def _write_prompt(cell: CellExact, pool: tuple[Tensor, ...], page_table: Tensor, slot: int, k: Tensor, v: Tensor,
-                  bits: int) -> None:
-    """Write a prompt (k, v [H, n, D]) into empty ``slot``: sink, the pages stored at ``n`` tokens, the window
-    (as ``LoopKVCache.prefill_cell`` does for one row)."""
+                  bits: int, stores: bool) -> None:
+    """Write a prompt (k, v [H, n, D]) into empty ``slot``: sink, the pages stored at ``n`` tokens (a cell that
+    ``stores`` its pool; a ``share`` cell's source writes them), the window (as ``LoopKVCache.prefill_cell`` does for
+    one row)."""
     n = k.shape[1]
     ns = min(n, SINK)
     cell.sink_k[slot, :, :ns] = k[:, :ns]
     cell.sink_v[slot, :, :ns] = v[:, :ns]
     npg, nst = n_pages(n), stored_pages(n)
-    if nst:
+    if nst and stores:
         hist = slice(SINK, SINK + PAGE * nst)
         page_k = k[:, hist].unflatten(1, (nst, PAGE)).transpose(0, 1).contiguous()  # [nst, H, PAGE, D]
         page_v = v[:, hist].unflatten(1, (nst, PAGE)).transpose(0, 1).contiguous()
@@ -301,14 +347,19 @@ def _write_prompt(cell: CellExact, pool: tuple[Tensor, ...], page_table: Tensor,
 
 
 def forward_cell(cell: CellExact, pool: tuple[Tensor, ...], step: Step, query: Tensor, key: Tensor, value: Tensor,
-                 output: Tensor, *, bits: int, tau: float, scale: float, name: str = "cell") -> Tensor:
+                 output: Tensor, *, bits: int, tau: float, scale: float, name: str = "cell",
+                 source: CellExact | None = None) -> Tensor:
     """Write the step's tokens into one cell and attend with the served semantics (module docstring).
 
     query [T, Hq, D], key, value [T, H, D] (vLLM's packed batch, ``T >= step.num_tokens``); writes ``output``
-    [T, Hq, D] for the step's tokens and returns it. ``name``: the cell's, for errors (vLLM's layer name)."""
+    [T, Hq, D] for the step's tokens and returns it. ``pool``: the pool the cell reads, of ``bits`` (16, 4, 2).
+    ``source``: for a ``share`` cell, its source's exact slots (``pool`` is the source's; the cell writes no pages,
+    and a chunk on a used slot may need pages the source has not written yet, encoded from its ring).
+    ``name``: the cell's, for errors (vLLM's layer name)."""
     from loopkv.cache import checks
-    from loopkv.cache.continuation import continue_rows
+    from loopkv.cache.continuation import continue_rows, share_limit
 
+    stores = source is None
     for begin, end in step.dummy:
         output[begin:end] = 0
     for row in step.prompts:
@@ -316,17 +367,23 @@ def forward_cell(cell: CellExact, pool: tuple[Tensor, ...], step: Step, query: T
         k = key[row.begin:row.end].transpose(0, 1)  # [H, S, D]
         v = value[row.begin:row.end].transpose(0, 1)
         if row.start == 0:
-            if bits in (4, 2) and (checks.uncodable(k) | checks.uncodable(v)).any():
+            if stores and bits in (4, 2) and (checks.uncodable(k) | checks.uncodable(v)).any():
                 raise checks.uncodable_error([name])
-            _write_prompt(cell, pool, step.page_table, row.slot, k, v, bits)
+            _write_prompt(cell, pool, step.page_table, row.slot, k, v, bits, stores)
             out = _exact_prompt(q, k, v, scale)
         else:
-            lengths = torch.zeros(cell.sink_k.shape[0], dtype=torch.int32, device=cell.sink_k.device)  # written
-            rows = CellStorage(option=OPTION_OF_BITS[bits], own_bits=bits, read_bits=bits, sink_k=cell.sink_k,
-                               sink_v=cell.sink_v, win_k=cell.win_k, win_v=cell.win_v, lengths=lengths,
-                               page_table=step.page_table, **dict(zip(POOL_FIELDS, pool, strict=True)))
-            out = continue_rows(_ContinuationCache(rows, tau), 0, q[None], k[None], v[None], scale=scale,
-                                rows=[row.slot], held=[row.start])[0]
+            if not stores and row.end - row.begin > share_limit(row.start, row.start):
+                raise ValueError(
+                    f"{name} is a share cell: a chunk on a request that already holds {row.start} tokens may add at "
+                    f"most {share_limit(row.start, row.start)} tokens in one step (its source, a later loop, has not "
+                    f"written their pages yet), and vLLM scheduled {row.end - row.begin}. Serve plans with share "
+                    "cells with --no-enable-chunked-prefill, or --long-prefill-token-threshold at most "
+                    f"{WINDOW}")
+            rows = _storage(cell, pool, step.page_table, own_bits=bits if stores else 0, read_bits=bits)
+            src = None if stores else _storage(source, pool, step.page_table, own_bits=bits, read_bits=bits)
+            # the source (the final loop) runs after this cell: it holds what the row held before the step
+            out = continue_rows(_ContinuationCache(rows, tau, src), 0, q[None], k[None], v[None], scale=scale,
+                                rows=[row.slot], held=[row.start], source_held=None if stores else [row.start])[0]
         output[row.begin:row.end] = out.to(output.dtype)
     if step.span is not None:  # the decoding rows are the slots first .. first + B - 1: read those only
         first, tokens, lengths = step.span
@@ -346,7 +403,7 @@ def forward_cell(cell: CellExact, pool: tuple[Tensor, ...], step: Step, query: T
             q_all, k_all, v_all, cell.sink_k, cell.sink_v, cell.win_k, cell.win_v, step.lengths, step.page_table,
             *pool, bits, tau, scale)
         output.index_copy_(0, out_tokens, out.index_select(0, out_rows).to(output.dtype))
-    if step.quantize is not None:  # the pages the decode tokens completed leave the ring for their blocks
+    if stores and step.quantize is not None:  # the pages the decode tokens completed leave the ring for their blocks
         slots, ring, blocks = step.quantize
         page_k = cell.win_k[slots[:, None], :, ring].transpose(1, 2).contiguous()  # [n, H, PAGE, D]
         page_v = cell.win_v[slots[:, None], :, ring].transpose(1, 2).contiguous()

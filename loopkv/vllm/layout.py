@@ -2,11 +2,14 @@
 
 vLLM's Ouro (vllm/model_executor/models/ouro.py) builds one ``Attention`` per cell, named
 ``model.layers.{t * L + l}.self_attn.attn``: loopkv's flat cell index is vLLM's layer index. vLLM counts KV in
-blocks of ``block_size`` tokens; the design for quantized cells (docs/vllm.md, not built) serves with ``block_size =
-PAGE`` (32), so one vLLM block of a cell is one loopkv page, and the bytes of a cell's block are the bytes of its pool's
-page (:func:`loopkv.format.page_bytes`,
+blocks of ``block_size`` tokens; loopkv's cells serve with ``block_size = PAGE`` (32), so one vLLM block of a cell is
+one loopkv page, and the bytes of a cell's block are the bytes of its pool's page (:func:`loopkv.format.page_bytes`,
 the format's one home; per token they equal the byte model's, :mod:`loopkv.planning.bytes`). A ``share`` cell
 stores no blocks and reads its source's (the final loop's cell at the same layer).
+
+One vLLM KV tensor holds every cell's blocks (docs/vllm.md, "One tensor for the plan"): the layer vLLM builds first
+(:data:`HOLDER`, cell (0, 0)) declares a block of :func:`block_bytes` (all storing cells), the others share its
+tensor, and each storing cell's pool is the region :func:`pool_refs` gives it.
 
 Under tensor parallelism each rank holds ``max(1, kv_heads // tp)`` KV heads of every cell (as vLLM's
 ``OuroAttention`` splits them), so the bytes here are per rank. Pure: no vLLM import.
@@ -25,6 +28,7 @@ from loopkv.planning.bytes import exact_bytes_per_request as _exact_bytes_per_re
 from loopkv.planning.plan import Plan
 
 LAYER_NAME = "model.layers.{index}.self_attn.attn"  # vLLM Ouro's attention layer of flat cell index t * L + l
+HOLDER = LAYER_NAME.format(index=0)  # the layer vLLM builds first: its KV tensor holds every cell's blocks
 _LAYER_RE = re.compile(r"^(?:.*\.)?model\.layers\.(\d+)\.self_attn\.attn$")
 
 
@@ -98,10 +102,34 @@ def kv_layout(plan: Plan, config: Any, *, tensor_parallel_size: int = 1, dtype_b
 
 
 def block_bytes(layout: tuple[CellKV, ...]) -> int:
-    """Bytes one block (``PAGE`` tokens of one request) costs over all cells of a rank: what vLLM's KV cache
-    manager divides its memory by when every cell's spec is a full-attention spec of its own page size (one group,
-    ``UniformTypeKVCacheSpecs``: vllm/v1/core/kv_cache_utils.py, ``get_kv_cache_config_from_groups``)."""
+    """Bytes one block (``PAGE`` tokens of one request) costs over all cells of a rank: the page of the one KV spec
+    loopkv declares (:data:`HOLDER`'s), what vLLM's KV cache manager divides its memory by
+    (vllm/v1/core/kv_cache_utils.py, ``get_kv_cache_config_from_groups``)."""
     return sum(c.block_bytes for c in layout)
+
+
+@dataclass(frozen=True)
+class PoolRef:
+    """The pool a cell reads in the plan's KV tensor: its ``bits`` (16, 4, 2), where it starts in the plan's block
+    (``offset``: the bytes per block of the storing cells before it, in flat cell order), its bytes per block
+    (``size``) and the layer that writes it (``owner``: the cell itself, or a ``share`` cell's source). In a KV tensor
+    of ``num_blocks`` blocks the pool is ``num_blocks * size`` bytes from ``num_blocks * offset`` on
+    (:func:`loopkv.vllm.cells.cell_region`)."""
+
+    bits: int
+    offset: int
+    size: int
+    owner: str
+
+
+def pool_refs(layout: tuple[CellKV, ...]) -> dict[str, PoolRef]:
+    """Per cell (layer name), the pool it reads (:class:`PoolRef`)."""
+    own, at = {}, 0
+    for c in layout:
+        if c.stores:
+            own[c.layer_name] = PoolRef(bits=BITS[c.option], offset=at, size=c.block_bytes, owner=c.layer_name)
+            at += c.block_bytes
+    return {c.layer_name: own[c.source] for c in layout}
 
 
 def exact_bytes_per_request(plan: Plan, config: Any, *, tensor_parallel_size: int = 1, dtype_bytes: int = 2) -> int:

@@ -16,10 +16,11 @@ import torch
 
 from loopkv.cache.attention import loopkv_attention
 from loopkv.cache.loop_cache import LoopKVCache
-from loopkv.format import PAGE, POOL_FIELDS, RING, SINK, n_pages, page_bytes, pool_field_shapes
+from loopkv.format import PAGE, POOL_FIELDS, RING, SINK, n_pages, page_bytes, pool_field_shapes, stored_pages
 from loopkv.models.ouro import OuroConfig
 from loopkv.planning.plan import Plan
-from loopkv.vllm.cells import CellExact, SlotMap, forward_cell, plan_step, pool_views
+from loopkv.vllm.cells import CellExact, SlotMap, cell_region, forward_cell, plan_step, pool_views
+from loopkv.vllm.layout import block_bytes, kv_layout, pool_refs
 
 H, HQ, D = 2, 4, 32
 CONFIG = OuroConfig(num_hidden_layers=1, total_ut_steps=1, hidden_size=HQ * D, num_attention_heads=HQ,
@@ -111,25 +112,27 @@ SCENARIO = ([[("a", 300), ("b", 40)]] + [[("a", 1), ("b", 1)]] * 25  # a: 300 ->
 SLOTS, NUM_BLOCKS = 3, 200
 
 
-def _reference(plan):
-    return LoopKVCache(plan, config=CONFIG, max_batch_size=1, max_cache_len=MAX_LEN, dtype=torch.float32,
+def _reference(plan, config=CONFIG):
+    return LoopKVCache(plan, config=config, max_batch_size=1, max_cache_len=MAX_LEN, dtype=torch.float32,
                        device="cpu")
 
 
-def _ref_forward(cache, q, k, v):
+def _ref_forward(cache, cell, q, k, v):
     """One request's tokens through LoopKVCache's transformers path: q [S, Hq, D], k, v [S, H, D] -> [S, Hq, D]."""
-    handle, _ = cache.update(k.transpose(0, 1)[None], v.transpose(0, 1)[None], 0)
+    handle, _ = cache.update(k.transpose(0, 1)[None], v.transpose(0, 1)[None], cell)
     out, _ = loopkv_attention(None, q.transpose(0, 1)[None], handle, handle, None, scaling=SCALE)
     return out[0]
 
 
-def run_scenario(plan, forward, scenario=SCENARIO) -> tuple[Engine, dict]:
-    """Drive ``forward(qsl, seq_lens, first_blocks, block_table, q, k, v, out)`` (one cell's step over the packed
-    batch; q, k, v, out carry two padding tokens past the step's) through ``scenario`` and check every request's
-    outputs against its own LoopKVCache; returns the engine and the references."""
+def run_scenario(plan, forward, scenario=SCENARIO, held=None, config=CONFIG) -> tuple[Engine, dict]:
+    """Drive ``forward(qsl, seq_lens, first_blocks, block_table, q, k, v, out)`` (every cell's step over the packed
+    batch, cell after cell in flat order as vLLM's Ouro runs them: q, k, v, out [cells, tokens + 2, heads, D], two
+    padding tokens past the step's) through ``scenario`` and check every request's outputs against its own
+    LoopKVCache, fed the same cells in the same order; returns the engine and the references."""
     engine = Engine(NUM_BLOCKS)
     refs: dict[str, LoopKVCache] = {}
     gen = torch.Generator().manual_seed(0)
+    cells = plan.loops * plan.layers
     for entry in scenario:
         if isinstance(entry, str):
             name = entry.split()[1]
@@ -138,33 +141,36 @@ def run_scenario(plan, forward, scenario=SCENARIO) -> tuple[Engine, dict]:
             continue
         qsl, seq_lens, first, table, ranges = engine.schedule(entry)
         T = qsl[-1]
-        q = torch.randn(T + 2, HQ, D, generator=gen)  # vLLM may pass padded tokens past num_actual_tokens
-        k = torch.randn(T + 2, H, D, generator=gen)
-        v = torch.randn(T + 2, H, D, generator=gen)
-        out = torch.full((T + 2, HQ, D), float("nan"))
+        q = torch.randn(cells, T + 2, HQ, D, generator=gen)  # vLLM may pass padded tokens past num_actual_tokens
+        k = torch.randn(cells, T + 2, H, D, generator=gen)
+        v = torch.randn(cells, T + 2, H, D, generator=gen)
+        out = torch.full((cells, T + 2, HQ, D), float("nan"))
         forward(qsl, seq_lens, first, table, q, k, v, out)
-        for name, (begin, end, held) in ranges.items():
-            if held == 0:
-                refs[name] = _reference(plan)
-            want = _ref_forward(refs[name], q[begin:end], k[begin:end], v[begin:end])
-            torch.testing.assert_close(out[begin:end], want, atol=2e-5, rtol=1e-5,
-                                       msg=lambda m, n=name, h=held: f"request {n} at {h}: {m}")
-        assert torch.isnan(out[T:]).all()  # padding untouched
-    assert engine.held == {"a": 358, "c": 534, "d": 36}
+        for name, (begin, end, before) in ranges.items():
+            if before == 0:
+                refs[name] = _reference(plan, config)
+            for c in range(cells):
+                want = _ref_forward(refs[name], c, q[c, begin:end], k[c, begin:end], v[c, begin:end])
+                torch.testing.assert_close(out[c, begin:end], want, atol=2e-5, rtol=1e-5,
+                                           msg=lambda m, n=name, h=before, c=c: f"request {n} at {h}, cell {c}: {m}")
+        assert torch.isnan(out[:, T:]).all()  # padding untouched
+    assert engine.held == (held or {"a": 358, "c": 534, "d": 36})
     return engine, refs
 
 
-def check_storage(engine, refs, slot_map, cell, pool):
-    """The cell's storage holds what request a's LoopKVCache holds: sink, live window slots, pages in its blocks."""
+def check_storage(engine, refs, slot_map, cell, pool, index=0):
+    """Cell ``index``'s storage holds what request a's LoopKVCache holds: sink, live window slots, pages in its
+    blocks."""
     a_slot = slot_map._of[engine.blocks["a"][0]]
-    st = refs["a"].storage(0)
-    assert slot_map.held[a_slot] == int(st.lengths[0]) == 358
-    live = (torch.arange(SINK + PAGE * n_pages(358), 358) - SINK) % RING  # ring slots of the window
+    st = refs["a"].storage(index)
+    n = engine.held["a"]
+    assert slot_map.held[a_slot] == int(st.lengths[0]) == n
+    live = (torch.arange(SINK + PAGE * n_pages(n), n) - SINK) % RING  # ring slots of the window
     for mine, ref in ((cell.win_k, st.win_k), (cell.win_v, st.win_v)):
         assert torch.equal(mine[a_slot][:, live], ref[0][:, live])
     assert torch.equal(cell.sink_k[a_slot], st.sink_k[0])
     assert torch.equal(cell.sink_v[a_slot], st.sink_v[0])
-    for p in range(2):  # pages 0 and 1 (quantized at 319 and 351)
+    for p in range(stored_pages(n)):  # pages quantized at 319 (and 351)
         block = engine.blocks["a"][p + 1]
         for field, mine, ref in zip(POOL_FIELDS, pool, st.pool(), strict=True):
             if mine.numel():
@@ -186,11 +192,76 @@ def test_scheduled_steps_equal_loopkv_cache(tau):
                          block_table=table)
         paths.add("span" if step.span else "all slots" if step.decode else None)
         T = step.num_tokens
-        forward_cell(cell, pool, step, q[:T], k[:T], v[:T], out[:T], bits=4, tau=tau, scale=SCALE)
+        forward_cell(cell, pool, step, q[0, :T], k[0, :T], v[0, :T], out[0, :T], bits=4, tau=tau, scale=SCALE)
 
     engine, refs = run_scenario(plan, forward)
     check_storage(engine, refs, slot_map, cell, pool)
     assert paths == {"span", "all slots", None}  # both decode reads ran (d, a, c: slots 1 | 0, 2)
+
+
+# 3 loops x 2 layers: every option in one plan. LoopKV-R's kind (int4, int2 and bf16 cells, no shares) and LoopKV-M's
+# (shares too: a share cell's source is the final loop's cell at its layer, a bf16 one and an int4 one here)
+CONFIG3 = OuroConfig(num_hidden_layers=2, total_ut_steps=3, hidden_size=HQ * D, num_attention_heads=HQ,
+                     num_key_value_heads=H, head_dim=D, intermediate_size=64, vocab_size=64)
+MIXED = [["int2", "int4"], ["bf16", "int2"], ["int4", "bf16"]]
+SHARED = [["share", "int2"], ["int4", "share"], ["bf16", "int4"]]
+# SCENARIO shortened for 6 cells: a crosses 319, c's chunks 100 + 250 (a share cell continues by at most WINDOW
+# tokens in one forward; 100 -> 350 crosses page 0's quantize length, a page the share cell of layer 0 reads before its
+# bf16 source has written it) and c's decodes cross 351, d takes b's slot
+MIXED_SCENARIO = ([[("a", 310), ("b", 40)]] + [[("a", 1), ("b", 1)]] * 10 + [[("c", 100), ("a", 1), ("b", 1)]]
+                  + [[("a", 1), ("c", 250)]] + [[("b", 1), ("c", 1), ("a", 1)]] * 4
+                  + ["finish b"] + [[("d", 33), ("a", 1), ("c", 1)]] + [[("d", 1), ("c", 1)]] * 2)
+
+
+class PlanCells:
+    """Every cell of a plan as the backend serves it: one KV tensor of ``NUM_BLOCKS`` blocks of the plan's bytes, each
+    cell's pool its region (a share cell: its source's), one ``CellExact`` per cell, one step plan for all."""
+
+    def __init__(self, plan, config=CONFIG3):
+        self.layout = kv_layout(plan, config, dtype_bytes=4)  # float32 exact cells
+        self.refs = pool_refs(self.layout)
+        self.kv = torch.zeros(NUM_BLOCKS, block_bytes(self.layout), dtype=torch.uint8)
+        self.exact = {c.layer_name: CellExact.allocate(SLOTS, H, D, dtype=torch.float32) for c in self.layout}
+        self.slot_map = SlotMap(SLOTS)
+        self.page_table = torch.zeros(SLOTS, math.ceil(MAX_LEN / PAGE) - 1, dtype=torch.int32)
+        self.taus = [plan.tau_of(c.cell) for c in self.layout]
+
+    def pool(self, name):
+        ref = self.refs[name]
+        return pool_views(cell_region(self.kv, ref.offset, ref.size), ref.bits, H, D, dtype=torch.float32)
+
+    def forward(self, qsl, seq_lens, first, table, q, k, v, out):
+        step = plan_step(self.slot_map, self.page_table, query_start_loc=qsl, seq_lens=seq_lens, first_blocks=first,
+                         block_table=table)
+        T = step.num_tokens
+        for i, c in enumerate(self.layout):
+            ref = self.refs[c.layer_name]
+            source = None if ref.owner == c.layer_name else self.exact[ref.owner]
+            forward_cell(self.exact[c.layer_name], self.pool(c.layer_name), step, q[i, :T], k[i, :T], v[i, :T],
+                         out[i, :T], bits=ref.bits, tau=self.taus[i], scale=SCALE, name=c.layer_name, source=source)
+
+
+@pytest.mark.parametrize("grid", [pytest.param(MIXED, marks=pytest.mark.slow), SHARED],
+                         ids=["int4-int2-bf16", "with-shares"])  # SHARED stores every option too
+def test_mixed_plan_steps_equal_loopkv_cache(grid):
+    plan = Plan.from_grid(grid, kv_heads=H, head_dim=D, tau=[2.0, math.inf, 3.0])
+    cells = PlanCells(plan)
+    ends = [0] + [end for _, end in sorted({(r.offset, r.offset + r.size) for r in cells.refs.values()})]
+    starts = sorted({r.offset for r in cells.refs.values()}) + [cells.kv.shape[1]]
+    assert starts == ends  # the storing cells' pools tile the plan's block, back to back
+    engine, refs = run_scenario(plan, cells.forward, MIXED_SCENARIO, {"a": 327, "c": 357, "d": 35}, CONFIG3)
+    for i, c in enumerate(cells.layout):
+        if c.stores:
+            check_storage(engine, refs, cells.slot_map, cells.exact[c.layer_name], cells.pool(c.layer_name), i)
+
+
+def test_a_share_cell_refuses_a_chunk_past_its_window():
+    plan = Plan.from_grid(SHARED, kv_heads=H, head_dim=D)
+    cells = PlanCells(plan)
+    scenario = [[("a", 40)], [("a", 300)]]
+    # 40 + 300: the share cell's queries past 319 would read page 0, which its source writes after it (279 fit)
+    with pytest.raises(ValueError, match="layers.0.* share cell.* holds 40 tokens may add at most 279.*scheduled 300"):
+        run_scenario(plan, cells.forward, scenario, {"a": 340}, CONFIG3)
 
 
 def test_dummy_rows_get_no_slot_and_zeros():
