@@ -106,25 +106,25 @@ def main(argv=None) -> dict:
     max_len = max(512, args.prompt + args.new)
     cb = engine_config(plan, pool_pages=args.requests * -(-max_len // 32), max_batch_tokens=args.max_batch_tokens)
 
-    # per forward: when its first cell ran, whether every token decoded, the sync counts so far, its packed tokens
+    # per forward: when it started, whether every token decoded, the sync counts so far, its packed tokens
     steps: list[tuple[float, bool, collections.Counter, int]] = []
     counts: collections.Counter = collections.Counter()
-    attend = EngineCache.attend
+    run_step = EngineCache.run_step
 
-    def timed_attend(self, cell, query, *a, **k):
-        if cell == 0:
-            if not steps and args.cprofile:  # the engine's thread: profile it from its first forward on
-                profiler.enable()
-            steps.append((time.perf_counter(), query.shape[2] <= args.requests, counts.copy(), query.shape[2]))
-        return attend(self, cell, query, *a, **k)
+    def timed_run_step(self, logits_of, *, input_ids, **k):
+        if not steps and args.cprofile:  # the engine's thread: profile it from its first forward on
+            profiler.enable()
+        tokens = input_ids.shape[1]
+        steps.append((time.perf_counter(), tokens <= args.requests, counts.copy(), tokens))
+        return run_step(self, logits_of, input_ids=input_ids, **k)
 
     profiler = cProfile.Profile()
-    EngineCache.attend = timed_attend
+    EngineCache.run_step = timed_run_step
     try:
         with engine_cache(plan, max_slots=args.requests, max_len=max_len), count_host_syncs(counts), torch.no_grad():
             model.generate_batch(prompts, generation_config=gen, continuous_batching_config=cb)
     finally:
-        EngineCache.attend = attend
+        EngineCache.run_step = run_step
 
     decode = [(steps[i + 1][0] - steps[i][0], steps[i + 1][2] - steps[i][2]) for i in range(len(steps) - 1)
               if steps[i][1]]

@@ -79,8 +79,7 @@ def loopkv_attention(module, query: Tensor, key, value, attention_mask, *, scali
         return key.attend(query, value, attention_mask, scale=scale), None
     cache, cell = key.cache, key.cell_index
     if getattr(key, "is_packed_batch", False):  # a continuous-batching engine's step (loopkv/serving)
-        return cache.attend(cell, query, key.k_new, key.v_new, scale=scale, write_index=kwargs["write_index"],
-                            cu_seq_lens_q=kwargs["cu_seq_lens_q"]), None
+        return cache.attend(cell, query, key.k_new, key.v_new, scale=scale), None
     if S == 1:  # decode: the read writes the token
         out = cache.decode_cell(cell, query[:, :, 0], key.k_new, key.v_new, scale=scale)  # [B, Hq, D]
         return out[:, None], None

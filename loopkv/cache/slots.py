@@ -126,7 +126,7 @@ def prefill_step(cache, cell: int, step: PrefillStep, k: Tensor, v: Tensor) -> N
 @dataclass(frozen=True)
 class DecodeStep:
     """Which packed tokens of a step decode, as device tensors whose shapes depend only on the cache's rows and the
-    step's packed tokens: built on the host once per step, one copy to the device, read by every cell."""
+    step's packed tokens: written on the host once per step, one copy to the device, read by every cell."""
 
     token: Tensor  # int64 [rows]: the packed token each row decodes (0 for a row that does not decode)
     decoding: Tensor  # bool [rows]: the row decodes a token this step
@@ -135,14 +135,33 @@ class DecodeStep:
     @classmethod
     def build(cls, pairs: list[tuple[int, int]], *, rows: int, tokens: int, device) -> DecodeStep:
         """``pairs``: (row, packed token) of each decoding row; ``tokens``: the packed batch's length."""
+        return DecodeSteps(rows=rows, max_tokens=tokens, device=device).fill(pairs, tokens=tokens)
+
+
+class DecodeSteps:
+    """The device tensors of every :class:`DecodeStep` of an engine, allocated once: each step's are written in place,
+    so they keep their addresses from step to step (what a captured CUDA graph of a decode step reads)."""
+
+    def __init__(self, *, rows: int, max_tokens: int, device):
+        self.rows, self.max_tokens, self.device = rows, max_tokens, torch.device(device)
+        self._buf = torch.zeros(2 * rows + max_tokens, dtype=torch.long, device=device)  # token, decoding, row
+        self._decoding = torch.zeros(rows, dtype=torch.bool, device=device)
+
+    def fill(self, pairs: list[tuple[int, int]], *, tokens: int) -> DecodeStep:
+        """This step's :class:`DecodeStep`: ``pairs`` (row, packed token) of each decoding row, ``tokens`` the packed
+        batch's length (at most ``max_tokens``); its ``row`` is a view of the first ``tokens`` entries."""
+        rows = self.rows
+        if tokens > self.max_tokens:
+            raise ValueError(f"a step of {tokens} packed tokens, but these decode steps hold at most {self.max_tokens}")
         token, decoding, row = [0] * rows, [0] * rows, [0] * tokens
         for r, t in pairs:
             token[r], decoding[r], row[t] = t, 1, r
         host = torch.tensor(token + decoding + row, dtype=torch.long)
-        if torch.device(device).type == "cuda":  # pinned: the copy does not wait for the device
+        if self.device.type == "cuda":  # pinned: the copy does not wait for the device
             host = host.pin_memory()
-        buf = host.to(device, non_blocking=True)
-        return cls(token=buf[:rows], decoding=buf[rows:2 * rows].bool(), row=buf[2 * rows:])
+        self._buf[:host.numel()].copy_(host, non_blocking=True)
+        self._decoding.copy_(self._buf[rows:2 * rows])
+        return DecodeStep(token=self._buf[:rows], decoding=self._decoding, row=self._buf[2 * rows:2 * rows + tokens])
 
 
 def decode(cache, cell: int, step: DecodeStep, query: Tensor, k: Tensor, v: Tensor, *, scale: float) -> Tensor:

@@ -387,6 +387,13 @@ class OuroModel(OuroPreTrainedModel):
         return OuroModelOutput(last_hidden_state=torch.cat(pieces, dim=1), cache=cache if use_cache else None)
 
 
+def _kept(hidden_states: torch.Tensor, logits_to_keep: int | torch.Tensor) -> torch.Tensor:
+    """The positions whose logits are wanted: the last ``logits_to_keep`` (0: all), or those a tensor indexes."""
+    if isinstance(logits_to_keep, int):
+        return hidden_states[:, -logits_to_keep:] if logits_to_keep else hidden_states
+    return hidden_states[:, logits_to_keep]
+
+
 class OuroForCausalLM(OuroPreTrainedModel, GenerationMixin):
     """Ouro with its LM head. The default cache is :func:`dense_cache` (the exact reference)."""
 
@@ -439,6 +446,16 @@ class OuroForCausalLM(OuroPreTrainedModel, GenerationMixin):
             if kwargs.pop(flag, None):
                 raise ValueError(f"{flag}=True is not supported by loopkv's Ouro; leave it unset")
         kwargs.pop("return_dict", None)
+        cache = pick_cache(past_key_values, cache)
+        if hasattr(cache, "run_step"):  # a continuous-batching engine's step: its cache prepares and runs it
+
+            def logits_of(*, input_ids, position_ids, logits_to_keep):
+                out = self.model(input_ids=input_ids, position_ids=position_ids, cache=cache, use_cache=False)
+                return self.lm_head(_kept(out.last_hidden_state, logits_to_keep))
+
+            logits = cache.run_step(logits_of, input_ids=input_ids, position_ids=position_ids,
+                                    logits_to_keep=logits_to_keep)
+            return CausalLMOutputWithPast(logits=logits)
         outputs = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -446,15 +463,10 @@ class OuroForCausalLM(OuroPreTrainedModel, GenerationMixin):
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
             exit_at_step=exit_at_step,
-            cache=pick_cache(past_key_values, cache),
+            cache=cache,
             **kwargs,
         )
-        hidden_states = outputs.last_hidden_state
-        if isinstance(logits_to_keep, int):
-            hidden_states = hidden_states[:, -logits_to_keep:] if logits_to_keep else hidden_states
-        else:
-            hidden_states = hidden_states[:, logits_to_keep]
-        logits = self.lm_head(hidden_states)
+        logits = self.lm_head(_kept(outputs.last_hidden_state, logits_to_keep))
         loss = None
         if labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.vocab_size, **kwargs)

@@ -16,11 +16,14 @@ history:
 * **the step's segments** (a new prompt, a prompt's next chunk, a decode token) are recorded on the host as the
   engine prepares the batch (:meth:`schedule`, from its per-request index call), so splitting the packed batch reads
   nothing back from the device;
-* **the model** calls :meth:`update` per cell, as with any transformers cache, and the ``"loopkv"`` attention function
-  hands the packed batch to :meth:`attend`, which, through ``loopkv/cache/slots.py``, writes the step's new prompts
-  together (a :class:`~loopkv.cache.slots.PrefillStep`), runs their exact attention and the chunks per segment, and
-  every decoding slot in one fixed-shape call (a :class:`~loopkv.cache.slots.DecodeStep`). Both steps' index tensors
-  are built on the host and copied to the device once per step, at the first cell; nothing is read back per cell.
+* **the model** hands its forward to :meth:`run_step`, which prepares the step on the host (the segments checked,
+  pages reserved, the new prompts' writes as a :class:`~loopkv.cache.slots.PrefillStep`, the decoding rows written
+  into :class:`~loopkv.cache.slots.DecodeSteps`' fixed tensors: one copy to the device) and runs it: a step where
+  every request decodes one token through :class:`~loopkv.serving.decode_graphs.DecodeGraphs` (padded to a bucket,
+  a CUDA graph per bucket on CUDA), any other step eagerly. In the forward the model calls :meth:`update` per cell, as
+  with any transformers cache, and the ``"loopkv"`` attention function hands the packed batch to :meth:`attend`,
+  which, through ``loopkv/cache/slots.py``, writes the step's new prompts together, runs their exact attention and
+  the chunks per segment, and every decoding slot in one fixed-shape call. Nothing is read back per cell.
 * **uncodable prompt tokens** (non-finite, or beyond the INT4/INT2 codec's fp16 range) are flagged on the device per
   quantized cell and read once, at the step's last cell: such a step raises the cache's usual error and the engine
   fails its requests and frees their slots, so nothing of it stays stored.
@@ -45,6 +48,7 @@ from loopkv.cache.attention import _prompt_attention
 from loopkv.cache.layer import LoopKVHandle
 from loopkv.cache.loop_cache import LoopKVCache
 from loopkv.format import PAGE
+from loopkv.serving.decode_graphs import DecodeGraphs, bucket
 
 logger = logging.getLogger(__name__)
 LIVES_KEPT = 1024  # requests whose steps EngineCache.lives keeps
@@ -63,14 +67,15 @@ class EngineCache:
 
     plan, config: the LoopKV plan and the model's config; max_slots: requests in flight at once; max_len: tokens per
     request (prompt + generated); pool_pages: the shared pool (the engine's ``num_blocks``); max_batch_tokens: the
-    engine's tokens per step; dtype, device: the model's.
+    engine's tokens per step; dtype, device: the model's; cuda_graphs: on a CUDA device, decode-only steps replay a
+    CUDA graph per bucket (:mod:`loopkv.serving.decode_graphs`; False runs the same padded step eagerly).
     """
 
     attention_implementation = "loopkv"
     builds_no_mask = True  # the engine's packed batch carries its segments; the model builds no dense mask
 
     def __init__(self, plan, *, config, max_slots: int, max_len: int, pool_pages: int, max_batch_tokens: int,
-                 dtype: torch.dtype, device):
+                 dtype: torch.dtype, device, cuda_graphs: bool = True):
         self.cache = LoopKVCache(plan, config=config, max_batch_size=max_slots, max_cache_len=max_len, dtype=dtype,
                                  device=device, pool_pages=pool_pages)
         self.config, self.dtype, self.device = config, dtype, self.cache.device
@@ -89,6 +94,10 @@ class EngineCache:
         self._uncodable: list[tuple[int, Tensor]] = []  # the step's (cell, device flag: a prompt token is uncodable)
         self._quantized = any(layer.storage.own_bits in (4, 2) for layer in self.cache.layers)
         self._no_pad = torch.zeros(1, dtype=torch.long, device=self.device)
+        self._decode_steps = slots.DecodeSteps(rows=max_slots, max_tokens=max(max_batch_tokens, bucket(max_slots)),
+                                               device=self.device)
+        self.graphs = DecodeGraphs(max_rows=max_slots, device=self.device,
+                                   capture=cuda_graphs and self.device.type == "cuda")
         # the last STEPS_KEPT forwards: (time.perf_counter() at the first cell, decoding rows, prompt and chunk
         # tokens); a step lasts until the next one starts (what a benchmark times decode steps by)
         self.steps: deque[tuple[float, int, int]] = deque(maxlen=STEPS_KEPT)
@@ -173,14 +182,27 @@ class EngineCache:
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return 0  # positions come from the engine's position_ids
 
-    def attend(self, cell: int, query: Tensor, k: Tensor, v: Tensor, *, scale: float, write_index,
-               cu_seq_lens_q: Tensor) -> Tensor:
+    def run_step(self, logits_of, *, input_ids: Tensor, position_ids: Tensor, logits_to_keep) -> Tensor:
+        """One engine forward, called by the model with its forward as ``logits_of(input_ids=, position_ids=,
+        logits_to_keep=)`` (returning its logits): the step is prepared on the host (:meth:`_begin_step`), then run,
+        a decode-only step through :attr:`graphs`. Returns the logits the engine asked for (``logits_to_keep``)."""
+        tokens = input_ids.shape[1]
+        kept = logits_to_keep.numel() if isinstance(logits_to_keep, Tensor) else tokens
+        self._step = self._begin_step(tokens, logits=kept)
+        try:
+            if self._step.graphed:
+                return self.graphs.run(logits_of, input_ids, position_ids)
+            return logits_of(input_ids=input_ids, position_ids=position_ids, logits_to_keep=logits_to_keep)
+        finally:
+            self._step = None
+
+    def attend(self, cell: int, query: Tensor, k: Tensor, v: Tensor, *, scale: float) -> Tensor:
         """One cell of the packed batch: query [1, Hq, T, D], k, v [1, H, T, D] -> [1, T, Hq, D]. The batch's
-        segments are those :meth:`schedule` recorded (``write_index`` and ``cu_seq_lens_q`` hold the same on the
-        device)."""
-        if cell == 0:
-            self._step = self._begin_step(query.shape[2])
+        segments are those :meth:`schedule` recorded, prepared by :meth:`run_step`."""
         step = self._step
+        if step is None:
+            raise RuntimeError("the LoopKV engine cache got a forward that did not start through run_step: the "
+                               "model must hand its forward to EngineCache.run_step (loopkv's Ouro does)")
         q, kk, vv = query[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1)  # [T, Hq|H, D]
         if step.prefill is not None:  # the new prompts' writes, all at once
             slots.prefill_step(self.cache, cell, step.prefill, kk, vv)
@@ -220,10 +242,12 @@ class EngineCache:
             if bad:
                 raise checks.uncodable_error(bad)
 
-    def _begin_step(self, tokens: int) -> _Step:
-        """The forward's first cell: the scheduled segments, checked against what each slot holds, their pages
-        reserved, the new prompts' writes as a :class:`~loopkv.cache.slots.PrefillStep` and the decoding rows as a
-        :class:`~loopkv.cache.slots.DecodeStep`."""
+    def _begin_step(self, tokens: int, *, logits: int) -> _Step:
+        """Before the forward of ``tokens`` packed tokens, ``logits`` of them kept: the scheduled segments, checked
+        against what each slot holds, their pages reserved, the new prompts' writes as a
+        :class:`~loopkv.cache.slots.PrefillStep` and the decoding rows as a :class:`~loopkv.cache.slots.DecodeStep`
+        (over ``bucket(tokens)`` packed tokens for a step :attr:`graphs` runs: every token decodes, every token's
+        logits kept)."""
         scheduled, self._scheduled = self._scheduled, None
         if scheduled is None:
             raise RuntimeError("the LoopKV engine cache got a forward the engine did not schedule through "
@@ -247,8 +271,9 @@ class EngineCache:
         self.cache.reserve({self._slot[r]: pos + n for r, pos, n in scheduled})
         for request_id, pos, n in scheduled:
             self._held[self._slot[request_id]] = pos + n
-        decode = (slots.DecodeStep.build(decoding, rows=self.max_slots, tokens=tokens, device=self.device)
-                  if decoding else None)
+        graphed = not prompts and len(decoding) == tokens == logits
+        width = bucket(tokens) if graphed else tokens
+        decode = self._decode_steps.fill(decoding, tokens=width) if decoding else None
         new = [(slot, start, n) for slot, pos, start, n in prompts if pos == 0]
         for slot, _, _ in new:
             self.cache._pads[slot] = 0  # the engine's prompts are not padded
@@ -258,7 +283,8 @@ class EngineCache:
             index = [t for _, _, start, n in prompts for t in range(start, start + n)]
             checked = _to_device(index, self.device)
         self.steps.append((began, len(decoding), sum(n for *_, n in prompts)))
-        return _Step(prompts=prompts, decode=decode, prefill=prefill, checked=checked, no_pad=self._no_pad)
+        return _Step(prompts=prompts, decode=decode, prefill=prefill, checked=checked, no_pad=self._no_pad,
+                     graphed=graphed)
 
 
 def _to_device(values: list[int], device) -> Tensor:
@@ -280,6 +306,7 @@ class _Step:
     prefill: slots.PrefillStep | None = None  # the new prompts' writes (None if none starts)
     checked: Tensor | None = None  # the packed tokens of prompts and chunks, checked codable (quantized plans)
     no_pad: Tensor | None = None  # a prompt's padding for its exact attention: none
+    graphed: bool = False  # every token decodes a row: the step runs padded to its bucket (DecodeGraphs)
 
 
 def blocks_for(tokens: int) -> int:

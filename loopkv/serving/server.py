@@ -129,7 +129,8 @@ class CompletionServer:
         self._ids = itertools.count()
         self._closed = threading.Event()
         self._serving = threading.Event()
-        cb = engine_config(plan, pool_pages=pool_pages, max_batch_tokens=max_batch_tokens, **engine)
+        cb = engine_config(plan, pool_pages=pool_pages, max_batch_tokens=max_batch_tokens, max_len=max_len,
+                           max_slots=max_slots, **engine)
         eos = model.generation_config.eos_token_id
         self._eos = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
         generation = GenerationConfig(max_new_tokens=DEFAULT_MAX_TOKENS, do_sample=False,

@@ -20,11 +20,21 @@ it builds a processor, calls the allocation and index methods below, prepares ea
 attention type, empty at the batch's first request: loopkv records the step's segments there, on the host) and runs
 that batch's forward before preparing the next, and takes the model's configured attention implementation as it is
 (``sdpa`` or ``eager``: loopkv's Ouro runs the cache's own ``"loopkv"`` attention and ignores the engine's mask). It
-runs without CUDA graphs, async batching or CPU offloading (all off in :func:`engine_config`: the engine keys its
-graphs by its padded token and read counts, not by which requests are prompts, so a graph would replay one step's
-split into prompts and decodes for another; async preparation would record the next batch's segments while the
-current one runs; offloading copies engine blocks loopkv does not have) and without compilation (the engine's
-default; a compile config, which also pads the batch, is untested here).
+runs without the engine's CUDA graphs, async batching or CPU offloading (all off in :func:`engine_config`: the engine
+keys its graphs by its padded token and read counts, not by which requests are prompts, so a graph would replay one
+step's split into prompts and decodes for another; loopkv captures its decode-only steps itself,
+``loopkv/serving/decode_graphs.py``; async preparation would record the next batch's segments while the current one
+runs; offloading copies engine blocks loopkv does not have) and without compilation (the engine's default; a compile
+config, which also pads the batch, is untested here).
+
+**Whole prompts for plans with ``share`` cells.** A prompt's later chunk is a continuation, which a plan with
+``share`` cells takes at most ``WINDOW`` tokens at a time (``LoopKVCache.continuation_limit``), and a new prompt is
+one exact pass of any length (and far faster than chunks). So for such a plan :func:`engine_cache` also swaps the
+engine's scheduler classes (``scheduler.SCHEDULER_MAPPING``) for subclasses that leave a prompt waiting until a step
+has room for all of it (:class:`WholePrompts`: it filters the candidates before the engine's ``_process_candidates``,
+whose signature 5.17 and 5.24 share), and the step budget must hold the longest request next to every slot decoding
+(``max_batch_tokens >= max_len + max_slots``, :func:`check_step_budget`), so a waiting prompt always fits in a step
+once it is first in line.
 """
 
 from __future__ import annotations
@@ -38,7 +48,7 @@ import transformers
 from packaging.version import Version
 
 from loopkv.cache.paging import pool_pages_for
-from loopkv.format import PAGE, WINDOW
+from loopkv.format import PAGE
 from loopkv.serving.engine_cache import EngineCache, blocks_for
 
 _LOCK = threading.Lock()
@@ -96,6 +106,33 @@ class EngineCache517(EngineCache):
 
     def extend_read_and_write_indices(self, request_id, past_length, query_length, read_index, write_index) -> None:
         self.schedule(request_id, past_length, query_length, write_index[0])
+
+
+class WholePrompts:
+    """Mixed into the engine's scheduler class for a plan with ``share`` cells: a prompt (a waiting request, or one
+    preempted and back as a new prompt) is a candidate only when the step's token budget, after the candidates before
+    it, holds all of it; otherwise it waits for a later step (module docstring)."""
+
+    def _process_candidates(self, candidates, token_budget, cache_budget, request_ids_to_remove_from_waiting):
+        from transformers.generation.continuous_batching.requests import RequestStatus
+
+        whole, left = [], token_budget
+        for state in candidates:
+            decoding = state.status == RequestStatus.DECODING
+            need = 1 if decoding else len(state.remaining_prefill_tokens)
+            if decoding or need <= left:
+                whole.append(state)
+                left -= need
+        return super()._process_candidates(whole, token_budget, cache_budget, request_ids_to_remove_from_waiting)
+
+
+def check_step_budget(plan, *, max_batch_tokens: int, max_len: int, max_slots: int) -> None:
+    """Refuse a step budget too small for a plan with ``share`` cells, whose prompts are scheduled whole."""
+    if "share" in plan.options and max_batch_tokens < max_len + max_slots:
+        least = max_len + max_slots
+        raise ValueError(f"max_batch_tokens={max_batch_tokens} is too small for a plan with 'share' cells, whose "
+                         f"prompts the engine schedules whole: use max_batch_tokens >= max_len + max_slots = {least} "
+                         "(the longest request next to every slot decoding), or a plan without 'share' cells")
 
 
 class _Allocator524:
@@ -217,10 +254,12 @@ def check_version() -> None:
 
 
 @contextlib.contextmanager
-def engine_cache(plan, *, max_slots: int, max_len: int):
+def engine_cache(plan, *, max_slots: int, max_len: int, cuda_graphs: bool = True):
     """Within the block, transformers' engine builds an :class:`EngineCache` for ``plan`` (:func:`engine_class`; a
-    lock keeps two engines from building at once); yields the list of the caches it built."""
-    from transformers.generation.continuous_batching import continuous_api
+    lock keeps two engines from building at once) and, for a plan with ``share`` cells, schedules prompts whole
+    (:class:`WholePrompts`); yields the list of the caches it built. ``cuda_graphs``: decode-only steps on CUDA replay
+    loopkv's graphs (``loopkv/serving/decode_graphs.py``)."""
+    from transformers.generation.continuous_batching import continuous_api, scheduler
 
     check_version()
     cls = engine_class()
@@ -228,27 +267,34 @@ def engine_cache(plan, *, max_slots: int, max_len: int):
 
     def build(config, continuous_batching_config, device, *args, dtype=torch.float16, **kwargs):
         cb = continuous_batching_config
+        check_step_budget(plan, max_batch_tokens=cb.max_batch_tokens, max_len=max_len, max_slots=max_slots)
         built.append(cls(plan, config=config, max_slots=max_slots, max_len=max_len,
                           pool_pages=cb.num_blocks, max_batch_tokens=cb.max_batch_tokens, dtype=dtype,
-                          device=device))
+                          device=device, cuda_graphs=cuda_graphs))
         return built[-1]
 
+    schedulers = dict(scheduler.SCHEDULER_MAPPING)
     with _LOCK:
         original = continuous_api.PagedAttentionCache
         continuous_api.PagedAttentionCache = build
+        if plan is not None and "share" in plan.options:
+            for name, base in schedulers.items():
+                scheduler.SCHEDULER_MAPPING[name] = type(f"WholePrompts{base.__name__}", (WholePrompts, base), {})
         try:
             yield built
         finally:
             continuous_api.PagedAttentionCache = original
+            scheduler.SCHEDULER_MAPPING.update(schedulers)
 
 
-def engine_config(plan, *, pool_pages: int, max_batch_tokens: int | None = None, **config):
+def engine_config(plan, *, pool_pages: int, max_batch_tokens: int | None = None, max_len: int | None = None,
+                  max_slots: int | None = None, **config):
     """transformers' ``ContinuousBatchingConfig`` for a LoopKV engine cache: 32-token blocks (the page; the field is
     ``page_size`` where the config has one, as in 5.24, else ``block_size``), the pool's pages as the engine's blocks,
     no CUDA graphs, no async batching, no block table, no CPU offloading and, where the engine has the switch (5.24),
     no automatic switch to flash attention (loopkv's attention would not use it). ``max_batch_tokens`` (tokens per
-    step) defaults to 512, and to at most ``WINDOW`` for a plan with ``share`` cells: a later chunk of a prompt is a
-    continuation, which such a plan takes ``WINDOW`` tokens at a time (``LoopKVCache.continuation_limit``)."""
+    step) defaults to 512, and for a plan with ``share`` cells, whose prompts are scheduled whole, to ``max_len +
+    max_slots`` (the least it may be: :func:`check_step_budget`; pass ``max_len`` and ``max_slots`` then)."""
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
     fields = {f.name for f in dataclasses.fields(ContinuousBatchingConfig)}
@@ -257,13 +303,15 @@ def engine_config(plan, *, pool_pages: int, max_batch_tokens: int | None = None,
                  "max_blocks_per_request", "cpu_offload_space"):
         if name in config:
             raise ValueError(f"{name} is set by loopkv's continuous batching; leave it out")
-    limit = WINDOW if "share" in plan.options else None
-    if max_batch_tokens is None:
-        max_batch_tokens = limit or 512
-    if limit is not None and max_batch_tokens > limit:
-        raise ValueError(f"max_batch_tokens={max_batch_tokens} would let a prompt's later chunk exceed the {limit} "
-                         "tokens a plan with 'share' cells continues by at once; use max_batch_tokens <= "
-                         f"{limit} or a plan without 'share' cells")
+    if "share" in plan.options:
+        if max_len is None or max_slots is None:
+            raise ValueError("a plan with 'share' cells has its prompts scheduled whole, so its step budget depends on "
+                             "the engine's request length and slots: pass max_len and max_slots (and optionally "
+                             "max_batch_tokens >= max_len + max_slots)")
+        max_batch_tokens = max_len + max_slots if max_batch_tokens is None else max_batch_tokens
+        check_step_budget(plan, max_batch_tokens=max_batch_tokens, max_len=max_len, max_slots=max_slots)
+    elif max_batch_tokens is None:
+        max_batch_tokens = 512
     if "auto_switch_to_flash" in fields:
         config.setdefault("auto_switch_to_flash", False)
     return ContinuousBatchingConfig(**{page: PAGE}, num_blocks=pool_pages, max_batch_tokens=max_batch_tokens,
@@ -286,12 +334,13 @@ def check_requests(inputs, *, max_len: int, pool_pages: int, max_new_tokens: int
 
 def generate_batch(model, inputs: list[list[int]], plan, *, max_slots: int, max_len: int,
                    pool_pages: int | None = None, kv_budget_gib: float | None = None,
-                   max_batch_tokens: int | None = None, generation_config=None, **config):
+                   max_batch_tokens: int | None = None, generation_config=None, cuda_graphs: bool = True,
+                   **config):
     """``model.generate_batch(inputs, ...)`` with LoopKV storage: ``max_slots`` requests in flight, each at most
     ``max_len`` tokens, history pages from a pool of ``pool_pages`` (or what ``kv_budget_gib`` buys after the
     slots' exact sink and window: ``loopkv.cache.paging.pool_pages_for``). Other keywords go to transformers'
-    ``ContinuousBatchingConfig`` (:func:`engine_config`). Returns what ``generate_batch`` returns (request id ->
-    output)."""
+    ``ContinuousBatchingConfig`` (:func:`engine_config`); ``cuda_graphs``: :func:`engine_cache`'s. Returns what
+    ``generate_batch`` returns (request id -> output)."""
     if (pool_pages is None) == (kv_budget_gib is None):
         raise ValueError("pass exactly one of pool_pages and kv_budget_gib")
     check_model(model)
@@ -299,14 +348,15 @@ def generate_batch(model, inputs: list[list[int]], plan, *, max_slots: int, max_
         dtype_bytes = torch.empty(0, dtype=model.dtype).element_size()
         pool_pages = pool_pages_for(plan, model.config, budget_bytes=int(kv_budget_gib * 2**30),
                                     max_batch_size=max_slots, dtype_bytes=dtype_bytes)
-    cb = engine_config(plan, pool_pages=pool_pages, max_batch_tokens=max_batch_tokens, **config)
+    cb = engine_config(plan, pool_pages=pool_pages, max_batch_tokens=max_batch_tokens, max_len=max_len,
+                       max_slots=max_slots, **config)
     new = (generation_config or model.generation_config).max_new_tokens or 0
     check_requests(inputs, max_len=max_len, pool_pages=pool_pages, max_new_tokens=new)
     implementation = model.config._attn_implementation
     if implementation == "loopkv":  # the engines refuse it by name; loopkv's Ouro takes its attention from the cache
         model.set_attn_implementation("sdpa")
     try:
-        with engine_cache(plan, max_slots=max_slots, max_len=max_len):
+        with engine_cache(plan, max_slots=max_slots, max_len=max_len, cuda_graphs=cuda_graphs):
             return model.generate_batch(inputs, generation_config=generation_config, continuous_batching_config=cb)
     finally:
         if implementation == "loopkv":

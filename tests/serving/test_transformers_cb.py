@@ -44,22 +44,27 @@ def _replay(model, plan, tokens, steps):
 
 
 @needs_engine
-@pytest.mark.parametrize("per_loop", [["share", "int4"], ["int4", "int2"]])
-def test_each_request_equals_its_steps_replayed_alone(model, per_loop):
-    """Six requests through three slots and 16 blocks: prompts split into chunks, requests joining as others leave,
-    some preempted and prefilled again. Every token each admission generated equals what a batch-1 LoopKVCache
-    predicts when fed the same tokens in the same steps (the served semantics per request); with the pool and the
-    budget large enough for neither chunks nor preemption, that is the request generated alone."""
+@pytest.mark.parametrize(("per_loop", "max_batch_tokens"), [
+    (["int4", "int2"], 200),  # prompts split into chunks of at most 200 tokens
+    (["share", "int4"], None),  # share cells: every prompt scheduled whole (max_len + max_slots tokens per step)
+])
+def test_each_request_equals_its_steps_replayed_alone(model, per_loop, max_batch_tokens):
+    """Six requests through three slots and 16 blocks: requests joining as others leave, some preempted and
+    prefilled again, prompts split into chunks (or, for a plan with share cells, never split). Every token each
+    admission generated equals what a batch-1 LoopKVCache predicts when fed the same tokens in the same steps (the
+    served semantics per request); with the pool and the budget large enough for neither chunks nor preemption, that
+    is the request generated alone."""
     plan = loopkv.Plan.from_loops(loops=2, layers=2, per_loop=per_loop, tau=14.0)
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, 97, (n,), generator=g).tolist() for n in (330, 40, 5, 300, 120, 350)]
-    cb = engine_config(plan, pool_pages=16, max_batch_tokens=200)
+    cb = engine_config(plan, pool_pages=16, max_batch_tokens=max_batch_tokens, max_len=512, max_slots=3)
     with engine_cache(plan, max_slots=3, max_len=512) as built:
         out = model.generate_batch(prompts, generation_config=_greedy(), continuous_batching_config=cb)
     (engine,) = built
     assert type(engine) is transformers_cb.engine_class()
     assert engine.admissions > len(prompts)  # some requests were preempted and prefilled again
-    assert any(n > 1 and pos > 0 for lives in engine.lives.values() for life in lives for pos, n in life)  # chunks
+    chunks = [(pos, n) for lives in engine.lives.values() for life in lives for pos, n in life if n > 1 and pos > 0]
+    assert bool(chunks) == (max_batch_tokens is not None), chunks
     assert engine.cache.pages_in_use == 0
     assert engine.free_block_count() == engine.num_blocks
     checked = 0
@@ -89,9 +94,14 @@ def test_requests_the_engine_could_never_finish_are_refused_up_front(model):
     with pytest.raises(ValueError, match="request 0 needs 560 tokens"):
         generate_batch(model, [[5] * 520], plan, max_slots=2, max_len=512, pool_pages=16,
                        generation_config=_greedy())
-    with pytest.raises(ValueError, match="share"):
-        engine_config(loopkv.Plan.from_loops(loops=2, layers=2, per_loop=["share", "int4"]), pool_pages=16,
-                      max_batch_tokens=512)
+    share = loopkv.Plan.from_loops(loops=2, layers=2, per_loop=["share", "int4"])
+    with pytest.raises(ValueError, match="pass max_len and max_slots"):
+        engine_config(share, pool_pages=16, max_batch_tokens=600)
+    with pytest.raises(ValueError, match=r"max_batch_tokens >= max_len \+ max_slots = 514"):
+        engine_config(share, pool_pages=16, max_batch_tokens=513, max_len=512, max_slots=2)
+    with pytest.raises(ValueError, match="request 0 needs 560 tokens"):  # the share plan's budget holds it
+        generate_batch(model, [[5] * 520], share, max_slots=2, max_len=512, pool_pages=16,
+                       generation_config=_greedy())
 
 
 @needs_engine
@@ -227,3 +237,29 @@ def test_a_decode_step_reads_nothing_back_from_the_device(tmp_path):
     assert prompt.pop("loopkv:tolist") == 1
     assert prompt.pop("loopkv:tensor(device=)", 0) <= 2
     assert not prompt
+
+
+@needs_engine
+def test_a_plan_with_share_cells_gets_every_prompt_whole(model):
+    """Four prompts sent at once with room for 516 tokens per step: after 330 and 40 tokens, the 300-token prompt does
+    not fit the 146 left. The engine would split it (it does for an INT4 plan); for a plan with share cells it waits
+    for the next step and is prefilled in one pass, and the 5-token prompt behind it goes first. Every request's
+    tokens are what it generates alone through a LoopKVCache with the same plan."""
+    prompts = [[3 + (7 * i + j) % 90 for j in range(n)] for i, n in enumerate((330, 40, 300, 5))]
+    first_steps = {}
+    for per_loop in (["int4", "int4"], ["share", "int4"]):
+        plan = loopkv.Plan.from_loops(loops=2, layers=2, per_loop=per_loop, tau=14.0)
+        cb = engine_config(plan, pool_pages=64, max_batch_tokens=516, max_len=512, max_slots=4)
+        with engine_cache(plan, max_slots=4, max_len=512) as built:
+            out = model.generate_batch(prompts, generation_config=_greedy(8), continuous_batching_config=cb)
+        (engine,) = built
+        first_steps[per_loop[0]] = {rid: lives[0][0] for rid, lives in engine.lives.items()}
+    assert first_steps["int4"]["req_2"] == (0, 146)  # the engine's own split
+    assert first_steps["share"] == {f"req_{i}": (0, len(p)) for i, p in enumerate(prompts)}
+    for rid, o in out.items():
+        prompt = prompts[int(rid.split("_")[1])]
+        cache = loopkv.LoopKVCache(plan, config=model.config, max_batch_size=1, max_cache_len=512,
+                                   dtype=torch.float32, device="cpu")
+        alone = model.generate(torch.tensor([prompt]), past_key_values=cache, max_new_tokens=8, do_sample=False,
+                               eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+        assert o.generated_tokens == alone, rid
