@@ -271,6 +271,10 @@ def _is_ouro(config: Any) -> bool:
     return _get(config, "total_ut_steps") is not None
 
 
+# families whose model chooses its loop count per call (Huginn's num_steps): a cache may serve fewer loops than a
+# plan has (LoopKVCache(..., loops=n), Plan.for_loops); the other families' models always run every loop
+PER_CALL_LOOPS: set[str] = set()
+
 # name -> (recognises a config, its layout, the oldest transformers that has the model or None)
 FAMILIES: dict[str, tuple[Callable[[Any], bool], Callable[..., ModelLayout], str | None]] = {
     "dory": (_is_dory, dory_layout, DORY_MIN_TRANSFORMERS),
@@ -315,6 +319,6 @@ def layout_of(config: Any, *, loops: int | None = None) -> ModelLayout:
     return FAMILIES[family][1](config, loops)
 
 
-__all__ = ["DORY_MIN_TRANSFORMERS", "FAMILIES", "KINDS", "Layer", "ModelLayout", "Slot", "build_layout",
-           "check_transformers", "dory_layout", "family_of", "known_family", "layout_of",
+__all__ = ["DORY_MIN_TRANSFORMERS", "FAMILIES", "KINDS", "PER_CALL_LOOPS", "Layer", "ModelLayout", "Slot",
+           "build_layout", "check_transformers", "dory_layout", "family_of", "known_family", "layout_of",
            "ouro_layout"]

@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 from loopkv.cache.storage import CellStorage
-from loopkv.families import ModelLayout, layout_of
+from loopkv.families import PER_CALL_LOOPS, ModelLayout, layout_of
 from loopkv.ops.codec import FP16_MAX
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -25,14 +25,27 @@ def model_shape(config) -> tuple[int, int, int, int]:
     return layout.loops, layout.layers, kv_heads, head_dim
 
 
-def model_layout(config) -> ModelLayout:
-    """The :class:`~loopkv.families.ModelLayout` of ``config``, or a ValueError naming what it lacks."""
+def model_layout(config, *, loops: int | None = None) -> ModelLayout:
+    """The :class:`~loopkv.families.ModelLayout` of ``config`` (for ``loops`` loops; ``None``: the config's), or a
+    ValueError naming what it lacks."""
     needed = ("num_hidden_layers", "num_attention_heads")
     missing = [a for a in needed if not hasattr(config, a)]
     if missing:
         raise ValueError(f"config lacks {missing}: LoopKVCache needs a looped model's config "
                          "(e.g. OuroConfig, or transformers' DoryConfig)")
-    return layout_of(config)
+    return layout_of(config, loops=loops)
+
+
+def plan_for_loops(plan, loops: int | None):
+    """The plan a cache built for calls of ``loops`` loops serves (``None``: every loop of ``plan``):
+    ``plan.for_loops(loops)``, for a family whose model chooses its loop count per call; refused for the others."""
+    if loops is None or loops == plan.loops:
+        return plan
+    if plan.family not in PER_CALL_LOOPS:
+        raise ValueError(f"loops={loops!r}: models of the {plan.family} family run all {plan.loops} loops of this "
+                         "plan in every call; build the LoopKVCache without loops= (it is for models whose loop count "
+                         "is chosen per call, such as Huginn's num_steps)")
+    return plan.for_loops(loops)
 
 
 def resolve_dtype(config, dtype) -> torch.dtype:

@@ -54,6 +54,10 @@ class LoopKVCache(Cache):
         pool_pages: ``None`` reserves every row's history pages for ``max_cache_len`` tokens; a number makes one
             pool of that many pages, handed to rows as they grow and taken back by :meth:`release` / ``reset()``
             (``loopkv/cache/paging.py``; ``paging.pool_pages_for`` sizes it from a memory budget). Eager only.
+        loops: for a model whose loop count is chosen per call (Huginn's ``num_steps``), the count of the calls this
+            cache serves, at most the plan's ``T``; ``None``: ``T``. The cache then holds ``plan.for_loops(loops)``
+            (``self.plan``): the plan's first ``loops - 1`` loops, and its final loop's options in loop ``loops - 1``,
+            whose pages the ``share`` cells read.
 
     The cells' tensors are slices of a few stacked buffers (:class:`~loopkv.cache.storage.CellStacks`), so a
     compiled step lifts a few tensors, not every cell's. A decode step must update and then read every cell once,
@@ -66,7 +70,7 @@ class LoopKVCache(Cache):
 
     def __init__(self, plan, *, config, max_batch_size: int, max_cache_len: int,
                  dtype: torch.dtype | None = None, device: torch.device | str | Mapping | None = None,
-                 pool_pages: int | None = None):
+                 pool_pages: int | None = None, loops: int | None = None):
         from loopkv.cache.attention import register
         from loopkv.planning.plan import Plan
 
@@ -79,7 +83,8 @@ class LoopKVCache(Cache):
             pool_pages = checks.positive_int("pool_pages", pool_pages)
         register()
         plan.validate_for(config)
-        self.layout = checks.model_layout(config)  # planned cells and fixed exact slots, by cache index
+        plan = checks.plan_for_loops(plan, loops)  # the loops a call runs (Plan.for_loops)
+        self.layout = checks.model_layout(config, loops=plan.loops)  # planned cells and fixed slots, by cache index
         last_loop.check_plan(self.layout, plan)
         _, _, kv_heads, head_dim = checks.model_shape(config)
         if any(o != "bf16" for o in plan.options):

@@ -185,10 +185,12 @@ _STEPS_HELD: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 def check_steps(cache: Cache | None, steps: int) -> None:
     """Refuse a call of ``steps`` core steps that ``cache`` cannot serve, before anything is written.
 
-    A cache laid out for a family (a ``LoopKVCache``: ``cache.layout``) must be Huginn's, for ``T >= steps`` steps;
-    a call with ``steps < T`` uses the first ``steps`` steps' cells and refuses a plan whose cells among them
-    ``share`` (they read step ``T - 1``'s pages, which such a call never writes). Any cache that holds tokens holds
-    them for the steps it was filled with: another ``steps`` is refused until ``cache.reset()``."""
+    A cache laid out for a family (a ``LoopKVCache``: ``cache.layout``) must be Huginn's, built for ``n >= steps``
+    steps (its plan's ``T``, or the ``loops=`` it was built with, whose plan is ``plan.for_loops(n)``: step ``n - 1``
+    as the plan's final step). A call of ``n`` steps runs every cell; a call of ``steps < n`` uses the first
+    ``steps`` steps' cells as they are, and is refused when cells among them ``share``: their source is step
+    ``n - 1``, which such a call never writes (a cache built with ``loops=steps`` serves it). Any cache that holds
+    tokens holds them for the steps it was filled with: another ``steps`` is refused until ``cache.reset()``."""
     if cache is None or torch.compiler.is_compiling():
         return
     layout = getattr(cache, "layout", None)
@@ -197,16 +199,20 @@ def check_steps(cache: Cache | None, steps: int) -> None:
         raise ValueError(f"this cache was laid out for a {family} model, not a Huginn model: build it with "
                          "LoopKVCache(plan, config=model.config) and a plan made for this model")
     if family is not None:
-        if steps > layout.loops:
-            raise ValueError(f"num_steps={steps}, but the cache's plan has T={layout.loops} core steps: run at most "
-                             f"{layout.loops} steps, or make a plan for {steps} (Plan.from_config(config) with "
-                             f"config.mean_recurrence = {steps}, or a profile of that many)")
+        built = layout.loops
+        if steps > built:
+            raise ValueError(f"num_steps={steps}, but this cache serves at most {built} core steps (its plan's T, or "
+                             f"the loops= it was built with): run at most {built} steps, build the cache for "
+                             f"{steps} from a plan with T >= {steps}, or make a plan for {steps} "
+                             f"(Plan.from_config(config) with config.mean_recurrence = {steps}, or a profile of that "
+                             "many)")
         plan = getattr(cache, "plan", None)
         shared = sorted({c.loop for c in layout if c.loop < steps and plan.option(c) == "share"}) if plan else []
-        if steps < layout.loops and shared:
-            raise ValueError(f"num_steps={steps} < the plan's T={layout.loops}: steps {shared} of the plan 'share' "
-                             f"step {layout.loops - 1}'s pages, which a call of {steps} steps never writes. Make a "
-                             f"plan for T={steps} (config.mean_recurrence = {steps}), or run all {layout.loops} steps")
+        if steps < built and shared:
+            raise ValueError(f"num_steps={steps} on a cache built for {built} core steps: steps {shared} of its plan "
+                             f"'share' step {built - 1}'s pages, which a call of {steps} steps never writes. Build "
+                             f"the cache for this count, LoopKVCache(plan, config=model.config, loops={steps}, ...): "
+                             f"step {steps - 1} then stores as the plan's final step and the share cells read it")
     if cache.get_seq_length() == 0:
         _STEPS_HELD[cache] = steps
     elif _STEPS_HELD.setdefault(cache, steps) != steps:

@@ -11,7 +11,9 @@ planned cells are (step ``t``, core layer ``j``) for ``T`` steps (``mean_recurre
 another count); prelude and coda layers are fixed exact slots, never planned. Cache indices (:class:`HuginnCells`):
 prelude layer ``i`` -> ``i``, coda layer ``i`` -> ``P + i``, core layer ``j`` of step ``t`` -> ``P + C + t * R + j``,
 so the indices of a call with ``r`` steps do not depend on ``r`` and are the first ``P + C + r * R`` of a layout
-for ``T >= r`` steps.
+for ``T >= r`` steps. A cache for calls of ``r < T`` steps (``LoopKVCache(plan, config=..., loops=r)``) is laid out
+for ``r`` steps and serves ``plan.for_loops(r)``: step ``r - 1`` takes the plan's final step's options, and the
+``share`` cells read its pages.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from huggingface_hub.dataclasses import strict
 from transformers.cache_utils import DynamicCache
 from transformers.configuration_utils import PreTrainedConfig
 
-from loopkv.families import FAMILIES, Layer, ModelLayout, build_layout
+from loopkv.families import FAMILIES, PER_CALL_LOOPS, Layer, ModelLayout, build_layout
 
 __all__ = ["FAMILY", "HuginnCells", "HuginnConfig", "dense_cache", "huginn_layout"]
 
@@ -226,3 +228,4 @@ def _is_huginn(config: Any) -> bool:
 
 
 FAMILIES.setdefault(FAMILY, (_is_huginn, huginn_layout, None))  # loopkv's own table: layout_of(HuginnConfig)
+PER_CALL_LOOPS.add(FAMILY)  # r is chosen per call: LoopKVCache(plan, config=..., loops=r)

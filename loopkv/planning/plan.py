@@ -25,7 +25,7 @@ import math
 import os
 import warnings
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from loopkv.cells import Cell, CellLayout
@@ -211,6 +211,22 @@ class Plan:
     def source(self, cell: Cell) -> Cell:
         """The cell whose history ``cell`` reads: itself, or the final loop's cell for a ``share`` cell."""
         return self.layout.source(cell) if self.option(cell) == "share" else cell
+
+    def for_loops(self, loops: int) -> Plan:
+        """The plan a call that runs ``loops`` of this plan's ``T`` loops serves (a model whose loop count is chosen
+        per call, Huginn's ``num_steps``): loops ``0 .. loops-2`` as planned, and loop ``loops - 1``, the last the
+        call runs, as this plan's final loop (its options and tau), so that a ``share`` cell reads loop
+        ``loops - 1``'s pages. ``loops == T``: this plan. ``predicted`` is dropped (it was this plan's)."""
+        if not _is_int(loops) or not 1 <= loops <= self.loops:
+            raise ValueError(f"loops must be an int in [1, {self.loops}] (this plan has T={self.loops} loops), got "
+                             f"{loops!r}; for more loops make a plan for them")
+        if loops == self.loops:
+            return self
+        L, keep = self.layers, loops - 1
+        options = self.options[: keep * L] + self.options[-L:]
+        taus = self.taus[:keep] + self.taus[-1:]
+        return replace(self, loops=loops, options=options, tau=taus, predicted={},
+                       provenance={**_thaw(self.provenance), "for_loops_of": self.loops})
 
     # ------------------------------------------------------------------ presets
     @classmethod

@@ -105,10 +105,10 @@ def test_two_step_counts_each_give_the_dense_result(model, steps):
 def test_steps_the_cache_cannot_serve_are_refused(model):
     ids = _prompt(8)
     cache = _cache(model, loopkv.Plan.from_config(model.config, option="bf16"), 40)
-    with pytest.raises(ValueError, match=f"num_steps=4, but the cache's plan has T={STEPS}"):
+    with pytest.raises(ValueError, match=f"num_steps=4, but this cache serves at most {STEPS} core steps"):
         model.generate(ids, past_key_values=cache, num_steps=4, max_new_tokens=2)
     shared = loopkv.Plan.from_config(model.config, option="int4", shared_loops=[0])
-    with pytest.raises(ValueError, match=r"steps \[0\] of the plan 'share'"):
+    with pytest.raises(ValueError, match=r"steps \[0\] of its plan 'share'.*loops=2"):
         model.generate(ids, past_key_values=_cache(model, shared, 40), num_steps=2, max_new_tokens=2)
     model(ids, past_key_values=cache, num_steps=2)
     with pytest.raises(ValueError, match="holds tokens run with num_steps=2"):
