@@ -2,19 +2,23 @@
 LoopKV storage (loopkv/serving), one arm per plan under the same KV budget, in one process (paper §5.1, §5.4).
 
     python benchmarks/bench_serving.py [--arms bf16,kivi4,loopkv-r,loopkv-m] [--budget-gib 96] [--max-len 16384]
-        [--requests 16] [--min-requests 6] [--trace-s 10] [--start-rate auto|R] [--max-trials 4] [--bracket 1.5]
-        [--peak-prompt 64] [--peak-steps 8] [--ttft-s 10] [--tpot-x 3] [--time-budget-s 540] [--seed 0] [--smoke]
-        [--out benchmarks/results/serving.json]
+        [--requests 16] [--min-requests 6] [--trace-s 10] [--outputs 128,512] [--start-rate auto|R] [--max-trials 4]
+        [--bracket 1.5] [--peak-prompt 4096] [--peak-steps 8] [--ttft-s 10] [--tpot-x 3] [--time-budget-s 540]
+        [--seed 0] [--smoke] [--out benchmarks/results/serving.json]
     python benchmarks/bench_serving.py --plot benchmarks/results/serving.json   # the figure from a JSON
 
 Model: Ouro-1.4B's shapes with random weights, bf16 (``--smoke``: a tiny one, on the CPU if there is no GPU). Trace:
 seeded Poisson arrivals, the same requests at every rate (arrival times scale with 1 / rate); prompts uniform in
-[max_len / 16, max_len - 64], outputs uniform in [16, 64] tokens, so contexts grow to max_len: the paper's SLO
-workload (AIME, 11K output tokens on average) takes hours per rate, this one seconds. Arms: ``bf16`` stores every cell
-exact (an all-bf16 plan: transformers' own paged cache has one layer per physical layer and cannot hold a looped
-model's cells), ``kivi4`` INT4 in every cell, ``loopkv-r`` and ``loopkv-m`` the paper's compositions (as in
+[max_len / 2, max_len - the longest output], outputs uniform in ``--outputs`` tokens, so contexts lie between half
+and all of max_len, where KV memory bounds how many requests run at once. The paper's SLO workload reaches such
+contexts by decoding (AIME prompts, 11K output tokens on average) and takes hours per rate; this one reaches them by
+prompts, so prefill takes a larger share of the GPU than in the paper. Arms: ``bf16`` stores every cell exact (an
+all-bf16 plan: transformers' own paged cache has one layer per physical layer and cannot hold a looped model's
+cells), ``kivi4`` INT4 in every cell, ``loopkv-r`` and ``loopkv-m`` the paper's compositions (as in
 bench_decode.py). Each arm gets the slots and pages the budget buys: ``slots = budget // (a slot's exact sink and
-window + bytes per token x the trace's mean context)``, the rest pages.
+window + bytes per token x the trace's mean context)``, the rest pages. Every arm's engine takes ``max_len +
+slots`` tokens per step, so every prompt is one exact pass (a plan with share cells needs this: its prompts are
+scheduled whole, loopkv/serving/transformers_cb.py), and decode-only steps replay loopkv's CUDA graphs.
 
 Steps are timed from the engine cache's own step log (``EngineCache.steps``: when each forward began, its decoding
 rows and its prompt tokens; a step lasts until the next begins), so decode is timed apart from prompt steps:
@@ -25,10 +29,10 @@ rows and its prompt tokens; a step lasts until the next begins), so decode is ti
 * **peak decode** per arm: as many requests as the arm has slots, ``--peak-prompt`` tokens each, sent at once; once
   ``--peak-steps`` decode-only steps with every slot decoding have run, they are cancelled: tokens/s = slots / the
   median of those steps (and prompt tokens/s until the first decode-only step);
-* **goodput** per arm: a search on the rate (:func:`search`): from ``--start-rate`` (``auto``: half what the arm
-  could finish one request after another, from a mean prompt's time to first token alone and the peak's decode
-  speed, :func:`first_rate`) it doubles while a rate meets 95% and halves while it does not, then bisects
-  (geometric) between the highest rate met and the lowest missed until they are within ``--bracket`` of each other,
+* **goodput** per arm: a search on the rate (:func:`search`): from ``--start-rate`` (``auto``: 70% of the lower of
+  the prompts' and the slots' capacity, from a mean prompt's time to first token alone and the peak's step,
+  :func:`first_rate`) it doubles while a rate meets 95% and halves while it does not, then bisects (geometric)
+  between the highest rate met and the lowest missed until they are within ``--bracket`` of each other,
   ``--max-trials`` are run or the arm's time is spent. A rate's trace is its arrivals within ``--trace-s`` seconds
   (at least ``--min-requests``, at most ``--requests``); it ends when every request is finished or past its SLO
   deadline (arrival + TTFT bound + (tokens - 1) x TPOT bound, or the TTFT bound if the step ending its prompt has
@@ -43,9 +47,8 @@ it starts, and its peak and search stop at the end of that share (a rate cut sho
 count). The JSON is rewritten after every rate, so a run cut short keeps what finished; progress lines carry timings;
 the figure (attainment against rate per arm) goes next to the JSON (``.png``).
 
-The engine runs eagerly (no CUDA graphs: loopkv's shim splits prompts from decode tokens on the host), so these
-numbers include the engine's and the shim's host time; compare the peak with bench_decode.py's static-batch graphs
-to see that overhead.
+The engine's steps include its own and loopkv's host work (scheduling, the step's preparation, sampling); compare
+the peak with bench_decode.py's static-batch graphs to see that overhead.
 """
 
 from __future__ import annotations
@@ -88,24 +91,25 @@ def plans(cfg) -> dict[str, loopkv.Plan]:
     return {"bf16": loopkv.Plan.uniform(loops=loops, layers=layers, option="bf16"), **paper_plans(loops, layers)}
 
 
-def trace(n: int, max_len: int, seed: int, smoke: bool) -> list[tuple[float, int, int]]:
-    """(arrival s at 1 request/s, prompt tokens, output tokens) per request; the same requests at every rate."""
+def trace(n: int, max_len: int, seed: int, outputs: tuple[int, int]) -> list[tuple[float, int, int]]:
+    """(arrival s at 1 request/s, prompt tokens, output tokens) per request; the same requests at every rate: prompts
+    uniform in [max_len / 2, max_len - the longest output], outputs uniform in ``outputs``."""
     rng = random.Random(seed)
     t, out = 0.0, []
-    lo_out, hi_out = (4, 12) if smoke else (16, 64)
-    longest = max_len // 4 if smoke else max_len - hi_out  # the smoke run's CPU: short prompts
+    lo_out, hi_out = outputs
     for _ in range(n):
         t += rng.expovariate(1.0)
         new = rng.randint(lo_out, hi_out)
-        out.append((t, rng.randint(max_len // 16, longest), new))
+        out.append((t, rng.randint(max_len // 2, max_len - hi_out), new))
     return out
 
 
 def budget_split(plan, cfg, budget: int, mean_context: float, dtype_bytes: int) -> tuple[int, int]:
     """(slots, pool pages) a KV budget buys for ``plan``."""
-    from loopkv.cache.paging import exact_bytes_per_row, pool_pages_for
+    from loopkv.cache.paging import pool_pages_for
+    from loopkv.planning.bytes import exact_bytes_per_request
 
-    exact = exact_bytes_per_row(cfg, dtype_bytes=dtype_bytes)
+    exact = exact_bytes_per_request(cfg, dtype_bytes=dtype_bytes)
     per_token = plan.bytes_per_token(cfg, dtype_bytes=dtype_bytes).stored_kib * 1024
     slots = max(1, int(budget // (exact + per_token * mean_context)))
     return slots, pool_pages_for(plan, cfg, budget_bytes=budget, max_batch_size=slots, dtype_bytes=dtype_bytes)
@@ -120,7 +124,8 @@ class Engine:
 
         self.model, self.vocab = model, model.config.vocab_size
         gen = GenerationConfig(do_sample=False, eos_token_id=-1, pad_token_id=0, max_new_tokens=max_len)
-        cb = engine_config(plan, pool_pages=pages, max_batch_tokens=256 if "share" in plan.options else 1024)
+        # every prompt in one pass next to every slot decoding (a plan with share cells needs it: WholePrompts)
+        cb = engine_config(plan, pool_pages=pages, max_len=max_len, max_slots=slots)
         self._context = engine_cache(plan, max_slots=slots, max_len=max_len)
         self._built = self._context.__enter__()
         try:
@@ -348,12 +353,13 @@ def search(start: float, run, *, max_trials: int, bracket: float, factor: float 
 
 
 def first_rate(probe_s: float, peak: dict, mean_new: float, floor: float) -> float:
-    """The search's first rate: half the rate the arm could finish one request after another, each taking the probe's
-    first token (a mean prompt alone, ``probe_s``) and a mean output at the peak's decode speed (queueing, longer
-    contexts and the SLO make the real capacity lower, batching higher), at least ``floor``."""
-    if not peak.get("tokens_per_s"):
+    """The search's first rate: 70% of the lower of two capacities, the prompts' (one mean prompt alone takes
+    ``probe_s`` to its first token: 1 / probe_s) and the slots' (every slot decoding a mean output at the peak's step:
+    slots / (mean_new x step)); queueing, longer contexts and the SLO make the real capacity lower. At least
+    ``floor``."""
+    if not peak.get("step_s"):
         return floor
-    return max(floor, 1 / (probe_s + mean_new / peak["tokens_per_s"]) / 2)
+    return max(floor, 0.7 * min(1 / probe_s, peak["batch"] / (mean_new * peak["step_s"])))
 
 
 def plot(result: dict, path) -> None:
@@ -406,7 +412,7 @@ def run_arm(model, name: str, plan, split: tuple[int, int], reqs, args, result: 
         return row
 
     try:
-        engine.run_all({"warm": (args.peak_prompt, 4)}, stop_at)
+        engine.run_all({"warm": (64, 4)}, stop_at)
         arm["peak"] = peak_decode(engine, slots, args.peak_prompt, args.max_len - args.peak_prompt,
                                   args.peak_steps, stop_at)
         log(f"{name}: peak decode {arm['peak']['tokens_per_s'] or 0:.1f} tok/s at batch {slots} "
@@ -438,7 +444,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--max-trials", type=int, default=4, help="rates tested per arm at most")
     ap.add_argument("--bracket", type=float, default=1.5,
                     help="stop once the highest rate met and the lowest missed are within this factor")
-    ap.add_argument("--peak-prompt", type=int, default=64, help="prompt tokens of the warm-up and peak requests")
+    ap.add_argument("--peak-prompt", type=int, default=4096, help="prompt tokens of the peak requests")
+    ap.add_argument("--outputs", default="128,512", help="output tokens per request: uniform in [lo, hi]")
     ap.add_argument("--peak-steps", type=int, default=8, help="decode-only steps the peak is the median of")
     ap.add_argument("--time-budget-s", type=float, default=540.0, help="the whole run, model building included")
     ap.add_argument("--ttft-s", type=float, default=TTFT_SLO_S, help="the SLO's time to first token")
@@ -456,6 +463,7 @@ def main(argv=None) -> dict:
     if args.smoke:  # sizes the smoke run overrides unless given
         given = set(argv if argv is not None else sys.argv[1:])
         for flag, value in (("--max-len", 640), ("--requests", 3), ("--min-requests", 3), ("--start-rate", "8"),
+                            ("--outputs", "4,12"),
                             ("--max-trials", 1), ("--budget-gib", 0.02), ("--arms", "loopkv-m"),
                             ("--peak-prompt", 64), ("--peak-steps", 3), ("--trace-s", 5.0),
                             ("--ttft-s", 600.0), ("--tpot-x", 100.0)):  # a CPU, maybe busy: every request meets it
@@ -486,7 +494,7 @@ def main(argv=None) -> dict:
     one_stop = time.perf_counter() + min(60.0, (stop_all - time.perf_counter()) / (len(arm_plans) + 1))
     engine = Engine(model, plans(cfg)["bf16"], slots=1, pages=math.ceil(args.max_len / 32), max_len=args.max_len)
     try:
-        engine.run_all({"warm": (args.peak_prompt, 4)}, one_stop)
+        engine.run_all({"warm": (64, 4)}, one_stop)
         one = peak_decode(engine, 1, args.max_len // 4, args.max_len - args.max_len // 4, args.peak_steps, one_stop)
     finally:
         engine.close()
@@ -499,7 +507,8 @@ def main(argv=None) -> dict:
     log(f"BF16 batch-1 step {1e3 * base:.1f} ms: TPOT bound {1e3 * tpot_slo:.1f} ms")
     write_json(args.out, result)
 
-    reqs = trace(args.requests, args.max_len, args.seed, args.smoke)
+    lo_out, hi_out = (int(x) for x in args.outputs.split(","))
+    reqs = trace(args.requests, args.max_len, args.seed, (lo_out, hi_out))
     mean_ctx = sum(p + n for _, p, n in reqs) / len(reqs)
     for k, (name, plan) in enumerate(arm_plans.items()):
         stop_at = time.perf_counter() + (stop_all - time.perf_counter()) / (len(arm_plans) - k)

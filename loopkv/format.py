@@ -21,6 +21,7 @@ WINDOW = 256  # most recent tokens kept exact (paper §2.3)
 PAGE = 32  # tokens per history page; K is quantized per channel over a page's tokens
 GROUP = 32  # channels per V quantization group (per token)
 RING = WINDOW + PAGE  # window ring slots: the window plus the page being filled
+ROW_ALIGN = 16  # bytes: each cell's slice of a stacked buffer starts at a multiple of this (aligned_bytes)
 # A page is *read* as history from length SINK + WINDOW + PAGE * (p + 1) on (320 for page 0), but it is *written*
 # to the pool one token earlier (319 for page 0), when its tokens are complete and still intact in the ring: the
 # loops of one decode step run in order, so a ``share`` cell of an earlier loop reaches length 320 and reads page 0
@@ -72,6 +73,12 @@ def row_capacity(pages_per_row: int, sink_slots: int, ring_slots: int) -> int:
     """The most tokens a row holds, from its allocated shapes: ``capacity(pages_per_row)`` with the whole ring; a short
     row (fewer than ``RING`` ring slots, no pages: ``exact_slots``) holds its slots."""
     return capacity(pages_per_row) if ring_slots == RING else sink_slots + ring_slots
+
+
+def aligned_bytes(nbytes: int) -> int:
+    """Bytes a cell's slice of ``nbytes`` takes in a stacked buffer (``loopkv/cache/storage.py``): rounded up to
+    ``ROW_ALIGN``, so that every slice starts 16-byte aligned, as Triton's launcher specializes pointers on that."""
+    return -(-nbytes // ROW_ALIGN) * ROW_ALIGN
 
 
 def ring_slot(position):

@@ -14,7 +14,7 @@ from __future__ import annotations
 import heapq
 import math
 
-from loopkv.format import BITS, RING, SINK, exact_slots, page_bytes
+from loopkv.format import BITS, page_bytes
 
 
 class PoolFull(ValueError):
@@ -68,14 +68,17 @@ class PagePool:
 
 
 def pool_pages_for(plan, config, *, budget_bytes: int, max_batch_size: int, dtype_bytes: int = 2) -> int:
-    """The ``pool_pages`` that fit a cache of ``plan`` for ``config``'s shape in ``budget_bytes``: the rows' exact
-    parts (every cell's sink and window ring, every sliding layer's window; ``max_batch_size`` rows) come first, the
-    rest buys pages, each a page in every own pool (the planned cells' and the fixed exact slots' BF16 pools). Raises
-    ValueError when the budget does not cover the exact parts and one page."""
+    """The ``pool_pages`` that fit a cache of ``plan`` for ``config``'s shape in ``budget_bytes``: the exact parts of
+    ``max_batch_size`` rows (``loopkv.planning.bytes.exact_bytes``: every cache index's sink, window ring and lengths,
+    padding included; every sliding layer's window) come first, the rest buys pages, each a page in every own pool
+    (the planned cells' and the fixed exact slots' BF16 pools), one of them the trash page. The page tables (int32 per
+    row and page of each own pool) are not counted. Raises ValueError when the budget does not cover the exact parts
+    and one page."""
     from loopkv.cache.checks import model_layout, model_shape
+    from loopkv.planning.bytes import exact_bytes
 
     _, _, kv_heads, head_dim = model_shape(config)
-    exact = max_batch_size * exact_bytes_per_row(config, dtype_bytes=dtype_bytes)
+    exact = exact_bytes(config, rows=max_batch_size, dtype_bytes=dtype_bytes).total
     own = [o for o in plan.options if o != "share"] + ["bf16"] * len(model_layout(config).fixed("exact"))
     per_page = sum(page_bytes(BITS[o], kv_heads, head_dim, exact_bytes=dtype_bytes) for o in own)
     pages = math.floor((budget_bytes - exact - per_page) / per_page) if per_page else 0  # one page is the trash page
@@ -85,20 +88,3 @@ def pool_pages_for(plan, config, *, budget_bytes: int, max_batch_size: int, dtyp
             f"({exact / 2**30:.3f} GiB) and one page ({per_page / 2**20:.3f} MiB): raise the budget or lower "
             "max_batch_size")
     return pages
-
-
-def exact_bytes_per_row(config, *, max_cache_len: int | None = None, dtype_bytes: int = 2) -> int:
-    """Bytes of one row's exact parts, K and V, over every cache index: what a request slot costs whatever its
-    length. A cell (planned or a fixed exact slot) keeps the sink and ring slots of ``loopkv.format.exact_slots``
-    (``max_cache_len=None``: a cache long enough to store pages, ``SINK + RING``); a sliding layer's window keeps
-    ``min(sliding_window, max_cache_len)`` (``loopkv/cache/window.py``). Cells of loops that read another loop's
-    cache without an index of their own (Dory's ``last_loop``) hold nothing."""
-    from loopkv.cache.checks import model_layout, model_shape
-
-    layout = model_layout(config)
-    _, _, kv_heads, head_dim = model_shape(config)
-    per_slot = 2 * kv_heads * head_dim * dtype_bytes  # K and V of one token
-    cell = sum(exact_slots(max_cache_len)) if max_cache_len is not None else SINK + RING
-    windows = layout.fixed("window")
-    window = 0 if not windows else min(layout.sliding_window, max_cache_len or layout.sliding_window)
-    return per_slot * (cell * (layout.num_indices - len(windows)) + window * len(windows))

@@ -13,7 +13,16 @@ from dataclasses import dataclass, fields
 import torch
 from torch import Tensor
 
-from loopkv.format import BITS, POOL_FIELDS, exact_slots, max_pages, pool_field_kind, pool_field_shapes, row_capacity
+from loopkv.format import (
+    BITS,
+    POOL_FIELDS,
+    aligned_bytes,
+    exact_slots,
+    max_pages,
+    pool_field_kind,
+    pool_field_shapes,
+    row_capacity,
+)
 
 
 @dataclass(eq=False)
@@ -164,10 +173,9 @@ def rows2d(t: Tensor) -> Tensor:
 
 
 def _buffer(n: int, shape: tuple[int, ...], dtype: torch.dtype, device) -> Tensor:
-    """[n, *shape] of zeros whose rows start at multiples of 16 bytes (each row padded)."""
-    numel = math.prod(shape)
-    per16 = max(1, 16 // torch.empty(0, dtype=dtype).element_size())
-    flat = torch.zeros(n, -(-numel // per16) * per16, dtype=dtype, device=device)
+    """[n, *shape] of zeros whose rows start at multiples of 16 bytes (each row padded: ``aligned_bytes``)."""
+    numel, size = math.prod(shape), torch.empty(0, dtype=dtype).element_size()
+    flat = torch.zeros(n, aligned_bytes(numel * size) // size, dtype=dtype, device=device)
     return flat[:, :numel].unflatten(1, shape)
 
 

@@ -12,8 +12,10 @@ from typing import Any
 
 from loopkv.planning.bytes import (
     BytesPerToken,
+    ExactBytes,
     ModelShape,
     as_shape,
+    exact_bytes,
     exact_bytes_per_request,
     lo_plane_kib,
     option_kib,
@@ -36,10 +38,12 @@ _LAZY = {
 __all__ = [
     "OPTIONS",
     "BytesPerToken",
+    "ExactBytes",
     "ModelShape",
     "Plan",
     "PlanEnvironmentWarning",
     "as_shape",
+    "exact_bytes",
     "exact_bytes_per_request",
     "lo_plane_kib",
     "option_kib",

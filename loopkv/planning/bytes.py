@@ -14,14 +14,19 @@ V lo plane (2 bits per V element, ``kv_heads * head_dim * 2`` bits per token) fo
 reads ``hot_fraction`` of that plane. Ouro-1.4B (T=4, L=24, 16 KV heads x 128): 8 / 2.5 / 1.5 KiB per
 token and cell, a lo plane of 0.5 KiB, 768 KiB BF16 and 240 KiB uniform INT4 per token over 96 cells.
 
-The sink and the window (``SINK + WINDOW = 288`` tokens) are exact in every cell, shared cells included:
-a constant per request (216 MiB for Ouro-1.4B), reported by :func:`exact_bytes_per_request`.
+The sink and the window (``SINK + WINDOW = 288`` tokens, the paper's 216 MiB per request for Ouro-1.4B) are exact
+in every cell, shared cells included: a constant per request, not per token. What a cache allocates for them, the
+*exact parts* of its rows, is :func:`exact_bytes` (one request alone: :func:`exact_bytes_per_request`), the one home
+of that count: per cache index the ``SINK`` sink slots and the ``RING = WINDOW + PAGE`` ring slots (the window plus
+the page being filled: 240 MiB for Ouro-1.4B; a short cache, the slots its tokens can fill,
+``loopkv.format.exact_slots``) and an int32 length per row, each stacked cell's slice rounded up to 16 bytes
+(``loopkv.format.aligned_bytes``); a sliding layer's slot is its window alone (``min(sliding_window,
+max_cache_len)`` exact tokens per row, ``loopkv/cache/window.py``; no history, so no bytes per token here); a loop
+that reads another loop's cache without an index of its own (Dory's ``last_loop``) holds nothing.
 
 A model's fixed exact slots (:mod:`loopkv.families`: prelude/coda full-attention layers, never planned) are exact
 cells: they store and read ``E * dtype_bytes`` per token each, whatever the plan
-(:attr:`BytesPerToken.fixed_kib`, :func:`fixed_kib`), and keep a sink and window like every cell. A sliding layer's
-slot is its window alone (``min(sliding_window, max_cache_len)`` exact tokens per row, ``loopkv/cache/window.py``):
-no history, so no bytes per token here.
+(:attr:`BytesPerToken.fixed_kib`, :func:`fixed_kib`), and keep a sink and window like every cell.
 
 This module knows nothing of :class:`~loopkv.planning.plan.Plan`: it prices a sequence of options
 (:func:`per_token`), and ``Plan.bytes_per_token`` calls it.
@@ -34,7 +39,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from loopkv.format import BITS, PAGE, QUANTIZED, SINK, WINDOW, pool_field_shapes, stored_bits_per_element
+from loopkv.format import (
+    BITS,
+    PAGE,
+    QUANTIZED,
+    RING,
+    SINK,
+    aligned_bytes,
+    exact_slots,
+    pool_field_shapes,
+    stored_bits_per_element,
+)
 
 # Bits per K/V element of a cell's own codes, metadata included (int4 5, int2 3).
 CODE_BITS_PER_ELEMENT = {o: int(stored_bits_per_element(o)) for o in QUANTIZED}
@@ -42,6 +57,7 @@ CODE_BITS_PER_ELEMENT = {o: int(stored_bits_per_element(o)) for o in QUANTIZED}
 _D = 128  # any multiple of the codec's group gives the same bits per element
 LO_PLANE_BITS_PER_V_ELEMENT = 8 * math.prod(pool_field_shapes(BITS["int4"], 1, 1, _D)["v_lo"]) // (PAGE * _D)
 KIB = 1024
+LENGTH_BYTES = 4  # a row's token count in every cache index: int32 (loopkv/cache/storage.py, CellStorage.lengths)
 
 
 @dataclass(frozen=True)
@@ -185,12 +201,74 @@ def unit_kib(config: Any, *, dtype_bytes: int = 2) -> float:
     return math.gcd(*costs) / 8 / KIB
 
 
-def exact_bytes_per_request(config: Any, *, dtype_bytes: int = 2) -> int:
-    """Bytes of the exact sink and window of one request, over all cells (shared cells keep their own) and
-    fixed slots: ``(SINK + WINDOW) * (T * L + fixed) * E * dtype_bytes``. Ouro-1.4B in BF16: 216 MiB."""
+@dataclass(frozen=True)
+class ExactBytes:
+    """Bytes the exact parts of a cache's rows allocate (:func:`exact_bytes`).
+
+    kv: K and V of every sink and ring slot of every cache index (a sliding layer's: its window ring).
+    lengths: the int32 token count of every row and cache index.
+    padding: what the stacked buffers add to round each cell's slice of a field (all rows) up to 16 bytes
+        (``loopkv.format.aligned_bytes``); the sliding layers' windows are not stacked and have none.
+    """
+
+    kv: int
+    lengths: int
+    padding: int
+
+    @property
+    def total(self) -> int:
+        return self.kv + self.lengths + self.padding
+
+
+def exact_bytes(config: Any, *, rows: int = 1, max_cache_len: int | None = None, dtype_bytes: int = 2,
+                layout: Any = None) -> ExactBytes:
+    """What the exact parts of ``rows`` request rows of a :class:`~loopkv.LoopKVCache` allocate: the bytes
+    ``LoopKVCache.memory_report().exact`` measures from the cache's tensors, whatever its plan.
+
+    Per cache index of the family's layout (``layout``, default :func:`loopkv.families.layout_of` of ``config``; a
+    :class:`ModelShape` without one: ``T * L`` planned cells and ``fixed`` exact slots, no sliding layers): a planned
+    cell (``share`` included) or fixed exact slot keeps K and V of the sink and ring slots of
+    ``loopkv.format.exact_slots(max_cache_len)`` (``None``: a cache long enough to store pages, ``SINK + RING``) and
+    an int32 length per row, each field's slice padded to 16 bytes in the stacked buffers; a sliding layer's slot keeps
+    ``min(sliding_window, max_cache_len)`` ring slots and the lengths, unpadded; a loop reading another loop's cache
+    (Dory's ``last_loop``) has no index and holds nothing. ``rows``: the cache's ``max_batch_size`` (the padding is
+    per cell, so a row's share of it shrinks as rows are added). ``dtype_bytes``: the cache's exact dtype (2 for
+    BF16). Ouro-1.4B, one BF16 row: 240 MiB of K/V (96 cells x 320 slots x 8 KiB), 384 bytes of lengths, 1,152 of
+    padding.
+    """
     _check_dtype_bytes(dtype_bytes)
+    for name, value in (("rows", rows), ("max_cache_len", max_cache_len)):
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
     shape = as_shape(config)
-    return (SINK + WINDOW) * (shape.num_cells + shape.fixed) * shape.elements * dtype_bytes
+    if layout is None and not isinstance(config, ModelShape):
+        from loopkv.families import layout_of
+
+        layout = layout_of(config)
+    if layout is None:
+        stacked, windows, window_slots = shape.num_cells + shape.fixed, 0, 0
+    else:
+        windows = len(layout.fixed("window"))
+        stacked = layout.num_indices - windows
+        window_slots = min(layout.sliding_window, max_cache_len or layout.sliding_window) if windows else 0
+    sink, ring = (SINK, RING) if max_cache_len is None else exact_slots(max_cache_len)
+
+    def plane(slots: int) -> int:  # K or V of ``slots`` slots, every row
+        return rows * shape.kv_heads * slots * shape.head_dim * dtype_bytes
+
+    fields = (plane(sink), plane(sink), plane(ring), plane(ring), rows * LENGTH_BYTES)  # one stacked cell's
+    return ExactBytes(
+        kv=stacked * sum(fields[:4]) + windows * 2 * plane(window_slots),
+        lengths=(stacked + windows) * rows * LENGTH_BYTES,
+        padding=stacked * sum(aligned_bytes(f) - f for f in fields),
+    )
+
+
+def exact_bytes_per_request(config: Any, *, max_cache_len: int | None = None, dtype_bytes: int = 2) -> int:
+    """Bytes the exact parts of one request take in a cache of one row (:func:`exact_bytes` of ``rows=1``, padding
+    included; in a cache of ``B`` rows each takes ``exact_bytes(config, rows=B).total / B``, at most this).
+    Ouro-1.4B in BF16: 240 MiB + 1,536 bytes."""
+    return exact_bytes(config, max_cache_len=max_cache_len, dtype_bytes=dtype_bytes).total
 
 
 def fixed_kib(config: Any, *, dtype_bytes: int = 2) -> float:

@@ -10,8 +10,9 @@ import pytest
 import torch
 
 import loopkv
-from loopkv.cache.paging import PagePool, PoolFull, exact_bytes_per_row, pool_pages_for
+from loopkv.cache.paging import PagePool, PoolFull, pool_pages_for
 from loopkv.format import page_bytes, stored_pages
+from loopkv.planning.bytes import exact_bytes
 from tests.cache.driver import tiny_ouro
 from tests.tolerances import LOGITS_FP32_ATOL, LOGITS_FP32_RTOL
 
@@ -106,26 +107,30 @@ def test_the_allocator_against_brute_force_bookkeeping():
 
 
 def test_a_budget_buys_the_pages_it_can_hold(model):
+    """Everything the cache allocates but its page tables (its exact parts with their lengths and padding, the pools
+    with the trash page) fits the budget, and one more page would not."""
     budget = 3 * 2**20
     pages = pool_pages_for(PLAN, model.config, budget_bytes=budget, max_batch_size=2, dtype_bytes=4)
     cache = _cache(model, pool_pages=pages)
     report = cache.memory_report()
-    indexing = report.by_component["page_table"] + report.by_component["lengths"]
     per_page = 2 * page_bytes(4, 2, 32, exact_bytes=4)  # two int4 pools (the final loop; loop 0 shares)
-    assert budget - per_page < report.total_bytes - indexing <= budget
+    assert budget - per_page < report.total_bytes - report.by_component["page_table"] <= budget
     with pytest.raises(ValueError, match="does not cover"):
         pool_pages_for(PLAN, model.config, budget_bytes=2**16, max_batch_size=2, dtype_bytes=4)
 
 
 @pytest.mark.parametrize("length", [1, 31, 32, 33, 100, 318, 319, 700])
-def test_exact_bytes_per_row_are_what_a_cache_allocates(model, length):
+def test_exact_bytes_are_what_a_cache_allocates(model, length):
     """A short cache (at most 318 tokens: no page) allocates the sink and ring slots its tokens can fill, a longer one
-    32 + 288: the formula agrees with the sink and ring tensors of every cell, share cells included."""
+    32 + 288: the byte model agrees with the sink and ring tensors of every cell, share cells included, and with
+    their int32 lengths (2 rows: 8 bytes, each cell's padded to 16)."""
     cache = _cache(model, rows=2, length=length)
-    held = sum(getattr(cache.storage(i), name).nbytes for i in range(len(cache.layers))
-               for name in ("sink_k", "sink_v", "win_k", "win_v"))
-    assert held == 2 * exact_bytes_per_row(model.config, max_cache_len=length, dtype_bytes=4)
-    assert held == 2 * 4 * 2 * 2 * 32 * 4 * (length if length <= 318 else 32 + 288)  # 4 cells, K+V, 2 heads x 32
+    kv = sum(getattr(cache.storage(i), name).nbytes for i in range(len(cache.layers))
+             for name in ("sink_k", "sink_v", "win_k", "win_v"))
+    assert kv == 4 * 2 * 2 * 2 * 32 * 4 * (length if length <= 318 else 32 + 288)  # 4 cells, K+V, 2 rows, 2 heads x 32
+    model_bytes = exact_bytes(model.config, rows=2, max_cache_len=length, dtype_bytes=4)
+    assert (model_bytes.kv, model_bytes.lengths, model_bytes.padding) == (kv, 4 * 2 * 4, 4 * 8)
+    assert cache.memory_report().exact == model_bytes
 
 
 def test_what_a_shared_pool_cannot_do_is_refused(model, monkeypatch):

@@ -16,11 +16,12 @@ import pytest
 import torch
 
 import loopkv
-from loopkv.cache.paging import exact_bytes_per_row, pool_pages_for
+from loopkv.cache.paging import pool_pages_for
 from loopkv.families import DORY_MIN_TRANSFORMERS, layout_of
 from loopkv.format import page_bytes
 from loopkv.models.ouro import OuroConfig
 from loopkv.ops import codec
+from loopkv.planning.bytes import exact_bytes
 from tests.cache.driver import CodecHistoryCache
 from tests.cache.test_short_cache import allocated_bytes
 from tests.tolerances import LOGITS_FP32_ATOL, LOGITS_FP32_RTOL
@@ -194,7 +195,7 @@ def _bytes_by_hand(config, plan, max_cache_len: int, rows: int) -> int:
 @pytest.mark.parametrize("max_cache_len", [9, 40, 400])
 def test_memory_report_is_what_is_allocated(mode, max_cache_len):
     """Bytes held by the cache's tensors == memory_report() == the count by hand (windows of min(16, n) positions,
-    no pages for them), and the exact parts per row == paging.exact_bytes_per_row."""
+    no pages for them), and the exact parts == the byte model's exact_bytes."""
     config = tiny_config(mode)
     plan = loopkv.Plan.from_config(config, option="int4", shared_loops=[0, 1] if mode == "last_loop" else None)
     rows = 4  # int32 lengths of 16 bytes: a stacked buffer pads each cell's slice to 16 bytes
@@ -202,7 +203,7 @@ def test_memory_report_is_what_is_allocated(mode, max_cache_len):
                                dtype=torch.float32, device="cpu")
     report = cache.memory_report()
     assert allocated_bytes(cache) == report.total_bytes == _bytes_by_hand(config, plan, max_cache_len, rows)
-    assert report.exact_bytes_per_row == exact_bytes_per_row(config, max_cache_len=max_cache_len, dtype_bytes=4)
+    assert report.exact == exact_bytes(config, rows=rows, max_cache_len=max_cache_len, dtype_bytes=4)
 
 
 def test_a_budget_buys_pages_of_the_planned_cells_and_the_fixed_exact_slots():

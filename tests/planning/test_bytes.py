@@ -1,4 +1,5 @@
-"""The byte model against the paper's figures (Table 8, Table 12, Appendix C) and the codec's storage."""
+"""The byte model against the paper's figures (Table 8, Table 12, Appendix C), the codec's storage, and the bytes a
+LoopKVCache allocates for its rows' exact parts (Ouro, Dory in both cache modes, Huginn)."""
 
 import math
 from types import SimpleNamespace
@@ -8,16 +9,21 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from loopkv.format import BITS, PAGE, page_bytes
+import loopkv
+from loopkv.format import BITS, PAGE, RING, SINK, page_bytes
 from loopkv.ops import codec
 from loopkv.planning import (
+    ExactBytes,
     ModelShape,
     Plan,
+    exact_bytes,
     exact_bytes_per_request,
     lo_plane_kib,
     option_kib,
     unit_kib,
 )
+from loopkv.planning.bytes import KIB
+from tests.cache.driver import tiny_config
 
 OURO_1_4B = ModelShape(loops=4, layers=24, kv_heads=16, head_dim=128)
 T, L = 4, 24
@@ -98,10 +104,112 @@ def test_hot_fraction_errors():
         Plan.uniform(loops=T, layers=L, tau=14).bytes_per_token(OURO_1_4B, hot_fraction=1.5)
 
 
-def test_sink_window_constant_is_216_mib():
-    assert exact_bytes_per_request(OURO_1_4B) == 216 * 2**20
-    assert exact_bytes_per_request(ouro_config()) == 216 * 2**20
-    assert exact_bytes_per_request(OURO_1_4B, dtype_bytes=4) == 432 * 2**20
+def test_exact_parts_of_ouro_1p4b():
+    """One BF16 request of Ouro-1.4B: 96 cells of 32 sink + 288 ring slots at 8 KiB per token and cell = 240 MiB of
+    K/V. The paper's 216 MiB (§2.3, Appendix C) counts the sink and window tokens (32 + 256); the ring allocates one
+    page more, the page being filled before it is quantized. Padding: each cell's 4-byte length alone is rounded up
+    to 16 bytes (12 bytes x 96 cells); from 4 rows on (a multiple of 4) there is none."""
+    token = T * L * option_kib("bf16", OURO_1_4B) * KIB  # K and V of one token in every cell
+    one = exact_bytes(OURO_1_4B)
+    assert one.kv == (SINK + RING) * token == 240 * 2**20
+    assert one.kv - PAGE * token == 216 * 2**20  # the paper's sink and window
+    assert (one.lengths, one.padding) == (96 * 4, 96 * 12)
+    assert exact_bytes_per_request(OURO_1_4B) == one.total == 240 * 2**20 + 1536
+    assert exact_bytes(OURO_1_4B, rows=4) == ExactBytes(kv=4 * one.kv, lengths=4 * one.lengths, padding=0)
+    assert exact_bytes(OURO_1_4B, dtype_bytes=4).kv == 480 * 2**20
+    assert exact_bytes(ouro_config(), rows=3) == exact_bytes(OURO_1_4B, rows=3)  # a config: the same layout
+    # a short cache (no page is ever stored) holds the slots its tokens can fill: 100 per cell
+    assert exact_bytes(OURO_1_4B, max_cache_len=100).kv == 100 * token
+
+
+def test_exact_bytes_refuse_bad_arguments():
+    for bad in (0, -1, 2.0, True):
+        with pytest.raises(ValueError, match="rows must be a positive int"):
+            exact_bytes(OURO_1_4B, rows=bad)
+        with pytest.raises(ValueError, match="max_cache_len must be a positive int"):
+            exact_bytes(OURO_1_4B, max_cache_len=bad)
+    with pytest.raises(ValueError, match="dtype_bytes must be a positive int"):
+        exact_bytes(OURO_1_4B, dtype_bytes=0)
+
+
+# ---- the exact parts against a LoopKVCache's tensors: tiny configs of each family, no model
+
+
+def _ouro(odd: bool = False):
+    """The tests' tiny Ouro config; ``odd``: 1 KV head of 4 channels, so that short caches' sink and ring slices do
+    not fill whole 16-byte rows in BF16 either."""
+    config = tiny_config(heads=4, kv_heads=1, head_dim=4) if odd else tiny_config()
+    return config, Plan.from_loops(loops=2, layers=2, per_loop=["bf16", "bf16"] if odd else ["share", "int4"])
+
+
+def _dory(mode: str):
+    """A tiny transformers Dory (7 layers: 2 input, 3 recurrent run 3 times, 2 output; sliding layers among each,
+    window 16), in ``mode``; skipped below transformers 5.24."""
+    transformers = pytest.importorskip("transformers")
+    if not hasattr(transformers, "DoryConfig"):
+        pytest.skip("needs transformers >= 5.24 (Dory)")
+    types = ["full_attention", "sliding_attention"] * 3 + ["full_attention"]
+    config = transformers.DoryConfig(
+        num_hidden_layers=7, n_input_layers=2, n_output_layers=2, n_recurrent_loops=3, hidden_size=64,
+        intermediate_size=96, num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=61,
+        sliding_window=16, layer_types=types, recurrent_kv_cache_mode=mode)
+    shared = [0, 1] if mode == "last_loop" else None
+    return config, Plan.from_config(config, option="int4", shared_loops=shared)
+
+
+def _huginn():
+    """The tiny Huginn of tests/models/test_huginn.py (1 prelude, 2 core run 3 times, 1 coda layer)."""
+    from loopkv.models.huginn import HuginnConfig
+    from tests.models.test_huginn import released_config
+
+    config = HuginnConfig(**{k: v for k, v in released_config().items() if k not in ("architectures", "auto_map")})
+    return config, Plan.from_config(config, option="int4", shared_loops=[0])
+
+
+FAMILIES = {"ouro": _ouro, "ouro-odd": lambda: _ouro(odd=True), "dory-per_loop": lambda: _dory("per_loop"),
+            "dory-last_loop": lambda: _dory("last_loop"), "huginn": _huginn}
+
+
+def _held(cache) -> ExactBytes:
+    """The exact parts a cache holds, from its tensors: K/V and lengths from the sizes of every cache index's sink,
+    window and lengths tensors; the padding from the storages behind them (each stacked buffer once) less those."""
+    storages, kv, lengths = {}, 0, 0
+    for i in range(len(cache.layers)):
+        st = cache.storage(i)
+        for name in ("sink_k", "sink_v", "win_k", "win_v", "lengths"):
+            t = getattr(st, name)
+            size = t.numel() * t.element_size()
+            lengths, kv = (lengths + size, kv) if name == "lengths" else (lengths, kv + size)
+            storage = t.untyped_storage()
+            storages[storage.data_ptr() if storage.nbytes() else (i, name)] = storage.nbytes()
+    return ExactBytes(kv=kv, lengths=lengths, padding=sum(storages.values()) - kv - lengths)
+
+
+def _all_storages(cache) -> int:
+    storages = {}
+    for i in range(len(cache.layers)):
+        for t in vars(cache.storage(i)).values():
+            if isinstance(t, torch.Tensor):
+                storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(storages.values())
+
+
+@pytest.mark.parametrize("max_cache_len", [9, 40, 400])
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_exact_bytes_are_what_a_cache_allocates(family, max_cache_len):
+    """3 rows (int32 lengths of 12 bytes: every stacked cell's slice is padded), a cache that stores pages (400) and
+    short ones (40: a ring of 8; 9: inside the sink, shorter than Dory's window of 16): the byte model equals the
+    cache's tensors, and memory_report() reports every byte of storage, padding included."""
+    config, plan = FAMILIES[family]()
+    dtype = torch.bfloat16 if family == "ouro-odd" else torch.float32
+    cache = loopkv.LoopKVCache(plan, config=config, max_batch_size=3, max_cache_len=max_cache_len, dtype=dtype,
+                               device="cpu")
+    held = _held(cache)
+    assert held.padding > 0
+    assert exact_bytes(config, rows=3, max_cache_len=max_cache_len, dtype_bytes=dtype.itemsize) == held
+    report = cache.memory_report()
+    assert report.exact == report.model_exact == held
+    assert report.total_bytes == sum(report.by_cell) == sum(report.by_component.values()) == _all_storages(cache)
 
 
 def test_unit_is_half_a_kib():
