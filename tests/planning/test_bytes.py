@@ -108,7 +108,7 @@ def test_exact_parts_of_ouro_1p4b():
     """One BF16 request of Ouro-1.4B: 96 cells of 32 sink + 288 ring slots at 8 KiB per token and cell = 240 MiB of
     K/V. The paper's 216 MiB (§2.3, Appendix C) counts the sink and window tokens (32 + 256); the ring allocates one
     page more, the page being filled before it is quantized. Padding: each cell's 4-byte length alone is rounded up
-    to 16 bytes (12 bytes x 96 cells); from 4 rows on (a multiple of 4) there is none."""
+    to 16 bytes (12 bytes x 96 cells); at 4 rows (the lengths fill 16 bytes) there is none."""
     token = T * L * option_kib("bf16", OURO_1_4B) * KIB  # K and V of one token in every cell
     one = exact_bytes(OURO_1_4B)
     assert one.kv == (SINK + RING) * token == 240 * 2**20
