@@ -149,3 +149,18 @@ def test_counts_the_cache_cannot_serve_are_refused(model):
     with pytest.raises(ValueError, match="models of the ouro family run all 4 loops"):
         loopkv.LoopKVCache(loopkv.Plan.from_config(ouro, option="int4"), config=ouro, max_batch_size=1,
                            max_cache_len=40, dtype=torch.float32, device="cpu", loops=2)
+
+
+def test_a_later_turn_reads_the_last_step_run(model):
+    """A later turn in one forward on a cache for r = 2 (share cells encode the pages they read from step 1's ring,
+    across page 0) equals decoding the turn token by token, which the tests above check against the dense cache."""
+    plan, steps = _plan(model), 2
+    first, turn = _prompt(seed=12)[:, :300], _prompt(seed=13)[:, :40]
+    one_pass, stepped = (_cache(model, plan, 340, loops=steps) for _ in range(2))
+    with torch.no_grad():
+        model(first, past_key_values=one_pass, num_steps=steps, init_scale=0.0)
+        got = model(turn, past_key_values=one_pass, num_steps=steps, init_scale=0.0).logits
+        model(first, past_key_values=stepped, num_steps=steps, init_scale=0.0)
+        want = torch.cat([model(turn[:, i:i + 1], past_key_values=stepped, num_steps=steps, init_scale=0.0).logits
+                          for i in range(turn.shape[1])], 1)
+    torch.testing.assert_close(got, want, atol=LOGITS_FP32_ATOL, rtol=LOGITS_FP32_RTOL)
