@@ -37,7 +37,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from loopkv.format import (
     BITS,
@@ -51,11 +51,15 @@ from loopkv.format import (
     stored_bits_per_element,
 )
 
+if TYPE_CHECKING:
+    from loopkv.families import ModelLayout
+
 # Bits per K/V element of a cell's own codes, metadata included (int4 5, int2 3).
 CODE_BITS_PER_ELEMENT = {o: int(stored_bits_per_element(o)) for o in QUANTIZED}
 # Bits per V element of the INT4 lo plane (2), the part V precision skips for a cold token.
 _D = 128  # any multiple of the codec's group gives the same bits per element
 LO_PLANE_BITS_PER_V_ELEMENT = 8 * math.prod(pool_field_shapes(BITS["int4"], 1, 1, _D)["v_lo"]) // (PAGE * _D)
+
 KIB = 1024
 LENGTH_BYTES = 4  # a row's token count in every cache index: int32 (loopkv/cache/storage.py, CellStorage.lengths)
 
@@ -221,7 +225,7 @@ class ExactBytes:
 
 
 def exact_bytes(config: Any, *, rows: int = 1, max_cache_len: int | None = None, dtype_bytes: int = 2,
-                layout: Any = None) -> ExactBytes:
+                layout: ModelLayout | None = None) -> ExactBytes:
     """What the exact parts of ``rows`` request rows of a :class:`~loopkv.LoopKVCache` allocate: the bytes
     ``LoopKVCache.memory_report().exact`` measures from the cache's tensors, whatever its plan.
 
