@@ -5,11 +5,10 @@ the served model) and :mod:`loopkv.vllm.layout` (per cell: its vLLM layer, optio
 layer whose blocks a ``share`` cell reads) are pure and testable without vLLM. :mod:`loopkv.vllm.plugin` is the
 ``vllm.general_plugins`` entry point; :mod:`loopkv.vllm.model` (imported by vLLM only) is the served Ouro.
 :mod:`loopkv.vllm.cells` (pure: a quantized cell's step plan, write and read inside vLLM's batches) and
-:mod:`loopkv.vllm.backend` (vLLM's classes around it, imported by vLLM only) serve ``int4`` cells.
+:mod:`loopkv.vllm.backend` (vLLM's classes around it, imported by vLLM only) serve loopkv's cells.
 
-What is served: plans whose cells are all ``bf16`` (vLLM's own attention backend and KV cache) or all ``int4``
-(loopkv's pages in vLLM's blocks). Other plans are refused at start-up, naming their options (docs/vllm.md,
-"Still to build").
+What is served: an all-``bf16`` plan by vLLM's own attention backend and KV cache; any other plan (``bf16``,
+``int4``, ``int2`` and ``share`` cells) by loopkv's backend, every cell's pages in one vLLM KV tensor.
 """
 
 from loopkv.vllm.layout import CellKV, block_bytes, exact_bytes_per_request, kv_layout, layer_name, parse_layer_name

@@ -1,13 +1,16 @@
-"""loopkv's quantized cells as a vLLM 0.26 attention backend (imported only where vLLM is; docs/vllm.md).
+"""loopkv's cells as a vLLM 0.26 attention backend (imported only where vLLM is; docs/vllm.md).
 
-One cell is one :class:`LoopKVAttention`, vLLM's ``Attention`` with
+Every cell of a plan that is not all-bf16 is one :class:`LoopKVAttention`, vLLM's ``Attention`` with
 
-* its KV spec :class:`LoopKVPageSpec`: a ``FullAttentionSpec`` whose page is loopkv's page of 32 tokens
-  (``loopkv.format.page_bytes``; ``--block-size 32``), so vLLM's pool counts the real bytes;
-* its backend :class:`LoopKVBackend` (``Attention(..., attn_backend=...)``, so ``bf16`` cells keep vLLM's own):
-  the KV tensor is ``[num_blocks, page_bytes]`` bytes (``loopkv.vllm.cells.pool_views``), the metadata builder
-  plans each step once on the host (``loopkv.vllm.cells.plan_step``: slots, decode rows, pages to quantize) and the
-  impl writes and reads the cell (``loopkv.vllm.cells.forward_cell``; loopkv's Triton kernels on CUDA);
+* one KV tensor for the whole plan: the layer vLLM builds first (``loopkv.vllm.layout.HOLDER``) declares
+  :class:`LoopKVPageSpec`, a ``FullAttentionSpec`` whose page is the plan's block (every storing cell's page of 32
+  tokens, ``loopkv.vllm.layout.block_bytes``; ``--block-size 32``), so vLLM's pool counts the real bytes; every other
+  cell names it as its ``kv_sharing_target_layer_name``, so vLLM gives it no spec and binds the same tensor. vLLM then
+  sees one spec (one group, one block table) and one backend (one metadata builder, one step plan for all cells);
+  each cell reads its pool as a region of the tensor (``loopkv.vllm.layout.PoolRef``, a ``share`` cell its source's);
+* its backend :class:`LoopKVBackend` (``Attention(..., attn_backend=...)``): the metadata builder plans each step
+  once on the host (``loopkv.vllm.cells.plan_step``: slots, decode rows, pages to quantize) and the impl writes and
+  reads the cell (``loopkv.vllm.cells.forward_cell``; loopkv's Triton kernels on CUDA);
 * the exact sink and window of ``max_num_seqs`` requests, buffers allocated when the model is built (vLLM's memory
   profiler counts them before sizing the pool).
 
@@ -36,32 +39,32 @@ from vllm.v1.attention.backend import (
 )
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 
-from loopkv.format import PAGE, page_bytes
-from loopkv.vllm.cells import CellExact, SlotMap, Step, forward_cell, plan_step, pool_views
-
-BITS = 4  # what this backend stores: uniform INT4 (docs/vllm.md, "What is built")
+from loopkv.format import PAGE
+from loopkv.vllm.cells import CellExact, SlotMap, Step, cell_region, forward_cell, plan_step, pool_views
+from loopkv.vllm.layout import PoolRef
 
 
 @dataclass(frozen=True, kw_only=True)
 class LoopKVPageSpec(FullAttentionSpec):
-    """A cell's KV spec: full attention whose page is loopkv's ``loopkv_bits`` page of ``block_size`` (32) tokens.
+    """The plan's KV spec: full attention whose page is the plan's block, ``loopkv_block_bytes`` for ``block_size``
+    (32) tokens of every storing cell.
 
     ``merge`` keeps the page: ``FullAttentionSpec.merge`` rebuilds a spec from ``AttentionSpec``'s fields only, which
     would drop it (docs/vllm.md, "A trap in case 2")."""
 
-    loopkv_bits: int = BITS
+    loopkv_block_bytes: int = 0  # a default only for FullAttentionSpec.merge's cls(...); merge sets it
 
     @property
     def real_page_size_bytes(self) -> int:
-        return page_bytes(self.loopkv_bits, self.num_kv_heads, self.head_size)
+        return self.loopkv_block_bytes
 
     @classmethod
     def merge(cls, specs):
-        bits = {s.loopkv_bits for s in specs}
-        if len(bits) != 1 or not all(isinstance(s, LoopKVPageSpec) for s in specs):
-            raise ValueError(f"loopkv cells of different storage in one KV-cache group ({sorted(bits)}); the plugin "
-                             "serves one option for every cell")
-        return dataclasses.replace(super().merge(specs), loopkv_bits=bits.pop())
+        sizes = {getattr(s, "loopkv_block_bytes", None) for s in specs}
+        if len(sizes) != 1 or not all(isinstance(s, LoopKVPageSpec) for s in specs):
+            raise ValueError(f"loopkv specs of different blocks in one KV-cache group ({sorted(map(str, sizes))}): "
+                             "one plan declares one spec")
+        return dataclasses.replace(super().merge(specs), loopkv_block_bytes=sizes.pop())
 
 
 @dataclass
@@ -98,13 +101,15 @@ class LoopKVMetadataBuilder(AttentionMetadataBuilder[LoopKVMetadata]):
 
 
 class LoopKVImpl(AttentionImpl[LoopKVMetadata]):
-    """One cell's write and read (``loopkv.vllm.cells.forward_cell``) on its vLLM KV tensor and exact buffers."""
+    """One cell's write and read (``loopkv.vllm.cells.forward_cell``) on its pool in the plan's KV tensor and its exact
+    buffers (the layer's ``loopkv_pool``, ``loopkv_exact()``, ``loopkv_source_exact()``, ``loopkv_tau``)."""
 
     def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int | None = None,
                  alibi_slopes=None, sliding_window=None, kv_cache_dtype: str = "auto", logits_soft_cap=None,
                  attn_type: str = AttentionType.DECODER, kv_sharing_target_layer_name=None, **extra) -> None:
+        # kv_sharing_target_layer_name: every cell but the holder shares the holder's tensor (module docstring)
         unsupported = {"alibi_slopes": alibi_slopes, "sliding_window": sliding_window,
-                       "logits_soft_cap": logits_soft_cap, "kv_sharing_target_layer_name": kv_sharing_target_layer_name}
+                       "logits_soft_cap": logits_soft_cap}
         given = [k for k, v in unsupported.items() if v is not None]
         if given or attn_type != AttentionType.DECODER:
             raise ValueError(f"loopkv's vLLM backend serves causal decoder attention without {given or attn_type}")
@@ -113,10 +118,11 @@ class LoopKVImpl(AttentionImpl[LoopKVMetadata]):
         self.kv_cache_dtype = kv_cache_dtype
         self._views: tuple[int, tuple[torch.Tensor, ...]] | None = None
 
-    def pool(self, kv_cache: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-        """The cell's pool fields over vLLM's KV tensor (views made once per tensor)."""
+    def pool(self, kv_cache: torch.Tensor, ref: PoolRef, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        """The fields of the pool ``ref`` in the plan's KV tensor (views made once per tensor)."""
         if self._views is None or self._views[0] != kv_cache.data_ptr():
-            self._views = (kv_cache.data_ptr(), pool_views(kv_cache, BITS, self.num_kv_heads, self.head_size,
+            region = cell_region(kv_cache, ref.offset, ref.size)
+            self._views = (kv_cache.data_ptr(), pool_views(region, ref.bits, self.num_kv_heads, self.head_size,
                                                            dtype=dtype))
         return self._views[1]
 
@@ -128,15 +134,16 @@ class LoopKVImpl(AttentionImpl[LoopKVMetadata]):
             return output.fill_(0)
         n = attn_metadata.num_actual_tokens
         out = output.view(-1, self.num_heads, self.head_size)
-        forward_cell(layer.loopkv_exact(), self.pool(kv_cache, query.dtype), attn_metadata.step,
+        ref = layer.loopkv_pool
+        forward_cell(layer.loopkv_exact(), self.pool(kv_cache, ref, query.dtype), attn_metadata.step,
                      query[:n].view(n, self.num_heads, self.head_size), key[:n].view(n, self.num_kv_heads, -1),
-                     value[:n].view(n, self.num_kv_heads, -1), out[:n], bits=BITS, tau=layer.loopkv_tau,
-                     scale=self.scale, name=getattr(layer, "layer_name", "cell"))
+                     value[:n].view(n, self.num_kv_heads, -1), out[:n], bits=ref.bits, tau=layer.loopkv_tau,
+                     scale=self.scale, name=getattr(layer, "layer_name", "cell"), source=layer.loopkv_source_exact())
         return output
 
 
 class LoopKVBackend(AttentionBackend):
-    """The backend of a uniform-INT4 loopkv cell (per layer: ``Attention(..., attn_backend=LoopKVBackend)``)."""
+    """The backend of every loopkv cell (per layer: ``Attention(..., attn_backend=LoopKVBackend)``)."""
 
     accept_output_buffer: bool = True
     forward_includes_kv_cache_update: bool = True  # the write is part of the cell's read (cells.forward_cell)
@@ -164,7 +171,9 @@ class LoopKVBackend(AttentionBackend):
                            cache_dtype_str: str = "auto") -> tuple[int, ...]:
         if block_size != PAGE:
             raise ValueError(f"loopkv's cells need --block-size {PAGE} (one block is one page), got {block_size}")
-        return (num_blocks, page_bytes(BITS, num_kv_heads, head_size))
+        # the plan's block: its bytes are the spec's page (LoopKVPageSpec), which this static method is not given;
+        # vLLM views the raw tensor of num_blocks pages with this shape, so -1 takes the page from the tensor
+        return (num_blocks, -1)
 
     @classmethod
     def supports_attn_type(cls, attn_type: str) -> bool:
@@ -176,11 +185,18 @@ class LoopKVBackend(AttentionBackend):
 
 
 class LoopKVAttention(Attention):
-    """vLLM's ``Attention`` for one loopkv cell: loopkv's backend and spec, and the cell's exact buffers for
-    ``max_num_seqs`` requests (non-persistent buffers: no weights, no state dict)."""
+    """vLLM's ``Attention`` for one loopkv cell: loopkv's backend, the pool it reads (``loopkv_pool``), the plan's
+    spec (declared by the holder only; the others pass ``kv_sharing_target_layer_name``), and the cell's exact buffers
+    for ``max_num_seqs`` requests (non-persistent buffers: no weights, no state dict). A ``share`` cell is given its
+    source layer with :meth:`loopkv_link_source` once the model is built."""
 
-    def __init__(self, *args, loopkv_tau: float, **kwargs) -> None:
+    def __init__(self, *args, loopkv_tau: float, loopkv_pool: PoolRef, loopkv_shares: bool, loopkv_block_bytes: int,
+                 **kwargs) -> None:
         super().__init__(*args, attn_backend=LoopKVBackend, **kwargs)
+        self.loopkv_pool = loopkv_pool
+        self.loopkv_shares = bool(loopkv_shares)
+        self.loopkv_block_bytes = int(loopkv_block_bytes)
+        self._loopkv_source: list[LoopKVAttention] = []  # a list, so the source is not registered as a submodule
         config = get_current_vllm_config()
         slots = config.scheduler_config.max_num_seqs
         dtype = config.model_config.dtype
@@ -192,7 +208,23 @@ class LoopKVAttention(Attention):
     def loopkv_exact(self) -> CellExact:
         return CellExact(self.loopkv_sink_k, self.loopkv_sink_v, self.loopkv_win_k, self.loopkv_win_v)
 
+    def loopkv_link_source(self, source: LoopKVAttention) -> None:
+        """Make this ``share`` cell read ``source``'s exact slots (its pool it finds through ``loopkv_pool``)."""
+        if not self.loopkv_shares or source.loopkv_shares or source.loopkv_pool != self.loopkv_pool:
+            raise ValueError(f"{self.layer_name} cannot read {source.layer_name}'s pool: a share cell's source is "
+                             f"the cell that writes the pool it reads ({self.loopkv_pool.owner})")
+        self._loopkv_source[:] = [source]
+
+    def loopkv_source_exact(self) -> CellExact | None:
+        """A ``share`` cell's source's exact slots; ``None`` for a cell that stores its own pool."""
+        if not self.loopkv_shares:
+            return None
+        if not self._loopkv_source:
+            raise RuntimeError(f"{self.layer_name} is a share cell whose source layer was never linked "
+                               "(LoopKVOuroForCausalLM links them when it builds the model)")
+        return self._loopkv_source[0].loopkv_exact()
+
     def get_kv_cache_spec(self, vllm_config):
         return LoopKVPageSpec(block_size=vllm_config.cache_config.block_size, num_kv_heads=self.num_kv_heads,
                               head_size=self.head_size, head_size_v=self.head_size, dtype=torch.uint8,
-                              loopkv_bits=BITS)
+                              loopkv_block_bytes=self.loopkv_block_bytes)

@@ -24,7 +24,7 @@ from typing import Any
 from loopkv.cells import Cell
 from loopkv.format import BITS, page_bytes
 from loopkv.planning.bytes import as_shape
-from loopkv.planning.bytes import exact_bytes_per_request as _exact_bytes_per_request
+from loopkv.planning.bytes import exact_bytes as _exact_bytes
 from loopkv.planning.plan import Plan
 
 LAYER_NAME = "model.layers.{index}.self_attn.attn"  # vLLM Ouro's attention layer of flat cell index t * L + l
@@ -134,8 +134,9 @@ def pool_refs(layout: tuple[CellKV, ...]) -> dict[str, PoolRef]:
 
 def exact_bytes_per_request(plan: Plan, config: Any, *, tensor_parallel_size: int = 1, dtype_bytes: int = 2) -> int:
     """Bytes of one request's exact sink and window over all cells of a rank (every cell keeps its own, shared
-    cells included): the byte model's per-request constant, split over the ranks' heads."""
+    cells included): K and V of the byte model's sink and ring slots (:func:`loopkv.planning.bytes.exact_bytes`'s
+    ``kv``; the plugin's slots keep no lengths on the device and no padding), split over the ranks' heads."""
     plan.validate_for(config)
     shape = as_shape(config)
-    total = _exact_bytes_per_request(shape, dtype_bytes=dtype_bytes)
+    total = _exact_bytes(shape, dtype_bytes=dtype_bytes).kv
     return total * rank_kv_heads(shape.kv_heads, tensor_parallel_size) // shape.kv_heads

@@ -116,34 +116,17 @@ def validate_for_vllm(plan: Plan, hf_config: Any, *, tensor_parallel_size: int =
         raise ValueError("the loopkv plan cannot be served by vLLM: " + "; ".join(problems))
 
 
-SERVED_OPTIONS = ("bf16", "int4")  # plans of one of these in every cell (docs/vllm.md, "What is built")
-
-
-def check_servable(plan: Plan) -> None:
-    """Refuse, at start-up, a plan with cells this version of the plugin cannot serve inside vLLM.
-
-    Served: every cell ``bf16`` (vLLM's own attention and KV cache) or every cell ``int4`` (loopkv's backend, one KV
-    spec for all cells). Mixed plans and ``share`` cells are not built yet (docs/vllm.md, "Still to build").
-    """
-    options = sorted(set(plan.options))
-    if len(options) == 1 and options[0] in SERVED_OPTIONS:
-        return
-    counts = {}
-    for c in plan.layout:
-        counts[plan.option(c)] = counts.get(plan.option(c), 0) + 1
-    tally = ", ".join(f"{n} {o}" for o, n in sorted(counts.items()))
-    raise ValueError(
-        f"the loopkv plan's cells are {tally}; loopkv's vLLM plugin serves only plans with one option for every "
-        "cell, bf16 or int4, so far (docs/vllm.md, \"Still to build\"). Serve this plan with "
-        "loopkv's own engine (loopkv serve, loopkv.serving), or use a uniform plan "
-        "(Plan.from_config(config, option='int4')) in vLLM")
-
-
-def check_engine(plan: Plan, *, block_size: int | None, prefix_caching: bool, speculative: bool) -> None:
+def check_engine(plan: Plan, *, block_size: int | None, prefix_caching: bool, speculative: bool,
+                 chunked_prefill: bool = False, long_prefill_token_threshold: int = 0,
+                 kv_sharing_fast_prefill: bool = False) -> None:
     """Refuse, at start-up, vLLM engine settings a plan with loopkv-stored cells cannot run under (none for an
     all-bf16 plan): ``--block-size 32`` (one vLLM block is one loopkv page), prefix caching off (a cached block of a
-    quantized cell holds codes whose exact window is gone), no speculative decoding."""
-    from loopkv.format import PAGE
+    quantized cell holds codes whose exact window is gone), no speculative decoding, no ``kv_sharing_fast_prefill``
+    (loopkv's cells share one KV tensor through vLLM's KV sharing, docs/vllm.md). A plan with ``share`` cells also
+    needs every chunk of a prompt after its first to be at most ``WINDOW`` tokens (a share cell reads pages its source,
+    a later loop, writes in the same forward): chunked prefill off, or ``--long-prefill-token-threshold`` at most
+    ``WINDOW``."""
+    from loopkv.format import PAGE, WINDOW
 
     if set(plan.options) == {"bf16"}:
         return
@@ -156,6 +139,15 @@ def check_engine(plan: Plan, *, block_size: int | None, prefix_caching: bool, sp
                         "cached block of a quantized cell has lost the exact window its tokens were read with")
     if speculative:
         problems.append("speculative decoding is configured: loopkv's backend decodes one token per request and step")
+    if kv_sharing_fast_prefill:
+        problems.append("kv_sharing_fast_prefill is on: loopkv's cells share one KV tensor and each computes its "
+                        "prefill; leave it off")
+    if "share" in plan.options and chunked_prefill and not 0 < long_prefill_token_threshold <= WINDOW:
+        problems.append(
+            "chunked prefill is on: a share cell continues a prompt by at most "
+            f"{WINDOW} tokens per step; pass --no-enable-chunked-prefill (enable_chunked_prefill=False, with "
+            "--max-num-batched-tokens at least --max-model-len) or --long-prefill-token-threshold "
+            f"{WINDOW}")
     if problems:
         raise ValueError("loopkv's vLLM plugin cannot serve this plan with these engine settings: "
                          + "; ".join(problems))

@@ -9,8 +9,9 @@ from hypothesis import strategies as st
 from loopkv.cells import Cell
 from loopkv.format import PAGE, pool_field_shapes
 from loopkv.models.ouro import OuroConfig
-from loopkv.planning.bytes import KIB, exact_bytes_per_request, option_kib
+from loopkv.planning.bytes import KIB, option_kib
 from loopkv.planning.plan import Plan
+from loopkv.vllm.cells import CellExact
 from loopkv.vllm.layout import block_bytes, kv_layout, layer_name, parse_layer_name, rank_kv_heads
 from loopkv.vllm.layout import exact_bytes_per_request as rank_exact_bytes
 
@@ -75,14 +76,16 @@ def test_blocks_are_the_byte_models_bytes(case, tp):
         else:
             assert c.stores
             assert c.source == c.layer_name
-    assert rank_exact_bytes(plan, config, tensor_parallel_size=tp) * config.num_key_value_heads == (
-        exact_bytes_per_request(config) * heads)
+    # what the backend allocates per request: K and V of SINK + RING slots in every cell (loopkv.vllm.cells.CellExact)
+    assert rank_exact_bytes(plan, config, tensor_parallel_size=tp) == (
+        CellExact.nbytes(1, heads, config.head_dim) * plan.loops * plan.layers)
 
 
 def test_exact_parts_per_request_on_ouro_1p4b():
     plan = Plan.from_config(OURO_1P4B, option="int4")
-    assert rank_exact_bytes(plan, OURO_1P4B) == 216 * KIB * KIB  # the README's 216 MiB per request
-    assert rank_exact_bytes(plan, OURO_1P4B, tensor_parallel_size=2) == 108 * KIB * KIB
+    # 96 cells x (SINK 32 + RING 288) slots x 8 KiB (K and V, 16 heads x 128, BF16): 240 MiB per request
+    assert rank_exact_bytes(plan, OURO_1P4B) == 96 * 320 * 8 * KIB == 240 * KIB * KIB
+    assert rank_exact_bytes(plan, OURO_1P4B, tensor_parallel_size=2) == 120 * KIB * KIB
 
 
 def test_layer_names_round_trip():

@@ -6,10 +6,9 @@ import sys
 
 import pytest
 
-from loopkv.cells import Cell
 from loopkv.models.ouro import OuroConfig
 from loopkv.planning.plan import Plan
-from loopkv.vllm.settings import PLAN_ENV, PLAN_KEY, check_engine, check_servable, load_plan, validate_for_vllm
+from loopkv.vllm.settings import PLAN_ENV, PLAN_KEY, check_engine, load_plan, validate_for_vllm
 
 
 @pytest.fixture
@@ -111,29 +110,25 @@ def test_not_ouro(plan_file):
         validate_for_vllm(plan, llama_like)
 
 
-def test_servable_is_one_option_bf16_or_int4(config):
-    check_servable(Plan.from_config(config, option="bf16"))
-    check_servable(Plan.from_config(config, option="int4"))
-    mixed = Plan.from_config(config, option="bf16").__class__.from_grid(
-        [["bf16"] * 6, ["share"] + ["bf16"] * 5, ["bf16"] * 6, ["int2"] + ["bf16"] * 5], kv_heads=2, head_dim=64)
-    with pytest.raises(ValueError, match=r"cells are 22 bf16, 1 int2, 1 share; .*bf16 or int4"):
-        check_servable(mixed)
-    assert mixed.option(Cell(3, 0)) == "int2"
-    with pytest.raises(ValueError, match=r"cells are 24 int2;"):
-        check_servable(Plan.from_config(config, option="int2"))
-    with pytest.raises(ValueError, match=r"cells are 18 int4, 6 share;"):
-        check_servable(Plan.from_config(config, option="int4", shared_loops=[2]))
-
-
-def test_engine_settings_for_int4(config):
+def test_engine_settings_for_loopkv_cells(config):
     int4, bf16 = Plan.from_config(config, option="int4"), Plan.from_config(config, option="bf16")
-    check_engine(int4, block_size=32, prefix_caching=False, speculative=False)
-    check_engine(bf16, block_size=16, prefix_caching=True, speculative=True)  # vLLM's own cells: anything goes
+    shared = Plan.from_config(config, option="int4", shared_loops=[2])
+    check_engine(int4, block_size=32, prefix_caching=False, speculative=False, chunked_prefill=True)
+    check_engine(bf16, block_size=16, prefix_caching=True, speculative=True,  # vLLM's own cells: anything goes
+                 chunked_prefill=True, kv_sharing_fast_prefill=True)
     with pytest.raises(ValueError, match="--block-size is 16: pass --block-size 32.*--no-enable-prefix-caching.*"
-                                         "speculative"):
-        check_engine(int4, block_size=16, prefix_caching=True, speculative=True)
+                                         "speculative.*kv_sharing_fast_prefill"):
+        check_engine(int4, block_size=16, prefix_caching=True, speculative=True, kv_sharing_fast_prefill=True)
     with pytest.raises(ValueError, match="--block-size is None"):
         check_engine(int4, block_size=None, prefix_caching=False, speculative=False)
+    # share cells: a prompt's later chunks at most WINDOW (256) tokens
+    check_engine(shared, block_size=32, prefix_caching=False, speculative=False, chunked_prefill=False)
+    check_engine(shared, block_size=32, prefix_caching=False, speculative=False, chunked_prefill=True,
+                 long_prefill_token_threshold=256)
+    for threshold in (0, 257):
+        with pytest.raises(ValueError, match="chunked prefill is on.*--no-enable-chunked-prefill.*threshold 256"):
+            check_engine(shared, block_size=32, prefix_caching=False, speculative=False, chunked_prefill=True,
+                         long_prefill_token_threshold=threshold)
 
 
 def test_importing_the_plugin_package_imports_no_vllm():

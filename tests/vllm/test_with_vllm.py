@@ -88,43 +88,6 @@ def test_all_bf16_plan_is_one_group_sized_by_the_layout(vllm_kv):
     assert {t.size for t in config.kv_cache_tensors} == {layout[0].block_bytes * config.num_blocks}
 
 
-def test_per_cell_page_sizes_share_one_block_table(vllm_kv):
-    # the design's claim (docs/vllm.md): cells whose specs are full-attention specs of different page sizes (the
-    # plan's bytes per block) fall in one group, one block table, and vLLM divides its memory by the sum of the
-    # storing cells' block bytes. PageSpec stands for the quantized backend's spec, which is not built.
-    _, full_spec = vllm_kv
-
-    @dataclasses.dataclass(frozen=True, kw_only=True)
-    class PageSpec(full_spec):
-        bytes_per_block: int = 0
-
-        @property
-        def real_page_size_bytes(self) -> int:
-            return self.bytes_per_block
-
-        @classmethod
-        def merge(cls, specs):
-            # FullAttentionSpec.merge compares AttentionSpec's fields only and rebuilds the spec without this one:
-            # unmerged, cells of different options would count as one spec of the default size (docs/vllm.md)
-            assert len({s.bytes_per_block for s in specs}) == 1, "different block bytes"
-            return dataclasses.replace(super().merge(specs), bytes_per_block=specs[0].bytes_per_block)
-
-    plan = Plan.from_config(OURO_1P4B, option="int4", shared_loops=[2])
-    grid = [list(row) for row in plan.grid()]
-    grid[0][:4] = ["int2", "bf16", "int2", "bf16"]
-    plan = Plan.from_grid(grid, kv_heads=16, head_dim=128)
-    layout = kv_layout(plan, OURO_1P4B)
-    specs, groups, config, available = _pool(
-        vllm_kv, layout, lambda c: PageSpec(block_size=32, num_kv_heads=c.kv_heads, head_size=c.head_dim,
-                                            dtype=torch.uint8, bytes_per_block=c.block_bytes))
-    assert len(specs) == 72  # the 24 shared cells have no spec
-    assert len(groups) == 1
-    assert sorted(groups[0].layer_names) == sorted(specs)
-    assert config.num_blocks == available // block_bytes(layout)
-    sizes = {t.shared_by[0]: t.size for t in config.kv_cache_tensors}
-    assert sizes == {c.layer_name: c.block_bytes * config.num_blocks for c in layout if c.stores}
-
-
 def test_register_is_idempotent_and_serves_ouro_through_loopkv(vllm_kv, monkeypatch, tmp_path):
     from vllm import ModelRegistry
 
@@ -181,31 +144,44 @@ def backend(vllm_kv):
     return backend
 
 
-def test_int4_spec_is_one_group_sized_by_the_layout(vllm_kv, backend):
-    layout = kv_layout(Plan.from_config(OURO_1P4B, option="int4"), OURO_1P4B)
-    specs, groups, config, available = _pool(
-        vllm_kv, layout, lambda c: backend.LoopKVPageSpec(block_size=32, num_kv_heads=c.kv_heads,
-                                                          head_size=c.head_dim, dtype=torch.uint8))
-    assert layout[0].block_bytes == 80 * 1024  # Ouro-1.4B: 2.5 KiB per token and cell (docs/vllm.md)
+def _paper_like_plans():
+    # LoopKV-R's kind (int4, int2, bf16 cells) and LoopKV-M's (the third loop shared too) on Ouro-1.4B's shape
+    grid = [list(row) for row in Plan.from_config(OURO_1P4B, option="int4").grid()]
+    grid[0][:4], grid[3][:2] = ["int2", "bf16", "int2", "bf16"], ["bf16", "int2"]
+    shared = [row if t != 2 else ["share"] * 24 for t, row in enumerate(grid)]
+    return [Plan.from_grid(g, kv_heads=16, head_dim=128) for g in (grid, shared)]
+
+
+@pytest.mark.parametrize("plan", _paper_like_plans(), ids=["mixed", "mixed-shared"])
+def test_the_plan_spec_is_one_group_sized_by_the_layout(vllm_kv, backend, plan):
+    # the holder's one spec (every other cell shares its tensor): vLLM's grouping gives one group, one block table,
+    # and its pool divides the memory by the plan's bytes per block
+    layout = kv_layout(plan, OURO_1P4B)
+    spec = backend.LoopKVPageSpec(block_size=32, num_kv_heads=16, head_size=128, dtype=torch.uint8,
+                                  loopkv_block_bytes=block_bytes(layout))
+    kv_cache_utils, _ = vllm_kv
+    groups = kv_cache_utils.get_kv_cache_groups(_vllm_config(), {"model.layers.0.self_attn.attn": spec})
+    available = 40 * 1024**3 + 12345
+    config = kv_cache_utils.get_kv_cache_config_from_groups(_vllm_config(), groups, available)
     assert len(groups) == 1
-    assert sorted(groups[0].layer_names) == sorted(specs)
-    assert type(groups[0].kv_cache_spec) is backend.LoopKVPageSpec
-    assert groups[0].kv_cache_spec.page_size_bytes == layout[0].block_bytes
+    assert groups[0].kv_cache_spec.page_size_bytes == block_bytes(layout)
     assert config.num_blocks == available // block_bytes(layout)
-    assert {t.size for t in config.kv_cache_tensors} == {layout[0].block_bytes * config.num_blocks}
-    shape = backend.LoopKVBackend.get_kv_cache_shape(config.num_blocks, 32, 16, 128)
-    assert shape == (config.num_blocks, layout[0].block_bytes)
+    stored = {"bf16": 256, "int4": 80, "int2": 48, "share": 0}
+    assert block_bytes(layout) == sum(stored[plan.option(c)] for c in plan.layout) * 1024  # per block, by hand
+    assert [t.size for t in config.kv_cache_tensors] == [block_bytes(layout) * config.num_blocks]
+    assert backend.LoopKVBackend.get_kv_cache_shape(config.num_blocks, 32, 16, 128) == (config.num_blocks, -1)
     with pytest.raises(ValueError, match="--block-size 32"):
         backend.LoopKVBackend.get_kv_cache_shape(10, 16, 16, 128)
 
 
-def test_int4_spec_merge_keeps_its_page(backend):
-    spec = backend.LoopKVPageSpec(block_size=32, num_kv_heads=2, head_size=64, dtype=torch.uint8)
+def test_plan_spec_merge_keeps_its_page(backend):
+    spec = backend.LoopKVPageSpec(block_size=32, num_kv_heads=2, head_size=64, dtype=torch.uint8,
+                                  loopkv_block_bytes=12345)
     merged = backend.LoopKVPageSpec.merge([spec, spec])
     assert merged == spec
-    assert merged.page_size_bytes == spec.page_size_bytes
-    other = dataclasses.replace(spec, loopkv_bits=2)
-    with pytest.raises(ValueError, match="different storage"):
+    assert merged.page_size_bytes == 12345
+    other = dataclasses.replace(spec, loopkv_block_bytes=999)
+    with pytest.raises(ValueError, match="different blocks"):
         backend.LoopKVPageSpec.merge([spec, other])
 
 
@@ -218,17 +194,22 @@ def test_builder_and_impl_equal_loopkv_cache(backend):
 
     from loopkv.format import page_bytes
     from loopkv.vllm.cells import CellExact
+    from loopkv.vllm.layout import PoolRef
     from tests.vllm.test_cells import CONFIG, HQ, MAX_LEN, NUM_BLOCKS, SCALE, SLOTS, D, H, check_storage, run_scenario
 
     tau = 2.0
     plan = Plan.from_config(CONFIG, option="int4", tau=tau)
     vllm_config = SimpleNamespace(scheduler_config=SimpleNamespace(max_num_seqs=SLOTS),
                                   model_config=SimpleNamespace(max_model_len=MAX_LEN))
-    spec = backend.LoopKVPageSpec(block_size=32, num_kv_heads=H, head_size=D, dtype=torch.uint8)
+    size = page_bytes(4, H, D)
+    spec = backend.LoopKVPageSpec(block_size=32, num_kv_heads=H, head_size=D, dtype=torch.uint8,
+                                  loopkv_block_bytes=size)
     builder = backend.LoopKVMetadataBuilder(spec, ["model.layers.0.self_attn.attn"], vllm_config, torch.device("cpu"))
     impl = backend.LoopKVImpl(HQ, D, SCALE, num_kv_heads=H)
     cell = CellExact.allocate(SLOTS, H, D, dtype=torch.float32)
-    layer = SimpleNamespace(loopkv_exact=lambda: cell, loopkv_tau=tau)
+    ref = PoolRef(bits=4, offset=0, size=size, owner="model.layers.0.self_attn.attn")
+    layer = SimpleNamespace(loopkv_exact=lambda: cell, loopkv_tau=tau, loopkv_pool=ref,
+                            loopkv_source_exact=lambda: None)
     kv = torch.zeros(NUM_BLOCKS, page_bytes(4, H, D), dtype=torch.uint8)
     assert builder.page_table.shape == (SLOTS, math.ceil(MAX_LEN / 32) - 1)
 
@@ -241,10 +222,10 @@ def test_builder_and_impl_equal_loopkv_cache(backend):
             max_seq_len=max(seq_lens), block_table_tensor=table, slot_mapping=torch.zeros(qsl[-1], dtype=torch.long))
         meta = builder.build(0, common)
         # vLLM's layer passes q, k, v and the output as [T, heads, head_size] views
-        impl.forward(layer, q, k, v, kv, meta, out)
+        impl.forward(layer, q[0], k[0], v[0], kv, meta, out[0])
 
     engine, refs = run_scenario(plan, forward)
-    check_storage(engine, refs, builder.slot_map, cell, impl.pool(kv, torch.float32))
+    check_storage(engine, refs, builder.slot_map, cell, impl.pool(kv, ref, torch.float32))
     assert impl.forward(layer, None, None, None, kv, None, out := torch.ones(3)) is out
     assert not out.any()
 
@@ -254,10 +235,14 @@ def test_impl_refuses_what_it_does_not_serve(backend):
         backend.LoopKVImpl(4, 32, 0.1, num_kv_heads=2, sliding_window=128)
 
 
-def test_vllm_ouro_with_an_int4_plan_serves_loopkv_cells(backend, tmp_path):
-    # vLLM's own Ouro built by LoopKVOuroForCausalLM with a uniform-INT4 plan, run eagerly on CPU through vLLM's
-    # Attention layer (vLLM's native ops, dummy weights): every cell is loopkv's, and over a prompt and decode steps
-    # each cell's output equals LoopKVCache's for the same q/k/v, read in the model's order
+@pytest.mark.parametrize("grid", [[["int4", "int4"], ["int4", "int4"]], [["int2", "int4"], ["bf16", "int2"]],
+                                  [["share", "int2"], ["bf16", "int4"]]], ids=["int4", "mixed", "shared"])
+def test_vllm_ouro_with_a_plan_serves_loopkv_cells(backend, tmp_path, grid):
+    # vLLM's own Ouro built by LoopKVOuroForCausalLM with a plan (uniform INT4; int2, int4 and bf16 cells; a share
+    # cell at (0, 0), the layer whose tensor every cell shares), its KV specs, groups, pool, attention groups and
+    # tensors made by vLLM's own functions (the model runner V2's), run eagerly on CPU through vLLM's Attention layer
+    # (vLLM's native ops, dummy weights): every cell is loopkv's, and over a prompt and decode steps each cell's
+    # output equals LoopKVCache's for the same q/k/v, read in the model's order
     import json
     import math
 
@@ -275,13 +260,12 @@ def test_vllm_ouro_with_an_int4_plan_serves_loopkv_cells(backend, tmp_path):
     from vllm.forward_context import set_forward_context
     from vllm.model_executor.model_loader.weight_utils import initialize_dummy_weights
     from vllm.v1.attention.backend import CommonAttentionMetadata
-    from vllm.v1.worker.gpu.attn_utils import get_kv_cache_spec
-    from vllm.v1.worker.utils import bind_kv_cache
+    from vllm.v1.core import kv_cache_utils
+    from vllm.v1.worker.gpu.attn_utils import get_kv_cache_spec, init_attn_backend, init_kv_cache
 
     import loopkv.models
     from loopkv.cache.attention import loopkv_attention
     from loopkv.cache.loop_cache import LoopKVCache
-    from loopkv.format import page_bytes
     from loopkv.vllm.model import LoopKVOuroForCausalLM
 
     loopkv.models.register_ouro()
@@ -290,12 +274,13 @@ def test_vllm_ouro_with_an_int4_plan_serves_loopkv_cells(backend, tmp_path):
     d = config.to_dict()
     d.update(architectures=["OuroForCausalLM"], model_type="ouro")
     (tmp_path / "config.json").write_text(json.dumps(d))
-    plan = Plan.from_config(config, option="int4", tau=3.0)
+    plan = Plan.from_grid(grid, kv_heads=2, head_dim=128, tau=3.0)
     model_config = EngineArgs(model=str(tmp_path), load_format="dummy", dtype="float32", skip_tokenizer_init=True,
                               max_model_len=1024).create_model_config()
     vc = VllmConfig(model_config=model_config, device_config=DeviceConfig(device="cpu"),
                     cache_config=CacheConfig(block_size=32, enable_prefix_caching=False),
-                    scheduler_config=SchedulerConfig(max_num_seqs=2, max_model_len=1024, is_encoder_decoder=False),
+                    scheduler_config=SchedulerConfig(max_num_seqs=2, max_model_len=1024, is_encoder_decoder=False,
+                                                     enable_chunked_prefill=False, max_num_batched_tokens=1024),
                     compilation_config=CompilationConfig(mode=CompilationMode.NONE, custom_ops=["none"]),
                     additional_config={"loopkv_plan": plan.to_dict()})
     if not parallel_state.model_parallel_is_initialized():
@@ -308,16 +293,26 @@ def test_vllm_ouro_with_an_int4_plan_serves_loopkv_cells(backend, tmp_path):
         initialize_dummy_weights(model, model_config, low=-0.3, high=0.3)  # K, V of order 1, not vLLM's 1e-3
         specs = get_kv_cache_spec(vc)
         names = [f"model.layers.{i}.self_attn.attn" for i in range(4)]  # cell t * L + l
-        assert sorted(specs) == names
-        assert {type(s) for s in specs.values()} == {backend.LoopKVPageSpec}
-        bind_kv_cache({n: torch.zeros(40, page_bytes(4, 2, 128), dtype=torch.uint8) for n in names},
-                      vc.compilation_config.static_forward_context, [])
-        builder = backend.LoopKVMetadataBuilder(specs[names[0]], names, vc, torch.device("cpu"))
+        layout = kv_layout(plan, config, dtype_bytes=4)
+        assert list(specs) == [names[0]]  # the holder; the others share its tensor
+        assert type(specs[names[0]]) is backend.LoopKVPageSpec
+        assert specs[names[0]].page_size_bytes == block_bytes(layout)
+        groups = kv_cache_utils.get_kv_cache_groups(vc, specs)
+        kv_config = kv_cache_utils.get_kv_cache_config_from_groups(vc, groups, 40 * block_bytes(layout) + 5)
+        assert kv_config.num_blocks == 40
+        attn_groups, _, block_sizes = init_attn_backend(kv_config, vc, torch.device("cpu"))
+        assert [[sorted(g.layer_names) for g in gs] for gs in attn_groups] == [[names]]  # one builder for all
+        kv = init_kv_cache([], vc.compilation_config.static_forward_context, kv_config, attn_groups,
+                           torch.device("cpu"), "auto", block_sizes, vc)
+        assert {t.data_ptr() for t in kv.values()} == {kv[names[0]].data_ptr()}
+        assert tuple(kv[names[0]].shape) == (40, block_bytes(layout))
+        builder = attn_groups[0][0].get_metadata_builder(0)
         seen = []  # (layer name, q, k, v, out) in the model's order
         for name in names:
             layer = vc.compilation_config.static_forward_context[name]
             assert isinstance(layer, backend.LoopKVAttention)
             assert layer.loopkv_tau == 3.0
+            assert layer.kv_sharing_target_layer_name == (None if name == names[0] else names[0])
             forward = layer.impl.forward
 
             def recording(lay, q, k, v, kv, meta, output, *rest, _forward=forward, **kw):
@@ -353,4 +348,4 @@ def test_vllm_ouro_with_an_int4_plan_serves_loopkv_cells(backend, tmp_path):
         assert 0.1 < float(v.abs().mean()) < 10
         assert 0.01 < float(want.abs().mean()) < 10
         torch.testing.assert_close(out.view(want[0].shape), want[0], atol=1e-5, rtol=1e-5, msg=name)
-    assert math.isfinite(float(cache.storage(0).k_scale.float().abs().max()))
+    assert math.isfinite(float(cache.storage(1).k_scale.float().abs().max()))  # cell (0, 1) is quantized in all
