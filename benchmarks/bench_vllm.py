@@ -41,14 +41,24 @@ request at N tokens (``decode_tok_s`` of a run of ``--plan-decode-base`` and one
 * An all-bf16 plan is a check: arms ``vllm`` (no plugin), ``vllm_again`` (vLLM need not repeat itself across
   processes) and ``loopkv`` (``LOOPKV_PLAN=PLAN.json`` and ``loopkv.vllm.plugin.register()``, so vLLM builds
   ``LoopKVOuroForCausalLM``); exits 1 unless ``loopkv``'s tokens equal ``vllm``'s.
-* An all-int4 plan is a comparison: arms ``vllm`` and ``loopkv``; reports per prompt where the tokens first diverge,
-  the logprobs on the positions whose context is still the same in both (top-1 agreement, KL over the tokens both
-  top-K lists hold, the gap in the logprob of vLLM's token) and the decode rates side by side; exits 1 unless
-  ``loopkv`` ran with loopkv's class and generated every token.
+* Any other plan (``int4``, ``int2``, ``bf16`` and ``share`` cells) is a comparison: arms ``vllm`` and ``loopkv``;
+  reports per prompt where the tokens first diverge, the logprobs on the positions whose context is still the same
+  in both (top-1 agreement, KL over the tokens both top-K lists hold, the gap in the logprob of vLLM's token) and the
+  decode rates side by side; exits 1 unless ``loopkv`` ran with loopkv's class and generated every token.
+  ``--plan`` given more than once (quantized plans only): one ``vllm`` arm and one ``loopkv:NAME`` arm per plan
+  (``NAME``: the file's stem), each compared with ``vllm``.
 
-Prints a table and writes ``benchmarks/results/vllm_plan.json`` (or ``--out``):
+Every arm runs with chunked prefill off (``enable_chunked_prefill=False``; a plan with ``share`` cells needs it,
+``loopkv.vllm.settings.check_engine``). Prints a table and writes ``benchmarks/results/vllm_plan.json`` (or ``--out``):
 
     python benchmarks/bench_vllm.py --plan PLAN.json --enforce-eager --plan-decode-context 16384
+
+``--write-plans DIR`` writes the paper's LoopKV-R and LoopKV-M plans for Ouro-1.4B's shape
+(``bench_decode.paper_plans``) as ``DIR/loopkv-r.json`` and ``DIR/loopkv-m.json`` and exits:
+
+    python benchmarks/bench_vllm.py --write-plans /tmp/plans
+    python benchmarks/bench_vllm.py --plan /tmp/plans/loopkv-r.json --plan /tmp/plans/loopkv-m.json \
+        --enforce-eager --plan-decode-context 16384 --arm-timeout 170
 """
 
 from __future__ import annotations
@@ -320,20 +330,57 @@ def compare_logprobs(ref_tokens: list[list[int]], ref_lp: list[list[dict]], othe
 
 
 def check_plan(path: str):
-    """The plan at ``path``, checked as the plugin will check it on the dummy model's config (fails before vLLM)."""
+    """The plan at ``path``, checked as the plugin will check it on the dummy model's config and this script's engine
+    settings (fails before vLLM)."""
     from bench_decode import ouro_1p4b_config
 
-    from loopkv.vllm.settings import PLAN_ENV, check_servable, load_plan, validate_for_vllm
+    from loopkv.vllm.settings import PLAN_ENV, check_engine, load_plan, validate_for_vllm
 
     plan = load_plan(None, environ={PLAN_ENV: path})
     validate_for_vllm(plan, ouro_1p4b_config())  # the config ouro_config_dict writes
-    check_servable(plan)
+    check_engine(plan, block_size=PLAN_BLOCK_SIZE, prefix_caching=False, speculative=False, chunked_prefill=False)
     return plan
 
 
 def plan_arms(plan) -> tuple[str, ...]:
     """``CHECK_ARMS`` for an all-bf16 plan (tokens must be vLLM's), else ``COMPARE_ARMS``."""
     return CHECK_ARMS if set(plan.options) == {"bf16"} else COMPARE_ARMS
+
+
+def arm_runs(paths: list[str]) -> list[tuple[str, str, str]]:
+    """(label, arm, plan path) of every arm: one plan's :func:`plan_arms`, or for several (quantized) plans one
+    ``vllm`` arm and one ``loopkv:STEM`` arm per plan. Every plan is checked first (:func:`check_plan`)."""
+    plans = [check_plan(p) for p in paths]
+    if len(plans) == 1:
+        return [(arm, arm, paths[0]) for arm in plan_arms(plans[0])]
+    checks = [p for p, plan in zip(paths, plans, strict=True) if plan_arms(plan) == CHECK_ARMS]
+    if checks:
+        raise ValueError(f"{checks} are all-bf16 plans, which are checked alone: give them in a run of their own")
+    labels = [f"loopkv:{pathlib.Path(p).stem}" for p in paths]
+    if len(set(labels)) != len(labels):
+        raise ValueError(f"the plans' file names must differ (arms are named by them): {paths}")
+    return [("vllm", "vllm", paths[0])] + [(label, "loopkv", p) for label, p in zip(labels, paths, strict=True)]
+
+
+def write_paper_plans(folder: str) -> list[str]:
+    """LoopKV-R and LoopKV-M for Ouro-1.4B's shape (``bench_decode.paper_plans``, with its KV heads and head_dim) as
+    JSON files in ``folder``; returns their paths."""
+    from bench_decode import ouro_1p4b_config, paper_plans
+
+    from loopkv.planning.plan import Plan
+
+    config = ouro_1p4b_config()
+    plans = paper_plans(config.total_ut_steps, config.num_hidden_layers)
+    pathlib.Path(folder).mkdir(parents=True, exist_ok=True)
+    paths = []
+    for name in ("loopkv-r", "loopkv-m"):
+        plan = Plan.from_grid(plans[name].grid(), tau=list(plans[name].taus), kv_heads=config.num_key_value_heads,
+                              head_dim=config.head_dim)
+        path = os.path.join(folder, f"{name}.json")
+        plan.to_json(path)
+        check_plan(path)
+        paths.append(path)
+    return paths
 
 
 def run_plan_arm(args) -> dict:
@@ -343,7 +390,7 @@ def run_plan_arm(args) -> dict:
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # apply_model's function
     if args.arm == "loopkv":
-        os.environ["LOOPKV_PLAN"] = os.path.abspath(args.plan)
+        os.environ["LOOPKV_PLAN"] = os.path.abspath(args.plan[0])
         from loopkv.vllm import plugin
 
         plugin.register()  # what vLLM's entry point does where loopkv is pip-installed
@@ -366,7 +413,8 @@ def run_plan_arm(args) -> dict:
                      kv_cache_dtype="auto", skip_tokenizer_init=True, max_model_len=max_len,
                      enforce_eager=args.enforce_eager, gpu_memory_utilization=args.gpu_memory_utilization,
                      enable_prefix_caching=False, block_size=PLAN_BLOCK_SIZE, max_num_seqs=len(prompts), seed=0,
-                     max_num_batched_tokens=max_len)  # every prompt in one chunk: exact prefill in both arms
+                     max_num_batched_tokens=max_len,  # every prompt in one chunk: exact prefill in every arm
+                     enable_chunked_prefill=False)
     if args.attention_backend:
         engine_kw["attention_backend"] = args.attention_backend
     with Step(f"[{args.arm}] vllm.LLM") as s:
@@ -413,24 +461,28 @@ def run_plan(args, out: str) -> dict:
     (module docstring)."""
     from run_info import run_info, write_json
 
+    from loopkv.planning.plan import Plan
+
     t0 = time.perf_counter()
-    plan = check_plan(args.plan)
-    arms_run = plan_arms(plan)
-    result = {"plan": os.path.abspath(args.plan), "plan_options": sorted(set(plan.options)),
-              "mode": "check" if arms_run == CHECK_ARMS else "compare", "prompt_lengths": list(PLAN_PROMPT_LENGTHS),
+    runs = arm_runs(args.plan)
+    labels = [label for label, _, _ in runs]
+    kinds = {label: arm for label, arm, _ in runs}
+    options = {os.path.abspath(p): sorted(set(Plan.from_json(p).options)) for p in args.plan}
+    result = {"plans": options, "labels": labels, "mode": "check" if tuple(labels) == CHECK_ARMS else "compare",
+              "prompt_lengths": list(PLAN_PROMPT_LENGTHS),
               "new_tokens": PLAN_NEW_TOKENS, "block_size": PLAN_BLOCK_SIZE, "enforce_eager": args.enforce_eager,
               "arms": {}, "errors": []}
     with tempfile.TemporaryDirectory() as tmp:
-        for arm in arms_run:
-            arm_out = os.path.join(tmp, f"{arm}.json")
-            cmd = [sys.executable, str(HERE / "bench_vllm.py"), "--plan", args.plan, "--arm", arm, "--out", arm_out,
+        for label, arm, plan_path in runs:
+            arm_out = os.path.join(tmp, f"{label.replace(':', '_')}.json")
+            cmd = [sys.executable, str(HERE / "bench_vllm.py"), "--plan", plan_path, "--arm", arm, "--out", arm_out,
                    "--gpu-memory-utilization", str(args.gpu_memory_utilization),
                    "--plan-decode-context", str(args.plan_decode_context),
                    "--plan-decode-base", str(args.plan_decode_base),
                    "--plan-decode-tokens", str(args.plan_decode_tokens)]
             cmd += ["--enforce-eager"] if args.enforce_eager else []
             cmd += ["--attention-backend", args.attention_backend] if args.attention_backend else []
-            with Step(f"arm {arm} (subprocess)"):
+            with Step(f"arm {label} (subprocess)"):
                 try:
                     proc = subprocess.run(cmd, cwd=HERE.parent, timeout=args.arm_timeout, check=False)
                     status = proc.returncode
@@ -438,34 +490,36 @@ def run_plan(args, out: str) -> dict:
                     status = f"timed out after {args.arm_timeout} s"
             if status or not os.path.exists(arm_out):
                 written = json.loads(pathlib.Path(arm_out).read_text()) if os.path.exists(arm_out) else {}
-                result["errors"].append({"arm": arm, "exit_status": status, "error": written.get("error")})
+                result["errors"].append({"arm": label, "exit_status": status, "error": written.get("error")})
                 continue
-            result["arms"][arm] = json.loads(pathlib.Path(arm_out).read_text())
+            result["arms"][label] = json.loads(pathlib.Path(arm_out).read_text())
     arms = result["arms"]
-    for arm, got in arms.items():
+    for label, got in arms.items():
         classes = got.get("model_class")
-        got["model_class_ok"] = None if classes is None else all(c == PLAN_CLASSES[arm] for c in classes)
+        got["model_class_ok"] = None if classes is None else all(c == PLAN_CLASSES[kinds[label]] for c in classes)
+    result["decode_over_vllm"] = {}
     if "vllm" in arms:
-        for arm in arms_run[1:]:
-            if arm in arms:
-                cmp = compare_tokens(arms["vllm"]["tokens"], arms[arm]["tokens"])
-                if arms["vllm"].get("logprobs") and arms[arm].get("logprobs"):
+        for label in labels[1:]:
+            if label in arms:
+                cmp = compare_tokens(arms["vllm"]["tokens"], arms[label]["tokens"])
+                if arms["vllm"].get("logprobs") and arms[label].get("logprobs"):
                     cmp["logprobs"] = compare_logprobs(arms["vllm"]["tokens"], arms["vllm"]["logprobs"],
-                                                       arms[arm]["logprobs"], cmp["first_divergence"])
-                result[f"{arm}_vs_vllm"] = cmp
-        ref = arms["vllm"].get("decode")
-        got = arms.get("loopkv", {}).get("decode")
-        if ref and got:
-            result["decode_loopkv_over_vllm"] = round(got["tok_s"] / ref["tok_s"], 3)
+                                                       arms[label]["logprobs"], cmp["first_divergence"])
+                result[f"{label}_vs_vllm"] = cmp
+                ref, got = arms["vllm"].get("decode"), arms[label].get("decode")
+                if ref and got and kinds[label] == "loopkv":
+                    result["decode_over_vllm"][label] = round(got["tok_s"] / ref["tok_s"], 3)
     import torch
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     result = {**run_info(__file__, None, device), **result, "wall_s": round(time.perf_counter() - t0, 1)}
-    result["complete"] = not result["errors"] and len(arms) == len(arms_run)
-    loopkv = arms.get("loopkv", {})
-    result["loopkv_generates"] = (loopkv.get("model_class_ok") is True and bool(loopkv.get("tokens"))
-                                  and all(len(t) == PLAN_NEW_TOKENS for t in loopkv["tokens"]))
-    result["loopkv_equals_vllm"] = bool(result.get("loopkv_vs_vllm", {}).get("equal")) and result["loopkv_generates"]
+    result["complete"] = not result["errors"] and len(arms) == len(labels)
+    served = [label for label in labels if kinds[label] == "loopkv"]
+    result["loopkv_generates"] = all(
+        arms.get(label, {}).get("model_class_ok") is True and bool(arms[label].get("tokens"))
+        and all(len(t) == PLAN_NEW_TOKENS for t in arms[label]["tokens"]) for label in served)
+    result["loopkv_equals_vllm"] = result["loopkv_generates"] and all(
+        result.get(f"{label}_vs_vllm", {}).get("equal") is True for label in served)
     result["passed"] = result["loopkv_equals_vllm"] if result["mode"] == "check" else result["loopkv_generates"]
     write_json(out, result)
     log(f"wrote {out}")
@@ -474,31 +528,30 @@ def run_plan(args, out: str) -> dict:
 
 
 def print_plan_table(result: dict) -> None:
-    arms_run = CHECK_ARMS if result.get("mode", "check") == "check" else COMPARE_ARMS
-    print(f"\nplan {result.get('plan_options')} ({result.get('mode', 'check')}), block size "
+    print(f"\nplans {result.get('plans')} ({result.get('mode', 'check')}), block size "
           f"{result.get('block_size')}, enforce_eager={result.get('enforce_eager')}")
-    print(f"{'arm':12s} {'model class':24s} {'blocks':>8s} {'prompts = vllm':>15s} {'decode tok/s':>13s}  "
+    print(f"{'arm':18s} {'model class':24s} {'blocks':>8s} {'prompts = vllm':>15s} {'decode tok/s':>13s}  "
           "first divergence")
-    for arm in arms_run:
-        got = result["arms"].get(arm)
+    for label in result["labels"]:
+        got = result["arms"].get(label)
         if got is None:
-            print(f"{arm:12s} FAILED (see the log)")
+            print(f"{label:18s} FAILED (see the log)")
             continue
-        cmp = result.get(f"{arm}_vs_vllm")
-        equal = "reference" if arm == "vllm" else (f"{cmp['prompts_equal']}/{len(cmp['first_divergence'])}"
-                                                   if cmp else "?")
+        cmp = result.get(f"{label}_vs_vllm")
+        equal = "reference" if label == "vllm" else (f"{cmp['prompts_equal']}/{len(cmp['first_divergence'])}"
+                                                     if cmp else "?")
         dec = got.get("decode") or {}
         rate = f"{dec['tok_s']:.1f}" if dec else "-"
-        print(f"{arm:12s} {str((got.get('model_class') or ['?'])[0]):24s} {str(got.get('num_gpu_blocks')):>8s} "
+        print(f"{label:18s} {str((got.get('model_class') or ['?'])[0]):24s} {str(got.get('num_gpu_blocks')):>8s} "
               f"{equal:>15s} {rate:>13s}  {cmp['first_divergence'] if cmp else ''}")
-    lp = result.get("loopkv_vs_vllm", {}).get("logprobs")
-    if lp:
-        print(f"loopkv vs vllm logprobs over {lp['positions']} same-context positions: top-1 agreement "
-              f"{lp['top1_agreement']}, top-{PLAN_LOGPROBS} KL mean {lp['topk_kl_mean']} max {lp['topk_kl_max']}, "
-              f"|logprob gap| of vllm's token mean {lp['ref_token_logprob_gap_mean']}")
-    if "decode_loopkv_over_vllm" in result:
-        print(f"decode at {result['arms']['vllm']['decode']['context']} (B=1): loopkv / vllm = "
-              f"{result['decode_loopkv_over_vllm']}")
+    for label in result["labels"][1:]:
+        lp = result.get(f"{label}_vs_vllm", {}).get("logprobs")
+        if lp:
+            print(f"{label} vs vllm logprobs over {lp['positions']} same-context positions: top-1 agreement "
+                  f"{lp['top1_agreement']}, top-{PLAN_LOGPROBS} KL mean {lp['topk_kl_mean']} max "
+                  f"{lp['topk_kl_max']}, |logprob gap| of vllm's token mean {lp['ref_token_logprob_gap_mean']}")
+    for label, ratio in result.get("decode_over_vllm", {}).items():
+        print(f"decode at {result['arms']['vllm']['decode']['context']} (B=1): {label} / vllm = {ratio}")
     print(f"loopkv generates: {result['loopkv_generates']}; loopkv equals vllm: {result['loopkv_equals_vllm']}")
 
 
@@ -521,9 +574,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--static-timeout", type=int, default=240, help="seconds allowed to bench_decode.py")
     p.add_argument("--quick", action="store_true",
                    help=f"first attempt: {QUICK}, enforce_eager, no StaticCache run")
-    p.add_argument("--plan", default=None,
-                   help="a plan JSON: all-bf16, check the plugin's greedy tokens against vLLM's; all-int4, compare "
-                        "its tokens, logprobs and decode rate with vLLM BF16")
+    p.add_argument("--plan", action="append", default=None,
+                   help="a plan JSON: all-bf16, check the plugin's greedy tokens against vLLM's; any other, compare "
+                        "its tokens, logprobs and decode rate with vLLM BF16 (repeat for several quantized plans)")
+    p.add_argument("--write-plans", default=None, metavar="DIR",
+                   help="write the paper's LoopKV-R and LoopKV-M plans for Ouro-1.4B's shape into DIR and exit")
     p.add_argument("--arm", choices=CHECK_ARMS, default=None, help="with --plan: run one arm in this process")
     p.add_argument("--plan-decode-context", type=int, default=0,
                    help="with --plan: also measure decode tok/s of one request at this context (0: not)")
@@ -544,9 +599,13 @@ def main(argv=None) -> dict:
     batches = [int(b) for b in args.batches.split(",") if b]
     out = args.out or str(HERE / "results" / ("vllm_quick.json" if args.quick else "vllm.json"))
     sys.path.insert(0, str(HERE))  # bench_decode and run_info, when imported as a module
+    if args.write_plans is not None:
+        for path in write_paper_plans(args.write_plans):
+            log(f"wrote {path}")
+        return {}
     if args.arm is not None:
-        if args.plan is None:
-            raise SystemExit("--arm needs --plan")
+        if args.plan is None or len(args.plan) != 1:
+            raise SystemExit("--arm needs one --plan")
         try:
             arm = run_plan_arm(args)
         except Exception:  # the parent records why this arm failed

@@ -88,9 +88,8 @@ def test_check_plan_refuses_before_the_gpu(bench, tmp_path):
     assert set(bench.check_plan(str(path)).options) == {"bf16"}
     Plan.from_config(config, option="int4").to_json(path)
     assert bench.plan_arms(bench.check_plan(str(path))) == bench.COMPARE_ARMS
-    Plan.from_config(config, option="int2").to_json(path)
-    with pytest.raises(ValueError, match="cells are 96 int2"):
-        bench.check_plan(str(path))
+    Plan.from_config(config, option="int2", shared_loops=[1]).to_json(path)
+    assert bench.plan_arms(bench.check_plan(str(path))) == bench.COMPARE_ARMS
     Plan.from_config(importlib.import_module("bench_decode").smoke_config(), option="bf16").to_json(path)
     with pytest.raises(ValueError, match="does not fit the model"):
         bench.check_plan(str(path))
@@ -190,4 +189,45 @@ def test_run_plan_compares_a_quantized_plan(bench, tmp_path, monkeypatch):
     assert not result["loopkv_equals_vllm"]
     assert result["loopkv_vs_vllm"]["first_divergence"] == [2, None]
     assert result["loopkv_vs_vllm"]["logprobs"]["positions_per_prompt"] == [3, 3]
-    assert result["decode_loopkv_over_vllm"] == 0.8
+    assert result["decode_over_vllm"] == {"loopkv": 0.8}
+
+
+def test_paper_plans_run_as_one_comparison(bench, tmp_path, monkeypatch):
+    # --write-plans: LoopKV-R (int4 + int2) and LoopKV-M (share + int4 + int2) for Ouro-1.4B; both in one run, one
+    # vLLM arm, one loopkv arm per plan, each compared with vLLM
+    from loopkv.planning.plan import Plan
+
+    r_path, m_path = bench.write_paper_plans(str(tmp_path / "plans"))
+    r, m = Plan.from_json(r_path), Plan.from_json(m_path)
+    assert set(r.options) == {"int4", "int2"}
+    assert set(m.options) == {"share", "int4", "int2"}
+    assert (r.kv_heads, r.head_dim) == (16, 128)
+    ran = []
+
+    def fake_run(cmd, **kwargs):
+        arm, out, plan = (cmd[cmd.index(flag) + 1] for flag in ("--arm", "--out", "--plan"))
+        ran.append((arm, pathlib.Path(plan).name))
+        tokens = [[5, 6, 7], [8, 9, 10]] if arm == "vllm" or plan == r_path else [[5, 0, 7], [8, 9, 10]]
+        pathlib.Path(out).write_text(json.dumps({
+            "arm": arm, "tokens": tokens, "logprobs": [[{str(t): -0.1} for t in row] for row in tokens],
+            "decode": {"tok_s": 100.0 if arm == "vllm" else 50.0, "context": 16384},
+            "model_class": [bench.PLAN_CLASSES[arm]], "num_gpu_blocks": 9}))
+        return SimpleNamespace(returncode=0)
+
+    monkeypatch.setattr(bench.subprocess, "run", fake_run)
+    monkeypatch.setattr(bench, "PLAN_NEW_TOKENS", 3)
+    args = bench.build_parser().parse_args(["--plan", r_path, "--plan", m_path, "--plan-decode-context", "16384"])
+    result = bench.run_plan(args, str(tmp_path / "out.json"))
+    assert ran == [("vllm", "loopkv-r.json"), ("loopkv", "loopkv-r.json"), ("loopkv", "loopkv-m.json")]
+    assert result["labels"] == ["vllm", "loopkv:loopkv-r", "loopkv:loopkv-m"]
+    assert result["passed"]
+    assert result["complete"]
+    assert result["loopkv:loopkv-r_vs_vllm"]["equal"]
+    assert result["loopkv:loopkv-m_vs_vllm"]["first_divergence"] == [1, None]
+    assert not result["loopkv_equals_vllm"]
+    assert result["decode_over_vllm"] == {"loopkv:loopkv-r": 0.5, "loopkv:loopkv-m": 0.5}
+    bench.print_plan_table(result)
+    Plan.from_config(importlib.import_module("bench_decode").ouro_1p4b_config(), option="bf16").to_json(
+        tmp_path / "bf16.json")
+    with pytest.raises(ValueError, match="all-bf16 plans, which are checked alone"):
+        bench.arm_runs([r_path, str(tmp_path / "bf16.json")])
