@@ -53,12 +53,12 @@ Every arm runs with chunked prefill off (``enable_chunked_prefill=False``; a pla
 
     python benchmarks/bench_vllm.py --plan PLAN.json --enforce-eager --plan-decode-context 16384
 
-``--write-plans DIR`` writes the paper's LoopKV-R and LoopKV-M plans for Ouro-1.4B's shape
-(``bench_decode.paper_plans``) as ``DIR/loopkv-r.json`` and ``DIR/loopkv-m.json`` and exits:
+``--write-plans DIR`` writes the paper's uniform-INT4 (KIVI-4), LoopKV-R and LoopKV-M plans for Ouro-1.4B's shape
+(``bench_decode.paper_plans``) as ``DIR/kivi4.json``, ``DIR/loopkv-r.json`` and ``DIR/loopkv-m.json`` and exits:
 
     python benchmarks/bench_vllm.py --write-plans /tmp/plans
-    python benchmarks/bench_vllm.py --plan /tmp/plans/loopkv-r.json --plan /tmp/plans/loopkv-m.json \
-        --enforce-eager --plan-decode-context 16384 --arm-timeout 170
+    python benchmarks/bench_vllm.py --plan /tmp/plans/kivi4.json --plan /tmp/plans/loopkv-r.json \\
+        --plan /tmp/plans/loopkv-m.json --enforce-eager --plan-decode-context 16384 --arm-timeout 130
 """
 
 from __future__ import annotations
@@ -363,8 +363,8 @@ def arm_runs(paths: list[str]) -> list[tuple[str, str, str]]:
 
 
 def write_paper_plans(folder: str) -> list[str]:
-    """LoopKV-R and LoopKV-M for Ouro-1.4B's shape (``bench_decode.paper_plans``, with its KV heads and head_dim) as
-    JSON files in ``folder``; returns their paths."""
+    """Uniform INT4 (KIVI-4), LoopKV-R and LoopKV-M for Ouro-1.4B's shape (``bench_decode.paper_plans``, with its KV
+    heads and head_dim) as JSON files in ``folder``; returns their paths."""
     from bench_decode import ouro_1p4b_config, paper_plans
 
     from loopkv.planning.plan import Plan
@@ -373,7 +373,7 @@ def write_paper_plans(folder: str) -> list[str]:
     plans = paper_plans(config.total_ut_steps, config.num_hidden_layers)
     pathlib.Path(folder).mkdir(parents=True, exist_ok=True)
     paths = []
-    for name in ("loopkv-r", "loopkv-m"):
+    for name in ("kivi4", "loopkv-r", "loopkv-m"):
         plan = Plan.from_grid(plans[name].grid(), tau=list(plans[name].taus), kv_heads=config.num_key_value_heads,
                               head_dim=config.head_dim)
         path = os.path.join(folder, f"{name}.json")
@@ -578,7 +578,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a plan JSON: all-bf16, check the plugin's greedy tokens against vLLM's; any other, compare "
                         "its tokens, logprobs and decode rate with vLLM BF16 (repeat for several quantized plans)")
     p.add_argument("--write-plans", default=None, metavar="DIR",
-                   help="write the paper's LoopKV-R and LoopKV-M plans for Ouro-1.4B's shape into DIR and exit")
+                   help="write the paper's KIVI-4, LoopKV-R and LoopKV-M plans for Ouro-1.4B's shape into DIR and exit")
     p.add_argument("--arm", choices=CHECK_ARMS, default=None, help="with --plan: run one arm in this process")
     p.add_argument("--plan-decode-context", type=int, default=0,
                    help="with --plan: also measure decode tok/s of one request at this context (0: not)")

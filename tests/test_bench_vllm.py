@@ -193,12 +193,13 @@ def test_run_plan_compares_a_quantized_plan(bench, tmp_path, monkeypatch):
 
 
 def test_paper_plans_run_as_one_comparison(bench, tmp_path, monkeypatch):
-    # --write-plans: LoopKV-R (int4 + int2) and LoopKV-M (share + int4 + int2) for Ouro-1.4B; both in one run, one
-    # vLLM arm, one loopkv arm per plan, each compared with vLLM
+    # --write-plans: KIVI-4, LoopKV-R (int4 + int2) and LoopKV-M (share + int4 + int2) for Ouro-1.4B; R and M in one
+    # run, one vLLM arm, one loopkv arm per plan, each compared with vLLM
     from loopkv.planning.plan import Plan
 
-    r_path, m_path = bench.write_paper_plans(str(tmp_path / "plans"))
-    r, m = Plan.from_json(r_path), Plan.from_json(m_path)
+    k_path, r_path, m_path = bench.write_paper_plans(str(tmp_path / "plans"))
+    k, r, m = Plan.from_json(k_path), Plan.from_json(r_path), Plan.from_json(m_path)
+    assert set(k.options) == {"int4"}
     assert set(r.options) == {"int4", "int2"}
     assert set(m.options) == {"share", "int4", "int2"}
     assert (r.kv_heads, r.head_dim) == (16, 128)
