@@ -114,7 +114,10 @@ def test_bench_decode_smoke(decode_smoke):
             # tok_s is rounded to 0.1 and step_ms to 0.001 ms in the JSON: their rounding bounds the difference
             rounding = 0.05 + r["tok_s"] * 0.0005 / r["step_ms"]
             assert r["tok_s"] == pytest.approx(r["batch"] * 1000 / r["step_ms"], abs=rounding * 1.01)
-            assert r["cache_bytes"] == fit["bytes_per_row"] * r["batch"]
+            # a cell's stacked slices are padded to 16 bytes over all its rows, so a row costs at most what one row
+            # alone costs (the fit is conservative), exactly that at batch 1
+            assert r["cache_bytes"] <= fit["bytes_per_row"] * r["batch"]
+            assert (r["cache_bytes"] == fit["bytes_per_row"]) == (r["batch"] == 1)
             assert r["filled_to"] < r["tokens_after"] <= 448 + 64
             if arm in ("bf16", "kivi4"):
                 assert r["hot_fraction"] is None

@@ -61,11 +61,14 @@ def test_noise_above_a_miss_does_not_count(bench):
     assert nxt[-1]["rate"] == 0.5  # below the lowest rate missed
 
 
-def test_the_first_rate_is_half_what_one_request_after_another_could_finish(bench):
-    # a mean prompt's first token in 0.1 s and 100-token outputs at 400 tok/s: 0.35 s a request, 2.86 req/s; half
-    assert bench.first_rate(0.1, {"tokens_per_s": 400.0}, 100.0, floor=0.01) == pytest.approx(1 / 0.35 / 2)
-    assert bench.first_rate(100.0, {"tokens_per_s": 1.0}, 100.0, floor=0.01) == 0.01
-    assert bench.first_rate(0.1, {"tokens_per_s": None}, 1.0, floor=0.5) == 0.5
+def test_the_first_rate_is_most_of_the_lower_of_the_prompts_and_the_slots_capacity(bench):
+    # capacity of the prompts: 1 / (a mean prompt's first token alone); of the slots: 8 slots each decoding a
+    # 100-token output at the peak's step (40 ms: 2 req/s, 80 ms: 1 req/s, 20 ms: 4 req/s); 70% of the lower
+    assert bench.first_rate(0.5, {"batch": 8, "step_s": 0.04}, 100.0, floor=0.01) == pytest.approx(0.7 * 2.0)
+    assert bench.first_rate(0.25, {"batch": 8, "step_s": 0.08}, 100.0, floor=0.01) == pytest.approx(0.7 * 1.0)
+    assert bench.first_rate(0.1, {"batch": 8, "step_s": 0.02}, 100.0, floor=0.01) == pytest.approx(0.7 * 4.0)
+    assert bench.first_rate(100.0, {"batch": 1, "step_s": 1.0}, 100.0, floor=0.01) == 0.01
+    assert bench.first_rate(0.1, {"batch": 1, "step_s": None}, 1.0, floor=0.5) == 0.5
 
 
 def test_decode_steps_are_timed_apart_from_prompt_steps(bench):
