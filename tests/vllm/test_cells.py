@@ -225,6 +225,7 @@ class PlanCells:
         self.slot_map = SlotMap(SLOTS)
         self.page_table = torch.zeros(SLOTS, math.ceil(MAX_LEN / PAGE) - 1, dtype=torch.int32)
         self.taus = [plan.tau_of(c.cell) for c in self.layout]
+        self.paths = set()  # the decode reads the steps took
 
     def pool(self, name):
         ref = self.refs[name]
@@ -234,6 +235,7 @@ class PlanCells:
         step = plan_step(self.slot_map, self.page_table, query_start_loc=qsl, seq_lens=seq_lens, first_blocks=first,
                          block_table=table)
         T = step.num_tokens
+        self.paths.add("span" if step.span else "all slots" if step.decode else None)
         for i, c in enumerate(self.layout):
             ref = self.refs[c.layer_name]
             source = None if ref.owner == c.layer_name else self.exact[ref.owner]
@@ -250,6 +252,7 @@ def test_mixed_plan_steps_equal_loopkv_cache(grid):
     starts = sorted({r.offset for r in cells.refs.values()}) + [cells.kv.shape[1]]
     assert starts == ends  # the storing cells' pools tile the plan's block, back to back
     engine, refs = run_scenario(plan, cells.forward, MIXED_SCENARIO, {"a": 327, "c": 357, "d": 35}, CONFIG3)
+    assert cells.paths == {"span", "all slots", None}
     for i, c in enumerate(cells.layout):
         if c.stores:
             check_storage(engine, refs, cells.slot_map, cells.exact[c.layer_name], cells.pool(c.layer_name), i)
