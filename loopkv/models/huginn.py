@@ -11,7 +11,8 @@ Forward (as the released model computes it, in eval mode):
 * ``e = prelude(embed_scale * wte(ids))``; the recurrent state ``s`` starts random (``state_init="like-init"``:
   truncated normal of std ``init_values["std"] * init_scale``, times ``embed_scale``, drawn from
   ``state_generator`` or torch's default generator) or zero (``state_init="zero"``, or ``init_scale=0``);
-* ``r`` times (``num_steps``, default ``mean_recurrence``): ``s = core_block(adapter(cat[s, e]))``;
+* ``r`` times (``num_steps``, default ``mean_recurrence``): ``s = core_block(adapter(cat[s, e]))``; with
+  ``exit_threshold``, a row stops once its state converges (:mod:`loopkv.models.huginn_exit`);
 * ``logits = lm_head(ln_f(coda(ln_f(s))))`` in fp32.
 
 Each layer is a sandwich block ``x = norm_2(x + attn(norm_1(x)))``, ``x = norm_4(x + mlp(norm_3(x)))`` with
@@ -48,6 +49,7 @@ from loopkv.models.generation_checks import (
     replace_default_cache,
 )
 from loopkv.models.huginn_config import FAMILY, HuginnCells, HuginnConfig, dense_cache
+from loopkv.models.huginn_exit import ExitRule, Exits
 from loopkv.models.ouro import eager_attention_forward  # alike in both models
 
 __all__ = ["HuginnCells", "HuginnConfig", "HuginnForCausalLM", "dense_cache", "register_huginn"]
@@ -106,8 +108,9 @@ class HuginnAttention(nn.Module):
         self.proj = nn.Linear(config.n_embd, config.n_embd, bias=False)
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor, attention_mask: Any, *, cache: Cache | None,
-                cache_index: int, **kwargs: Any) -> torch.Tensor:
-        """``x [B, S, E]`` -> ``[B, S, E]``; writes cache index ``cache_index`` of ``cache``."""
+                cache_index: int, exits: Exits | None = None, **kwargs: Any) -> torch.Tensor:
+        """``x [B, S, E]`` -> ``[B, S, E]``; writes cache index ``cache_index`` of ``cache`` (a row that has exited,
+        ``exits``: its K/V of its last step here)."""
         b, s, _ = x.shape
         q, k, v = self.Wqkv(x).split(self.split, dim=-1)
         q = q.view(b, s, self.n_heads, self.head_dim)  # [B, S, Hq, D]
@@ -117,6 +120,8 @@ class HuginnAttention(nn.Module):
             q, k = q + self.qk_bias[0], k + self.qk_bias[1]
         q, k = apply_rope(q, rope).transpose(1, 2), apply_rope(k, rope).transpose(1, 2)  # [B, H, S, D]
         v = v.transpose(1, 2)
+        if exits is not None:
+            k, v = exits.kv_of(self, k, v)
         if cache is not None:
             k, v = cache.update(k, v, cache_index, {"position_ids": kwargs.get("position_ids")})
         # a cache that needs its own attention function names it (LoopKVCache: "loopkv", registered by the cache)
@@ -225,8 +230,10 @@ class HuginnForCausalLM(HuginnPreTrainedModel, GenerationMixin):
     """Huginn with its LM head. The default cache is :func:`dense_cache` (the exact reference).
 
     ``forward`` and ``generate`` take ``num_steps`` (r, default ``config.mean_recurrence``), ``init_scale``
-    (the random initial state's scale, 1.0; 0 gives a zero state) and ``state_generator`` (a
-    ``torch.Generator`` on the model's device for the random state; default torch's own)."""
+    (the random initial state's scale, 1.0; 0 gives a zero state), ``state_generator`` (a
+    ``torch.Generator`` on the model's device for the random state; default torch's own) and the adaptive exit
+    (:mod:`loopkv.models.huginn_exit`): ``exit_threshold`` (``None``: off; the released latent-diff default is
+    0.03) and ``min_steps`` (steps run before a row may exit), per forward: in ``generate``, per token."""
 
     _tied_weights_keys = {"lm_head.weight": "transformer.wte.weight"}
 
@@ -275,6 +282,8 @@ class HuginnForCausalLM(HuginnPreTrainedModel, GenerationMixin):
         num_steps: int | torch.Tensor | None = None,
         init_scale: float = 1.0,
         state_generator: torch.Generator | None = None,
+        exit_threshold: float | None = None,
+        min_steps: int = 0,
         cache: Cache | None = None,
         **kwargs: Any,
     ) -> CausalLMOutputWithPast:
@@ -291,6 +300,7 @@ class HuginnForCausalLM(HuginnPreTrainedModel, GenerationMixin):
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids and inputs_embeds")
         steps = self.config.steps(num_steps)
+        rule = ExitRule.of(exit_threshold, min_steps)
         cache = pick_cache(past_key_values, cache)
         use_cache = self.config.use_cache if use_cache is None else use_cache
         if use_cache and cache is None:
@@ -304,7 +314,7 @@ class HuginnForCausalLM(HuginnPreTrainedModel, GenerationMixin):
         if limit is not None and embeds.shape[1] > limit and not torch.compiler.is_compiling() \
                 and cache.get_seq_length():
             call = dict(num_steps=steps, init_scale=init_scale, state_generator=state_generator, use_cache=use_cache,
-                        **kwargs)
+                        exit_threshold=exit_threshold, min_steps=min_steps, **kwargs)
             logits = self._logits_in_pieces(limit, inputs_embeds, attention_mask, position_ids, cache, **call)
             return self._output(_keep(logits, logits_to_keep), labels, cache if use_cache else None, **kwargs)
         if isinstance(attention_mask, dict):
@@ -318,10 +328,7 @@ class HuginnForCausalLM(HuginnPreTrainedModel, GenerationMixin):
         for i, block in enumerate(self.transformer.prelude):
             embeds = block(embeds, cache_index=self.cells.prelude_index(i), **layer)
         state = self.initial_state(embeds, init_scale=init_scale, generator=state_generator)
-        for step in range(steps):
-            state = self.transformer.adapter(torch.cat([state, embeds], dim=-1))
-            for j, block in enumerate(self.transformer.core_block):
-                state = block(state, cache_index=self.cells.core_index(step, j), **layer)
+        state = self._recur(state, embeds, steps, rule, attention_mask, layer)
         x = self.transformer.ln_f(state)
         for i, block in enumerate(self.transformer.coda):
             x = block(x, cache_index=self.cells.coda_index(i), **layer)
@@ -329,6 +336,24 @@ class HuginnForCausalLM(HuginnPreTrainedModel, GenerationMixin):
 
         return self._output(at_least_fp32(self.lm_head(_keep(x, logits_to_keep))), labels, cache if use_cache else None,
                             **kwargs)
+
+    def _recur(self, state: torch.Tensor, embeds: torch.Tensor, steps: int, rule: ExitRule | None, attention_mask,
+               layer: dict) -> torch.Tensor:
+        """The core block ``steps`` times from ``state [B, S, E]``; with an exit ``rule``, rows stop when their state
+        converges (:mod:`loopkv.models.huginn_exit`) and their later steps store their last K/V."""
+        exits = None if rule is None else Exits(torch.zeros(state.shape[0], dtype=torch.bool, device=state.device))
+        real = attention_mask[:, -state.shape[1]:].bool() \
+            if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2 else None
+        for step in range(steps):
+            if exits is not None and exits.all_done():  # only the writes are left
+                for j, block in enumerate(self.transformer.core_block):
+                    block.attn(block.norm_1(state), cache_index=self.cells.core_index(step, j), exits=exits, **layer)
+                continue
+            x = self.transformer.adapter(torch.cat([state, embeds], dim=-1))
+            for j, block in enumerate(self.transformer.core_block):
+                x = block(x, cache_index=self.cells.core_index(step, j), exits=exits, **layer)
+            state = x if exits is None else exits.step(rule, step, x, state, real)
+        return state
 
     def _output(self, logits: torch.Tensor, labels, cache: Cache | None, **kwargs: Any) -> CausalLMOutputWithPast:
         loss = None
@@ -373,12 +398,14 @@ class HuginnForCausalLM(HuginnPreTrainedModel, GenerationMixin):
             replace_default_cache(model_kwargs, dense_cache(self.config))
 
     def generate(self, inputs: torch.Tensor | None = None, generation_config=None, **kwargs: Any):
-        """``GenerationMixin.generate``; ``num_steps``, ``init_scale`` and ``state_generator`` reach every forward
-        of the call. A cache passed in holds one conversation (``cache.reset()`` between unrelated requests): input
-        that does not continue what the previous ``generate`` left in it is refused (``check_continues``), as are
-        a request longer than its capacity and a ``num_steps`` it cannot serve, before anything is written."""
+        """``GenerationMixin.generate``; ``num_steps``, ``init_scale``, ``state_generator``, ``exit_threshold`` and
+        ``min_steps`` reach every forward of the call. A cache passed in holds one conversation (``cache.reset()``
+        between unrelated requests): input that does not continue what the previous ``generate`` left in it is
+        refused (``check_continues``), as are a request longer than its capacity and a ``num_steps`` it cannot
+        serve, before anything is written."""
         generate_cache_kwargs(kwargs)  # past_key_values= where transformers now says cache=
-        self.config.steps(kwargs.get("num_steps"))  # a bad r is refused before anything runs
+        self.config.steps(kwargs.get("num_steps"))  # a bad r (or exit rule) is refused before anything runs
+        ExitRule.of(kwargs.get("exit_threshold"), kwargs.get("min_steps", 0))
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
         input_ids = inputs if inputs is not None else kwargs.get("input_ids")
         if isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2 and not input_ids.is_floating_point():
