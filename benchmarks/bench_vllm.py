@@ -48,8 +48,9 @@ request at N tokens (``decode_tok_s`` of a run of ``--plan-decode-base`` and one
   ``--plan`` given more than once (quantized plans only): one ``vllm`` arm and one ``loopkv:NAME`` arm per plan
   (``NAME``: the file's stem), each compared with ``vllm``.
 
-Every arm runs with chunked prefill off (``enable_chunked_prefill=False``; a plan with ``share`` cells needs it,
-``loopkv.vllm.settings.check_engine``). Prints a table and writes ``benchmarks/results/vllm_plan.json`` (or ``--out``):
+An arm serving a plan with ``share`` cells runs with chunked prefill off (``enable_chunked_prefill=False``, which
+such a plan needs: ``loopkv.vllm.settings.check_engine``); the others keep vLLM's default. Prints a table and
+writes ``benchmarks/results/vllm_plan.json`` (or ``--out``):
 
     python benchmarks/bench_vllm.py --plan PLAN.json --enforce-eager --plan-decode-context 16384
 
@@ -413,8 +414,9 @@ def run_plan_arm(args) -> dict:
                      kv_cache_dtype="auto", skip_tokenizer_init=True, max_model_len=max_len,
                      enforce_eager=args.enforce_eager, gpu_memory_utilization=args.gpu_memory_utilization,
                      enable_prefix_caching=False, block_size=PLAN_BLOCK_SIZE, max_num_seqs=len(prompts), seed=0,
-                     max_num_batched_tokens=max_len,  # every prompt in one chunk: exact prefill in every arm
-                     enable_chunked_prefill=False)
+                     max_num_batched_tokens=max_len)  # a prompt in one chunk when the step's budget is free
+    if args.arm == "loopkv" and "share" in check_plan(args.plan[0]).options:
+        engine_kw["enable_chunked_prefill"] = False  # every prompt whole (a share cell's chunks: at most 256)
     if args.attention_backend:
         engine_kw["attention_backend"] = args.attention_backend
     with Step(f"[{args.arm}] vllm.LLM") as s:
