@@ -11,18 +11,31 @@ What is served: an all-``bf16`` plan by vLLM's own attention backend and KV cach
 ``int4``, ``int2`` and ``share`` cells) by loopkv's backend, every cell's pages in one vLLM KV tensor.
 """
 
-from loopkv.vllm.layout import CellKV, block_bytes, exact_bytes_per_request, kv_layout, layer_name, parse_layer_name
+from loopkv.vllm.layout import (
+    HOLDER,
+    CellKV,
+    PoolRef,
+    block_bytes,
+    exact_bytes_per_request,
+    kv_layout,
+    layer_name,
+    parse_layer_name,
+    pool_refs,
+)
 from loopkv.vllm.settings import PLAN_ENV, PLAN_KEY, load_plan, validate_for_vllm
 
 __all__ = [
+    "HOLDER",
     "PLAN_ENV",
     "PLAN_KEY",
     "CellKV",
+    "PoolRef",
     "block_bytes",
     "exact_bytes_per_request",
     "kv_layout",
     "layer_name",
     "load_plan",
     "parse_layer_name",
+    "pool_refs",
     "validate_for_vllm",
 ]
