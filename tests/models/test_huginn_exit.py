@@ -167,3 +167,37 @@ def test_bad_exit_arguments_are_refused(model):
         model(ids, exit_threshold=0.1, min_steps=-1)
     with pytest.raises(ValueError, match="min_steps applies to the adaptive exit"):
         model(ids, min_steps=2)
+
+
+@pytest.mark.slow
+def test_a_decode_step_with_exits_is_one_graph_equal_to_eager(model, error_on_recompile):
+    """The decode step with exits on a cache for r = 3 (share + INT4 / INT2) compiles to one graph (no break, no
+    recompile: a compiled step runs every step, exited rows frozen, where eager skips to the writes) and equals the
+    eager step across the first window exit."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    plan = loopkv.Plan.from_grid(GRID, family="huginn")
+    compiled_cache, eager_cache = (loopkv.LoopKVCache(plan, config=model.config, max_batch_size=2, max_cache_len=340,
+                                                      dtype=torch.float32, device="cpu", loops=3) for _ in range(2))
+
+    def step(ids, pos, cache):
+        return model(input_ids=ids, position_ids=pos, past_key_values=cache, num_steps=3, **EXIT).logits
+
+    torch._dynamo.reset()
+    compiled = torch.compile(step, fullgraph=True, backend="eager")
+    counters.clear()
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        ids = torch.randint(3, VOCAB, (2, 310), generator=g)
+        for cache in (compiled_cache, eager_cache):
+            model(input_ids=ids, past_key_values=cache, num_steps=3, **EXIT)
+        tok = torch.randint(3, VOCAB, (2, 1), generator=g)
+        for i in range(16):
+            pos = torch.full((2, 1), 310 + i)
+            got = compiled(tok, pos, compiled_cache)
+            want = step(tok, pos, eager_cache)
+            torch.testing.assert_close(got, want, atol=LOGITS_FP32_ATOL, rtol=LOGITS_FP32_RTOL)
+            tok = got[:, -1].argmax(-1, keepdim=True)
+    assert counters["stats"]["unique_graphs"] == 1
+    assert not counters["graph_break"]
