@@ -349,3 +349,18 @@ def test_vllm_ouro_with_a_plan_serves_loopkv_cells(backend, tmp_path, grid):
         assert 0.01 < float(want.abs().mean()) < 10
         torch.testing.assert_close(out.view(want[0].shape), want[0], atol=1e-5, rtol=1e-5, msg=name)
     assert math.isfinite(float(cache.storage(1).k_scale.float().abs().max()))  # cell (0, 1) is quantized in all
+
+
+def test_the_holder_must_be_built_first(backend):
+    # every cell shares the tensor of the first layer vLLM's Ouro builds: a vLLM building another cell first is refused
+    from loopkv.vllm.model import _cell_factory
+
+    config = OuroConfig(num_hidden_layers=2, hidden_size=256, num_attention_heads=2, num_key_value_heads=2,
+                        head_dim=128, intermediate_size=64, vocab_size=128, total_ut_steps=2)
+    plan = Plan.from_config(config, option="int4")
+    make = _cell_factory(plan, kv_layout(plan, config), {})
+    with pytest.raises(RuntimeError, match="built model.layers.1.self_attn.attn before layer 0"):
+        make(2, 128, 1.0, prefix="model.layers.1.self_attn.attn")
+    make = _cell_factory(plan, kv_layout(plan, config), {0: object()})
+    with pytest.raises(RuntimeError, match="built model.layers.0.self_attn.attn again"):
+        make(2, 128, 1.0, prefix="model.layers.0.self_attn.attn")
