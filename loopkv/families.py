@@ -28,7 +28,9 @@ index) and gives ``core_index(t, j)``, the cache index core layer ``j`` writes i
 :func:`build_layout` of them; add it to :data:`FAMILIES` with how its configs are recognised
 (:func:`family_of`), and the oldest transformers that has the model (or ``None``). ``loops`` is the loop count
 (:func:`layout_of`'s ``loops=``): ``None`` means the config's default; a model whose loop count is chosen per call
-(recurrent depth, Huginn's ``r``) is laid out for the largest count it will run, and a plan is made for that count.
+(recurrent depth, Huginn's ``r``) is laid out for the largest count it will run, and a plan is made for that count;
+such a family is in :data:`PER_CALL_LOOPS`, and a cache for calls of fewer loops ``n`` is laid out for ``n`` and
+serves ``plan.for_loops(n)`` (its last loop as the plan's final one).
 """
 
 from __future__ import annotations
