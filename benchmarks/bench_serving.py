@@ -124,8 +124,7 @@ class Engine:
 
         self.model, self.vocab = model, model.config.vocab_size
         gen = GenerationConfig(do_sample=False, eos_token_id=-1, pad_token_id=0, max_new_tokens=max_len)
-        # every prompt in one pass next to every slot decoding (a plan with share cells needs it: WholePrompts)
-        cb = engine_config(plan, pool_pages=pages, max_len=max_len, max_slots=slots)
+        cb = engine_config(pool_pages=pages, max_len=max_len, max_slots=slots)
         self._context = engine_cache(plan, max_slots=slots, max_len=max_len)
         self._built = self._context.__enter__()
         try:

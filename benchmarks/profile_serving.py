@@ -2,7 +2,7 @@
 tiny shape with Ouro-1.4B's 96 cells, on the CPU (or a GPU if there is one).
 
     python benchmarks/profile_serving.py [--loops 4] [--layers 24] [--requests 8] [--new 48]
-        [--prompt 40] [--max-batch-tokens 512] [--cprofile 25]
+        [--prompt 40] [--cprofile 25]
         [--out benchmarks/results/serving_profile.json]
 
 Reports, per decode-only step (every request decoding one token) and per step with prompts or prompt chunks:
@@ -86,7 +86,6 @@ def main(argv=None) -> dict:
     ap.add_argument("--requests", type=int, default=8)
     ap.add_argument("--prompt", type=int, default=40, help="tokens per prompt; more than --requests")
     ap.add_argument("--new", type=int, default=48)
-    ap.add_argument("--max-batch-tokens", type=int, default=512, help="the engine's tokens per step (chunks)")
     ap.add_argument("--cprofile", type=int, default=0, metavar="TOP",
                     help="also profile the engine's thread (slows every step) and list its TOP functions")
     ap.add_argument("--out", default=str(RESULTS / "serving_profile.json"))
@@ -104,7 +103,7 @@ def main(argv=None) -> dict:
     gen = GenerationConfig(max_new_tokens=args.new, do_sample=False, eos_token_id=-1, pad_token_id=0)
     prompts = [[3 + (i * 7 + j) % 90 for j in range(args.prompt)] for i in range(args.requests)]
     max_len = max(512, args.prompt + args.new)
-    cb = engine_config(plan, pool_pages=args.requests * -(-max_len // 32), max_batch_tokens=args.max_batch_tokens)
+    cb = engine_config(pool_pages=args.requests * -(-max_len // 32), max_len=max_len, max_slots=args.requests)
 
     # per forward: when it started, whether every token decoded, the sync counts so far, its packed tokens
     steps: list[tuple[float, bool, collections.Counter, int]] = []

@@ -13,17 +13,17 @@ history:
 * **indices**: the write index of a request's token at position ``p`` is ``slot * max_len + p``, so the attention
   function recovers each packed token's slot and position from the engine's own index tensor; padding tokens get
   the engine's trash index (``max_slots * max_len``).
-* **the step's segments** (a new prompt, a prompt's next chunk, a decode token) are recorded on the host as the
-  engine prepares the batch (:meth:`schedule`, from its per-request index call), so splitting the packed batch reads
-  nothing back from the device;
+* **the step's segments** (a new prompt, whole: ``transformers_cb.WholePrompts``; a decode token) are recorded on
+  the host as the engine prepares the batch (:meth:`schedule`, from its per-request index call), so splitting the
+  packed batch reads nothing back from the device;
 * **the model** hands its forward to :meth:`run_step`, which prepares the step on the host (the segments checked,
   pages reserved, the new prompts' writes as a :class:`~loopkv.cache.slots.PrefillStep`, the decoding rows written
   into :class:`~loopkv.cache.slots.DecodeSteps`' fixed tensors: one copy to the device) and runs it: a step where
   every request decodes one token through :class:`~loopkv.serving.decode_graphs.DecodeGraphs` (padded to a bucket,
   a CUDA graph per bucket on CUDA), any other step eagerly. In the forward the model calls :meth:`update` per cell, as
   with any transformers cache, and the ``"loopkv"`` attention function hands the packed batch to :meth:`attend`,
-  which, through ``loopkv/cache/slots.py``, writes the step's new prompts together, runs their exact attention and
-  the chunks per segment, and every decoding slot in one fixed-shape call. Nothing is read back per cell.
+  which, through ``loopkv/cache/slots.py``, writes the step's new prompts together, runs their exact attention per
+  segment, and every decoding slot in one fixed-shape call. Nothing is read back per cell.
 * **uncodable prompt tokens** (non-finite, or beyond the INT4/INT2 codec's fp16 range) are flagged on the device per
   quantized cell and read once, at the step's last cell: such a step raises the cache's usual error and the engine
   fails its requests and frees their slots, so nothing of it stays stored.
@@ -98,8 +98,8 @@ class EngineCache:
                                                device=self.device)
         self.graphs = DecodeGraphs(max_rows=max_slots, device=self.device,
                                    capture=cuda_graphs and self.device.type == "cuda")
-        # the last STEPS_KEPT forwards: (time.perf_counter() at the first cell, decoding rows, prompt and chunk
-        # tokens); a step lasts until the next one starts (what a benchmark times decode steps by)
+        # the last STEPS_KEPT forwards: (time.perf_counter() when it began, decoding rows, prompt tokens); a step
+        # lasts until the next one starts (what a benchmark times decode steps by)
         self.steps: deque[tuple[float, int, int]] = deque(maxlen=STEPS_KEPT)
         self.admissions = 0  # slots given out: more than the requests served means some were preempted
         # per request (the last LIVES_KEPT), each admission's (first position, tokens) steps: how its tokens went
@@ -210,14 +210,10 @@ class EngineCache:
             kp, vp = kk.index_select(0, step.checked), vv.index_select(0, step.checked)
             self._uncodable.append((cell, (checks.uncodable(kp) | checks.uncodable(vp)).any()))
         written = []
-        for slot, pos, start, n in step.prompts:
+        for _, start, n in step.prompts:  # each new prompt (written above): exact attention over itself
             seg = slice(start, start + n)
-            qs, ks, vs = query[:, :, seg], k[:, :, seg], v[:, :, seg]  # [1, Hq|H, n, D]
-            if pos == 0:  # a new prompt (written above): exact attention over itself
-                written.append((seg, _prompt_attention(qs, ks, vs, step.no_pad, scale)[0]))
-            else:  # a prompt's next chunk
-                written.append((seg, slots.extend(self.cache, cell, slot, pos, qs[0], ks[0], vs[0], scale=scale,
-                                                  check=False)))
+            written.append((seg, _prompt_attention(query[:, :, seg], k[:, :, seg], v[:, :, seg], step.no_pad,
+                                                   scale)[0]))
         last = cell == len(self.cache.layers) - 1
         if last:
             self._check_codable()
@@ -262,8 +258,12 @@ class EngineCache:
                                    f"{self._held[slot]} tokens: the engine's and the cache's requests disagree")
             if n == 1 and pos > 0:
                 decoding.append((slot, start))
+            elif pos == 0:
+                prompts.append((slot, start, n))
             else:
-                prompts.append((slot, pos, start, n))
+                raise RuntimeError(f"the engine scheduled a chunk of {n} tokens after position {pos} of request "
+                                   f"{request_id}; loopkv's engine schedules every prompt whole (engine_cache's "
+                                   "WholePrompts scheduler)")
             self.lives[request_id][-1].append((pos, n))
             start += n
         if start > tokens:
@@ -274,13 +274,12 @@ class EngineCache:
         graphed = not prompts and len(decoding) == tokens == logits
         width = bucket(tokens) if graphed else tokens
         decode = self._decode_steps.fill(decoding, tokens=width) if decoding else None
-        new = [(slot, start, n) for slot, pos, start, n in prompts if pos == 0]
-        for slot, _, _ in new:
+        for slot, _, _ in prompts:
             self.cache._pads[slot] = 0  # the engine's prompts are not padded
-        prefill = slots.PrefillStep.build(new, device=self.device) if new else None
+        prefill = slots.PrefillStep.build(prompts, device=self.device) if prompts else None
         checked = None
-        if prompts and self._quantized:  # the prompt and chunk tokens, checked codable once per step
-            index = [t for _, _, start, n in prompts for t in range(start, start + n)]
+        if prompts and self._quantized:  # the prompt tokens, checked codable once per step
+            index = [t for _, start, n in prompts for t in range(start, start + n)]
             checked = _to_device(index, self.device)
         self.steps.append((began, len(decoding), sum(n for *_, n in prompts)))
         return _Step(prompts=prompts, decode=decode, prefill=prefill, checked=checked, no_pad=self._no_pad,
@@ -297,14 +296,13 @@ def _to_device(values: list[int], device) -> Tensor:
 
 @dataclass(frozen=True)
 class _Step:
-    """A forward's segments: ``prompts`` (slot, first position, first packed token, tokens) of each new prompt or
-    prompt chunk, their attention run per segment; ``decode`` the decoding rows, run together (None if none
-    decodes)."""
+    """A forward's segments: ``prompts`` (slot, first packed token, tokens) of each new prompt, their attention run per
+    segment; ``decode`` the decoding rows, run together (None if none decodes)."""
 
-    prompts: list[tuple[int, int, int, int]]
+    prompts: list[tuple[int, int, int]]
     decode: slots.DecodeStep | None
     prefill: slots.PrefillStep | None = None  # the new prompts' writes (None if none starts)
-    checked: Tensor | None = None  # the packed tokens of prompts and chunks, checked codable (quantized plans)
+    checked: Tensor | None = None  # the packed tokens of the prompts, checked codable (quantized plans)
     no_pad: Tensor | None = None  # a prompt's padding for its exact attention: none
     graphed: bool = False  # every token decodes a row: the step runs padded to its bucket (DecodeGraphs)
 

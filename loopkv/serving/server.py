@@ -129,7 +129,7 @@ class CompletionServer:
         self._ids = itertools.count()
         self._closed = threading.Event()
         self._serving = threading.Event()
-        cb = engine_config(plan, pool_pages=pool_pages, max_batch_tokens=max_batch_tokens, max_len=max_len,
+        cb = engine_config(pool_pages=pool_pages, max_batch_tokens=max_batch_tokens, max_len=max_len,
                            max_slots=max_slots, **engine)
         eos = model.generation_config.eos_token_id
         self._eos = set(eos if isinstance(eos, list) else [] if eos is None else [eos])

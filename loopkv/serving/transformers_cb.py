@@ -27,14 +27,16 @@ step's split into prompts and decodes for another; loopkv captures its decode-on
 runs; offloading copies engine blocks loopkv does not have) and without compilation (the engine's default; a compile
 config, which also pads the batch, is untested here).
 
-**Whole prompts for plans with ``share`` cells.** A prompt's later chunk is a continuation, which a plan with
-``share`` cells takes at most ``WINDOW`` tokens at a time (``LoopKVCache.continuation_limit``), and a new prompt is
-one exact pass of any length (and far faster than chunks). So for such a plan :func:`engine_cache` also swaps the
-engine's scheduler classes (``scheduler.SCHEDULER_MAPPING``) for subclasses that leave a prompt waiting until a step
-has room for all of it (:class:`WholePrompts`: it filters the candidates before the engine's ``_process_candidates``,
-whose signature 5.17 and 5.24 share), and the step budget must hold the longest request next to every slot decoding
-(``max_batch_tokens >= max_len + max_slots``, :func:`check_step_budget`), so a waiting prompt always fits in a step
-once it is first in line.
+**Whole prompts.** loopkv's engine never splits a prompt: :func:`engine_cache` swaps the engine's scheduler classes
+(``scheduler.SCHEDULER_MAPPING``) for subclasses that leave a prompt (a new request, or a preempted one back as a new
+prompt) waiting until a step has room for all of it (:class:`WholePrompts`: it filters the candidates before the
+engine's ``_process_candidates``, whose signature 5.17 and 5.24 share), and the step budget must hold the longest
+request next to every slot decoding (``max_batch_tokens >= max_len + max_slots``, :func:`check_step_budget`), so a
+waiting prompt fits in a step once it is first in line. A new prompt is one exact pass (``slots.prefill_step``), as
+in ``generate``; a later chunk would be a continuation with the served semantics, which costs far more per token
+(``loopkv/cache/continuation.py`` scores every key both as stored exact and dequantized: about 1.2 s per 512-token
+chunk of Ouro-1.4B on the H200, against one pass of a 13K-token prompt in 1.2 s) and which a plan with ``share``
+cells takes at most ``WINDOW`` tokens at a time (``LoopKVCache.continuation_limit``).
 """
 
 from __future__ import annotations
@@ -109,9 +111,10 @@ class EngineCache517(EngineCache):
 
 
 class WholePrompts:
-    """Mixed into the engine's scheduler class for a plan with ``share`` cells: a prompt (a waiting request, or one
-    preempted and back as a new prompt) is a candidate only when the step's token budget, after the candidates before
-    it, holds all of it; otherwise it waits for a later step (module docstring)."""
+    """Mixed into the engine's scheduler class: a prompt (a waiting request, or one preempted and back as a new
+    prompt) is a candidate only when the step's token budget, after the candidates before it, holds all of it;
+    otherwise it waits for a later step (module docstring). A prompt of ``max_len`` tokens or more stays a candidate:
+    the cache refuses its blocks and the engine fails it alone."""
 
     def _process_candidates(self, candidates, token_budget, cache_budget, request_ids_to_remove_from_waiting):
         from transformers.generation.continuous_batching.requests import RequestStatus
@@ -120,19 +123,19 @@ class WholePrompts:
         for state in candidates:
             decoding = state.status == RequestStatus.DECODING
             need = 1 if decoding else len(state.remaining_prefill_tokens)
-            if decoding or need <= left:
+            if decoding or need <= left or need >= self.cache.max_len:
                 whole.append(state)
                 left -= need
         return super()._process_candidates(whole, token_budget, cache_budget, request_ids_to_remove_from_waiting)
 
 
-def check_step_budget(plan, *, max_batch_tokens: int, max_len: int, max_slots: int) -> None:
-    """Refuse a step budget too small for a plan with ``share`` cells, whose prompts are scheduled whole."""
-    if "share" in plan.options and max_batch_tokens < max_len + max_slots:
+def check_step_budget(*, max_batch_tokens: int, max_len: int, max_slots: int) -> None:
+    """Refuse a step budget that cannot hold the longest prompt next to every slot decoding (prompts are whole)."""
+    if max_batch_tokens < max_len + max_slots:
         least = max_len + max_slots
-        raise ValueError(f"max_batch_tokens={max_batch_tokens} is too small for a plan with 'share' cells, whose "
-                         f"prompts the engine schedules whole: use max_batch_tokens >= max_len + max_slots = {least} "
-                         "(the longest request next to every slot decoding), or a plan without 'share' cells")
+        raise ValueError(f"max_batch_tokens={max_batch_tokens} is too small: loopkv's engine schedules every prompt "
+                         f"whole, so use max_batch_tokens >= max_len + max_slots = {least} (the longest request next "
+                         "to every slot decoding), or leave it unset")
 
 
 class _Allocator524:
@@ -256,9 +259,9 @@ def check_version() -> None:
 @contextlib.contextmanager
 def engine_cache(plan, *, max_slots: int, max_len: int, cuda_graphs: bool = True):
     """Within the block, transformers' engine builds an :class:`EngineCache` for ``plan`` (:func:`engine_class`; a
-    lock keeps two engines from building at once) and, for a plan with ``share`` cells, schedules prompts whole
-    (:class:`WholePrompts`); yields the list of the caches it built. ``cuda_graphs``: decode-only steps on CUDA replay
-    loopkv's graphs (``loopkv/serving/decode_graphs.py``)."""
+    lock keeps two engines from building at once) and schedules prompts whole (:class:`WholePrompts`); yields the
+    list of the caches it built. ``cuda_graphs``: decode-only steps on CUDA replay loopkv's graphs
+    (``loopkv/serving/decode_graphs.py``)."""
     from transformers.generation.continuous_batching import continuous_api, scheduler
 
     check_version()
@@ -267,7 +270,7 @@ def engine_cache(plan, *, max_slots: int, max_len: int, cuda_graphs: bool = True
 
     def build(config, continuous_batching_config, device, *args, dtype=torch.float16, **kwargs):
         cb = continuous_batching_config
-        check_step_budget(plan, max_batch_tokens=cb.max_batch_tokens, max_len=max_len, max_slots=max_slots)
+        check_step_budget(max_batch_tokens=cb.max_batch_tokens, max_len=max_len, max_slots=max_slots)
         built.append(cls(plan, config=config, max_slots=max_slots, max_len=max_len,
                           pool_pages=cb.num_blocks, max_batch_tokens=cb.max_batch_tokens, dtype=dtype,
                           device=device, cuda_graphs=cuda_graphs))
@@ -277,9 +280,8 @@ def engine_cache(plan, *, max_slots: int, max_len: int, cuda_graphs: bool = True
     with _LOCK:
         original = continuous_api.PagedAttentionCache
         continuous_api.PagedAttentionCache = build
-        if plan is not None and "share" in plan.options:
-            for name, base in schedulers.items():
-                scheduler.SCHEDULER_MAPPING[name] = type(f"WholePrompts{base.__name__}", (WholePrompts, base), {})
+        for name, base in schedulers.items():
+            scheduler.SCHEDULER_MAPPING[name] = type(f"WholePrompts{base.__name__}", (WholePrompts, base), {})
         try:
             yield built
         finally:
@@ -287,14 +289,15 @@ def engine_cache(plan, *, max_slots: int, max_len: int, cuda_graphs: bool = True
             scheduler.SCHEDULER_MAPPING.update(schedulers)
 
 
-def engine_config(plan, *, pool_pages: int, max_batch_tokens: int | None = None, max_len: int | None = None,
-                  max_slots: int | None = None, **config):
-    """transformers' ``ContinuousBatchingConfig`` for a LoopKV engine cache: 32-token blocks (the page; the field is
-    ``page_size`` where the config has one, as in 5.24, else ``block_size``), the pool's pages as the engine's blocks,
-    no CUDA graphs, no async batching, no block table, no CPU offloading and, where the engine has the switch (5.24),
-    no automatic switch to flash attention (loopkv's attention would not use it). ``max_batch_tokens`` (tokens per
-    step) defaults to 512, and for a plan with ``share`` cells, whose prompts are scheduled whole, to ``max_len +
-    max_slots`` (the least it may be: :func:`check_step_budget`; pass ``max_len`` and ``max_slots`` then)."""
+def engine_config(*, pool_pages: int, max_len: int, max_slots: int, max_batch_tokens: int | None = None,
+                  **config):
+    """transformers' ``ContinuousBatchingConfig`` for a LoopKV engine cache of ``max_slots`` requests of at most
+    ``max_len`` tokens: 32-token blocks (the page; the field is ``page_size`` where the config has one, as in 5.24,
+    else ``block_size``), the pool's pages as the engine's blocks, no CUDA graphs of the engine's (loopkv captures
+    its own), no async batching, no block table, no CPU offloading and, where the engine has the switch (5.24), no
+    automatic switch to flash attention (loopkv's attention would not use it). ``max_batch_tokens`` (tokens per
+    step) defaults to, and must be at least, ``max_len + max_slots``: prompts are scheduled whole
+    (:func:`check_step_budget`)."""
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
     fields = {f.name for f in dataclasses.fields(ContinuousBatchingConfig)}
@@ -303,15 +306,8 @@ def engine_config(plan, *, pool_pages: int, max_batch_tokens: int | None = None,
                  "max_blocks_per_request", "cpu_offload_space"):
         if name in config:
             raise ValueError(f"{name} is set by loopkv's continuous batching; leave it out")
-    if "share" in plan.options:
-        if max_len is None or max_slots is None:
-            raise ValueError("a plan with 'share' cells has its prompts scheduled whole, so its step budget depends on "
-                             "the engine's request length and slots: pass max_len and max_slots (and optionally "
-                             "max_batch_tokens >= max_len + max_slots)")
-        max_batch_tokens = max_len + max_slots if max_batch_tokens is None else max_batch_tokens
-        check_step_budget(plan, max_batch_tokens=max_batch_tokens, max_len=max_len, max_slots=max_slots)
-    elif max_batch_tokens is None:
-        max_batch_tokens = 512
+    max_batch_tokens = max_len + max_slots if max_batch_tokens is None else max_batch_tokens
+    check_step_budget(max_batch_tokens=max_batch_tokens, max_len=max_len, max_slots=max_slots)
     if "auto_switch_to_flash" in fields:
         config.setdefault("auto_switch_to_flash", False)
     return ContinuousBatchingConfig(**{page: PAGE}, num_blocks=pool_pages, max_batch_tokens=max_batch_tokens,
@@ -348,7 +344,7 @@ def generate_batch(model, inputs: list[list[int]], plan, *, max_slots: int, max_
         dtype_bytes = torch.empty(0, dtype=model.dtype).element_size()
         pool_pages = pool_pages_for(plan, model.config, budget_bytes=int(kv_budget_gib * 2**30),
                                     max_batch_size=max_slots, dtype_bytes=dtype_bytes)
-    cb = engine_config(plan, pool_pages=pool_pages, max_batch_tokens=max_batch_tokens, max_len=max_len,
+    cb = engine_config(pool_pages=pool_pages, max_batch_tokens=max_batch_tokens, max_len=max_len,
                        max_slots=max_slots, **config)
     new = (generation_config or model.generation_config).max_new_tokens or 0
     check_requests(inputs, max_len=max_len, pool_pages=pool_pages, max_new_tokens=new)

@@ -27,7 +27,7 @@ def test_capture_needs_a_cuda_device():
 
 def _serve(model, plan, prompts, *, cuda_graphs, new=24):
     gen = GenerationConfig(max_new_tokens=new, do_sample=False, eos_token_id=-1, pad_token_id=0)
-    cb = engine_config(plan, pool_pages=96, max_len=512, max_slots=5)
+    cb = engine_config(pool_pages=96, max_len=512, max_slots=5)
     with engine_cache(plan, max_slots=5, max_len=512, cuda_graphs=cuda_graphs) as built:
         out = model.generate_batch(prompts, generation_config=gen, continuous_batching_config=cb)
     (engine,) = built

@@ -64,9 +64,9 @@ def test_an_uncodable_prompt_token_fails_its_step_and_leaves_nothing_stored():
         model.model.embed_tokens.weight[96] = float("nan")
     plan = loopkv.Plan.uniform(loops=2, layers=2, option="int4", tau=14.0)
     gen = GenerationConfig(max_new_tokens=4, do_sample=False, eos_token_id=-1, pad_token_id=0)
+    cb = engine_config(pool_pages=40, max_len=512, max_slots=2)
     with engine_cache(plan, max_slots=2, max_len=512) as built:
-        manager = model.init_continuous_batching(generation_config=gen,
-                                                 continuous_batching_config=engine_config(plan, pool_pages=40))
+        manager = model.init_continuous_batching(generation_config=gen, continuous_batching_config=cb)
         manager.start()
         try:
             manager.add_request([5] * 300 + [96] + [7] * 40, request_id="bad", max_new_tokens=4)

@@ -44,27 +44,25 @@ def _replay(model, plan, tokens, steps):
 
 
 @needs_engine
-@pytest.mark.parametrize(("per_loop", "max_batch_tokens"), [
-    (["int4", "int2"], 200),  # prompts split into chunks of at most 200 tokens
-    (["share", "int4"], None),  # share cells: every prompt scheduled whole (max_len + max_slots tokens per step)
-])
-def test_each_request_equals_its_steps_replayed_alone(model, per_loop, max_batch_tokens):
+@pytest.mark.parametrize("per_loop", [["int4", "int2"], ["share", "int4"]])
+def test_each_request_equals_its_steps_replayed_alone(model, per_loop):
     """Six requests through three slots and 16 blocks: requests joining as others leave, some preempted and
-    prefilled again, prompts split into chunks (or, for a plan with share cells, never split). Every token each
-    admission generated equals what a batch-1 LoopKVCache predicts when fed the same tokens in the same steps (the
-    served semantics per request); with the pool and the budget large enough for neither chunks nor preemption, that
-    is the request generated alone."""
+    prefilled again, every prompt in one step. Every token each admission generated equals what a batch-1
+    LoopKVCache predicts when fed the same tokens in the same steps (the served semantics per request); with a pool
+    large enough for no preemption, that is the request generated alone."""
     plan = loopkv.Plan.from_loops(loops=2, layers=2, per_loop=per_loop, tau=14.0)
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, 97, (n,), generator=g).tolist() for n in (330, 40, 5, 300, 120, 350)]
-    cb = engine_config(plan, pool_pages=16, max_batch_tokens=max_batch_tokens, max_len=512, max_slots=3)
+    cb = engine_config(pool_pages=16, max_len=512, max_slots=3)
     with engine_cache(plan, max_slots=3, max_len=512) as built:
         out = model.generate_batch(prompts, generation_config=_greedy(), continuous_batching_config=cb)
     (engine,) = built
     assert type(engine) is transformers_cb.engine_class()
     assert engine.admissions > len(prompts)  # some requests were preempted and prefilled again
-    chunks = [(pos, n) for lives in engine.lives.values() for life in lives for pos, n in life if n > 1 and pos > 0]
-    assert bool(chunks) == (max_batch_tokens is not None), chunks
+    for lives in engine.lives.values():  # each admission: its whole prompt, then one token a step
+        for life in lives:
+            assert life[0][0] == 0, life
+            assert all(n == 1 for _, n in life[1:]), life
     assert engine.cache.pages_in_use == 0
     assert engine.free_block_count() == engine.num_blocks
     checked = 0
@@ -94,14 +92,8 @@ def test_requests_the_engine_could_never_finish_are_refused_up_front(model):
     with pytest.raises(ValueError, match="request 0 needs 560 tokens"):
         generate_batch(model, [[5] * 520], plan, max_slots=2, max_len=512, pool_pages=16,
                        generation_config=_greedy())
-    share = loopkv.Plan.from_loops(loops=2, layers=2, per_loop=["share", "int4"])
-    with pytest.raises(ValueError, match="pass max_len and max_slots"):
-        engine_config(share, pool_pages=16, max_batch_tokens=600)
     with pytest.raises(ValueError, match=r"max_batch_tokens >= max_len \+ max_slots = 514"):
-        engine_config(share, pool_pages=16, max_batch_tokens=513, max_len=512, max_slots=2)
-    with pytest.raises(ValueError, match="request 0 needs 560 tokens"):  # the share plan's budget holds it
-        generate_batch(model, [[5] * 520], share, max_slots=2, max_len=512, pool_pages=16,
-                       generation_config=_greedy())
+        engine_config(pool_pages=16, max_batch_tokens=513, max_len=512, max_slots=2)
 
 
 @needs_engine
@@ -111,15 +103,15 @@ def test_the_engine_cache_follows_the_installed_engine():
     have = Version(Version(transformers.__version__).base_version)
     expected = transformers_cb.EngineCache524 if have >= Version("5.24") else transformers_cb.EngineCache517
     assert transformers_cb.engine_class() is expected
-    plan = loopkv.Plan.uniform(loops=2, layers=2, option="int4")
-    cb = engine_config(plan, pool_pages=16)
+    cb = engine_config(pool_pages=16, max_len=64, max_slots=2)
     page = cb.page_size if have >= Version("5.24") else cb.block_size
     assert (page, cb.num_blocks, cb.max_blocks_per_request, cb.cpu_offload_space) == (32, 16, 0, 0.0)
+    assert cb.max_batch_tokens == 66  # the longest request next to every slot decoding
     assert cb.use_cuda_graph is False
     assert cb.use_async_batching is False
     for name in ("page_size", "block_size", "cpu_offload_space"):
         with pytest.raises(ValueError, match=name):
-            engine_config(plan, pool_pages=16, **{name: 1})
+            engine_config(pool_pages=16, max_len=64, max_slots=2, **{name: 1})
 
 
 @pytest.mark.parametrize("version", ["5.16.1", "5.25.0.dev0", "6.0.0"])
@@ -190,8 +182,8 @@ def test_a_request_longer_than_max_len_fails_alone_in_a_running_engine(model, ca
     plan = loopkv.Plan.uniform(loops=2, layers=2, option="int4", tau=14.0)
     prompts = {"ok1": [3 + i % 90 for i in range(50)], "bad": [3 + i % 90 for i in range(600)], "ok2": [5] * 30}
     with engine_cache(plan, max_slots=2, max_len=512):
-        manager = model.init_continuous_batching(generation_config=_greedy(8),
-                                                 continuous_batching_config=engine_config(plan, pool_pages=40))
+        cb = engine_config(pool_pages=40, max_len=512, max_slots=2)
+        manager = model.init_continuous_batching(generation_config=_greedy(8), continuous_batching_config=cb)
         manager.start()
         try:
             for rid, ids in prompts.items():
@@ -240,22 +232,22 @@ def test_a_decode_step_reads_nothing_back_from_the_device(tmp_path):
 
 
 @needs_engine
-def test_a_plan_with_share_cells_gets_every_prompt_whole(model):
+@pytest.mark.parametrize("per_loop", [["int4", "int4"], ["share", "int4"]])
+def test_a_prompt_waits_for_a_step_with_room_for_all_of_it(model, per_loop):
     """Four prompts sent at once with room for 516 tokens per step: after 330 and 40 tokens, the 300-token prompt does
-    not fit the 146 left. The engine would split it (it does for an INT4 plan); for a plan with share cells it waits
-    for the next step and is prefilled in one pass, and the 5-token prompt behind it goes first. Every request's
-    tokens are what it generates alone through a LoopKVCache with the same plan."""
+    not fit the 146 left. The engine alone would split it; loopkv's engine leaves it for the next step, where it is
+    prefilled in one pass, and takes the 5-token prompt behind it first. Every request's tokens are what it generates
+    alone through a LoopKVCache with the same plan."""
     prompts = [[3 + (7 * i + j) % 90 for j in range(n)] for i, n in enumerate((330, 40, 300, 5))]
-    first_steps = {}
-    for per_loop in (["int4", "int4"], ["share", "int4"]):
-        plan = loopkv.Plan.from_loops(loops=2, layers=2, per_loop=per_loop, tau=14.0)
-        cb = engine_config(plan, pool_pages=64, max_batch_tokens=516, max_len=512, max_slots=4)
-        with engine_cache(plan, max_slots=4, max_len=512) as built:
-            out = model.generate_batch(prompts, generation_config=_greedy(8), continuous_batching_config=cb)
-        (engine,) = built
-        first_steps[per_loop[0]] = {rid: lives[0][0] for rid, lives in engine.lives.items()}
-    assert first_steps["int4"]["req_2"] == (0, 146)  # the engine's own split
-    assert first_steps["share"] == {f"req_{i}": (0, len(p)) for i, p in enumerate(prompts)}
+    plan = loopkv.Plan.from_loops(loops=2, layers=2, per_loop=per_loop, tau=14.0)
+    cb = engine_config(pool_pages=64, max_len=512, max_slots=4)
+    with engine_cache(plan, max_slots=4, max_len=512) as built:
+        out = model.generate_batch(prompts, generation_config=_greedy(8), continuous_batching_config=cb)
+    (engine,) = built
+    assert cb.max_batch_tokens == 516
+    assert engine.steps[0][2] == 330 + 40 + 5  # the first step's prompt tokens: the 300 waited
+    assert {rid: lives[0][0] for rid, lives in engine.lives.items()} == {
+        f"req_{i}": (0, len(p)) for i, p in enumerate(prompts)}
     for rid, o in out.items():
         prompt = prompts[int(rid.split("_")[1])]
         cache = loopkv.LoopKVCache(plan, config=model.config, max_batch_size=1, max_cache_len=512,
