@@ -330,6 +330,143 @@ def compare_logprobs(ref_tokens: list[list[int]], ref_lp: list[list[dict]], othe
                     f"KL over the tokens both top-{PLAN_LOGPROBS} lists hold, renormalized over them"}
 
 
+# The real-weight check: one random checkpoint, the served KL against LoopKVCache's (docs/vllm.md, "Checks on the GPU")
+CHECKPOINT_SEED = 0  # torch's seed of the random OuroForCausalLM every arm loads
+# served KL <= SERVED_KL_FACTOR x (LoopKVCache's KL + the BF16 engines' KL): served_kl_check explains the bound
+SERVED_KL_FACTOR = 2.0
+# vLLM BF16 against transformers' dense BF16 on the same checkpoint, top-K KL mean: two exact engines differ by
+# rounding alone (order 1e-3 nats and below); a checkpoint vLLM read wrong gives order 1
+ENGINES_KL_MAX = 0.05
+REFERENCE_ARM = "reference"
+
+
+def write_checkpoint(folder, config: dict, *, seed: int = CHECKPOINT_SEED, dtype=None, device="cpu"):
+    """loopkv's ``OuroForCausalLM`` of ``config`` (a config.json dict, :func:`ouro_config_dict`) with transformers'
+    random init under ``torch.manual_seed(seed)``, in ``dtype`` (default bfloat16), saved with ``save_pretrained``
+    (safetensors) into ``folder``, whose config.json is then ``config`` itself. loopkv's parameter names are vLLM's
+    Ouro's checkpoint names (``model.layers.{l}.self_attn.q_proj.weight``, ..., ``lm_head.weight``; vLLM stacks
+    q/k/v and gate/up as it loads), so no renaming. Returns the model (eval mode, on ``device``)."""
+    import torch
+
+    from loopkv.models.ouro import OuroConfig, OuroForCausalLM
+
+    folder = pathlib.Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    cfg = OuroConfig.from_dict({k: v for k, v in config.items() if k not in ("architectures", "model_type")})
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = OuroForCausalLM(cfg)
+    model = model.to(dtype or torch.bfloat16).eval()
+    model.save_pretrained(folder)
+    (folder / "config.json").write_text(json.dumps(config, indent=1) + "\n")
+    return model
+
+
+def greedy_topk(model, prompts: list[list[int]], new_cache, *, new_tokens: int, k: int) -> dict:
+    """Greedy ``new_tokens`` tokens of each prompt (alone, batch 1) through transformers with the cache
+    ``new_cache(capacity)`` makes, and at each generated position the top-``k`` logprobs (log-softmax over the whole
+    vocabulary in float32, as vLLM's), in the arms' format: ``{"tokens": [[id]], "logprobs": [[{"id": lp}]]}``."""
+    import torch
+
+    tokens, logprobs = [], []
+    for prompt in prompts:
+        cache = new_cache(len(prompt) + new_tokens)
+        ids = torch.tensor([prompt], device=model.device)
+        row, lps = [], []
+        with torch.no_grad():
+            logits = model(input_ids=ids, past_key_values=cache, logits_to_keep=1).logits[0, -1]
+            for i in range(new_tokens):
+                top = torch.topk(torch.log_softmax(logits.float(), dim=-1), k)
+                row.append(int(top.indices[0]))
+                lps.append({str(t): round(v, 5) for t, v in zip(top.indices.tolist(), top.values.tolist(),
+                                                               strict=True)})
+                if i + 1 < new_tokens:
+                    step = torch.tensor([[row[-1]]], device=model.device)
+                    logits = model(input_ids=step, past_key_values=cache).logits[0, -1]
+        tokens.append(row)
+        logprobs.append(lps)
+    return {"tokens": tokens, "logprobs": logprobs}
+
+
+def run_reference_arm(args) -> dict:
+    """``--arm reference``: write the checkpoint every arm loads (``--weights``), then the same prompts through
+    transformers on this process's device: the dense cache (``dense_cache``: exact) and, per quantized plan,
+    ``LoopKVCache(plan)``, greedy with top-K logprobs as the vLLM arms report them. Runs before any vLLM arm; its
+    memory goes with its process."""
+    import torch
+
+    import loopkv
+    from loopkv.models.ouro_config import dense_cache
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    config = ouro_config_dict()
+    with Step(f"[{REFERENCE_ARM}] random OuroForCausalLM (seed {CHECKPOINT_SEED}) saved to {args.weights}") as s:
+        model = write_checkpoint(args.weights, config, device=device)
+    result = {"arm": REFERENCE_ARM, "device": device, "seed": CHECKPOINT_SEED, "dtype": "bfloat16",
+              "checkpoint_s": round(s.seconds, 1), "plans": {}}
+    prompts = plan_prompts(vocab=config["vocab_size"])
+    kw = dict(new_tokens=PLAN_NEW_TOKENS, k=PLAN_LOGPROBS)
+    with Step(f"[{REFERENCE_ARM}] dense cache, prompts of {PLAN_PROMPT_LENGTHS}"):
+        result["dense"] = greedy_topk(model, prompts, lambda n: dense_cache(model.config), **kw)
+    for label, arm, path in arm_runs(args.plan):
+        plan = loopkv.Plan.from_json(path)
+        if arm != "loopkv" or set(plan.options) == {"bf16"}:
+            continue
+
+        def new_cache(capacity, plan=plan):
+            return loopkv.LoopKVCache(plan, config=model.config, max_batch_size=1, max_cache_len=capacity,
+                                      dtype=torch.bfloat16, device=device)
+
+        with Step(f"[{REFERENCE_ARM}] LoopKVCache({pathlib.Path(path).name})"):
+            result["plans"][label] = greedy_topk(model, prompts, new_cache, **kw)
+    return result
+
+
+def served_kl_check(arms: dict, reference: dict) -> dict:
+    """The served KL of every quantized arm beside LoopKVCache's, all in :func:`compare_logprobs`' definition (top-K
+    KL mean over the positions whose context is still the same in both):
+
+    * ``engines_kl``: vLLM BF16 from transformers' dense BF16, the same checkpoint: rounding alone (kernels, order of
+      operations); above ``ENGINES_KL_MAX`` vLLM did not read the checkpoint as loopkv's Ouro means it;
+    * per arm, ``served_kl`` (the arm from vLLM BF16) and ``reference_kl`` (``LoopKVCache(plan)`` from the dense
+      cache, transformers), their ratio, and ``bound`` = ``SERVED_KL_FACTOR x (reference_kl + engines_kl)``.
+
+    The bound: the served arm differs from vLLM BF16 by the plan's quantization, which ``reference_kl`` measures, and
+    by the rounding of loopkv's kernels against vLLM's, which is of the order of ``engines_kl`` (two BF16 engines on
+    the same weights); for small logit errors the KL is about half their variance, so independent errors add their
+    KLs; the factor 2 covers that the two means run over different positions (each pair diverges elsewhere) of only a
+    few hundred. ``ok``: served_kl <= bound."""
+    dense = reference["dense"]
+
+    def kl(ref: dict, other: dict) -> dict:
+        div = compare_tokens(ref["tokens"], other["tokens"])["first_divergence"]
+        return compare_logprobs(ref["tokens"], ref["logprobs"], other["logprobs"], div)
+
+    out = {"factor": SERVED_KL_FACTOR, "engines_kl_max": ENGINES_KL_MAX, "arms": {}}
+    if "vllm" not in arms:
+        return out
+    engines = kl(dense, arms["vllm"])
+    out["engines"] = {"kl": engines["topk_kl_mean"], "top1_agreement": engines["top1_agreement"],
+                      "positions": engines["positions"],
+                      "first_divergence": compare_tokens(dense["tokens"], arms["vllm"]["tokens"])["first_divergence"]}
+    out["weights_agree"] = engines["topk_kl_mean"] is not None and engines["topk_kl_mean"] <= ENGINES_KL_MAX
+    for label, ref in reference.get("plans", {}).items():
+        if label not in arms or not arms[label].get("logprobs"):
+            continue
+        served, plain = kl(arms["vllm"], arms[label]), kl(dense, ref)
+        s, r, e = served["topk_kl_mean"], plain["topk_kl_mean"], engines["topk_kl_mean"]
+        row = {"served_kl": s, "reference_kl": r, "served_positions": served["positions"],
+               "reference_positions": plain["positions"]}
+        if None not in (s, r, e):
+            row["ratio"] = s / r if r > 0 else None
+            row["bound"] = SERVED_KL_FACTOR * (r + e)
+            row["ok"] = s <= row["bound"]
+        else:
+            row["ok"] = None
+        out["arms"][label] = row
+    return out
+
+
 def check_plan(path: str):
     """The plan at ``path``, checked as the plugin will check it on the dummy model's config and this script's engine
     settings (fails before vLLM)."""
@@ -408,9 +545,11 @@ def run_plan_arm(args) -> dict:
     vocab = ouro_config_dict()["vocab_size"]
     prompts = plan_prompts(vocab=vocab)
     ctx, n1, n2 = args.plan_decode_context, args.plan_decode_base, args.plan_decode_base + args.plan_decode_tokens
-    tmp = tempfile.TemporaryDirectory()
+    if not args.weights or not os.path.isfile(os.path.join(args.weights, "config.json")):
+        raise ValueError(f"--arm {args.arm} loads the checkpoint the reference arm writes: --weights "
+                         f"{args.weights!r} has no config.json (run --arm {REFERENCE_ARM} first)")
     max_len = max(max(PLAN_PROMPT_LENGTHS) + PLAN_NEW_TOKENS, ctx + n2 if ctx else 0) + 64
-    engine_kw = dict(model=str(write_model_dir(tmp.name)), load_format="dummy", dtype="bfloat16",
+    engine_kw = dict(model=args.weights, load_format="safetensors", dtype="bfloat16",
                      kv_cache_dtype="auto", skip_tokenizer_init=True, max_model_len=max_len,
                      enforce_eager=args.enforce_eager, gpu_memory_utilization=args.gpu_memory_utilization,
                      enable_prefix_caching=False, block_size=PLAN_BLOCK_SIZE, max_num_seqs=len(prompts), seed=0,
@@ -454,7 +593,6 @@ def run_plan_arm(args) -> dict:
                             "tok_s": round(decode_tok_s(1, n1, n2 - n1, times[n1], times[n2]), 1),
                             "step_ms": round((times[n2] - times[n1]) / (n2 - n1) * 1e3, 3)}
         log(f"[{args.arm}] decode at {ctx}: {result['decode']['tok_s']} tok/s")
-    tmp.cleanup()
     return result
 
 
@@ -475,9 +613,12 @@ def run_plan(args, out: str) -> dict:
               "new_tokens": PLAN_NEW_TOKENS, "block_size": PLAN_BLOCK_SIZE, "enforce_eager": args.enforce_eager,
               "arms": {}, "errors": []}
     with tempfile.TemporaryDirectory() as tmp:
-        for label, arm, plan_path in runs:
+        weights = os.path.join(tmp, "checkpoint")
+        reference = run_reference(args, weights, tmp, result)
+        for label, arm, plan_path in runs if reference else []:
             arm_out = os.path.join(tmp, f"{label.replace(':', '_')}.json")
             cmd = [sys.executable, str(HERE / "bench_vllm.py"), "--plan", plan_path, "--arm", arm, "--out", arm_out,
+                   "--weights", weights,
                    "--gpu-memory-utilization", str(args.gpu_memory_utilization),
                    "--plan-decode-context", str(args.plan_decode_context),
                    "--plan-decode-base", str(args.plan_decode_base),
@@ -511,6 +652,7 @@ def run_plan(args, out: str) -> dict:
                 ref, got = arms["vllm"].get("decode"), arms[label].get("decode")
                 if ref and got and kinds[label] == "loopkv":
                     result["decode_over_vllm"][label] = round(got["tok_s"] / ref["tok_s"], 3)
+    result["served_kl"] = served_kl_check(arms, reference) if reference else None
     import torch
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -522,11 +664,36 @@ def run_plan(args, out: str) -> dict:
         and all(len(t) == PLAN_NEW_TOKENS for t in arms[label]["tokens"]) for label in served)
     result["loopkv_equals_vllm"] = result["loopkv_generates"] and all(
         result.get(f"{label}_vs_vllm", {}).get("equal") is True for label in served)
-    result["passed"] = result["loopkv_equals_vllm"] if result["mode"] == "check" else result["loopkv_generates"]
+    kl = result["served_kl"] or {}
+    result["weights_agree"] = kl.get("weights_agree") is True
+    result["served_kl_ok"] = result["mode"] == "check" or (
+        bool(kl.get("arms")) and all(row["ok"] is True for row in kl["arms"].values()))
+    result["passed"] = result["weights_agree"] and result["served_kl_ok"] and (
+        result["loopkv_equals_vllm"] if result["mode"] == "check" else result["loopkv_generates"])
     write_json(out, result)
     log(f"wrote {out}")
     print_plan_table(result)
     return result
+
+
+def run_reference(args, weights: str, tmp: str, result: dict) -> dict | None:
+    """The reference arm (:func:`run_reference_arm`) in a fresh process: writes the checkpoint to ``weights``;
+    returns its result, or None (the error recorded in ``result``) when it failed."""
+    out = os.path.join(tmp, f"{REFERENCE_ARM}.json")
+    cmd = [sys.executable, str(HERE / "bench_vllm.py"), "--arm", REFERENCE_ARM, "--weights", weights, "--out", out]
+    for path in args.plan:
+        cmd += ["--plan", path]
+    with Step(f"arm {REFERENCE_ARM} (subprocess)"):
+        try:
+            status = subprocess.run(cmd, cwd=HERE.parent, timeout=args.arm_timeout, check=False).returncode
+        except subprocess.TimeoutExpired:
+            status = f"timed out after {args.arm_timeout} s"
+    written = json.loads(pathlib.Path(out).read_text()) if os.path.exists(out) else {}
+    if status or "dense" not in written:
+        result["errors"].append({"arm": REFERENCE_ARM, "exit_status": status, "error": written.get("error")})
+        return None
+    result["reference"] = written
+    return written
 
 
 def print_plan_table(result: dict) -> None:
@@ -554,7 +721,17 @@ def print_plan_table(result: dict) -> None:
                   f"{lp['topk_kl_max']}, |logprob gap| of vllm's token mean {lp['ref_token_logprob_gap_mean']}")
     for label, ratio in result.get("decode_over_vllm", {}).items():
         print(f"decode at {result['arms']['vllm']['decode']['context']} (B=1): {label} / vllm = {ratio}")
-    print(f"loopkv generates: {result['loopkv_generates']}; loopkv equals vllm: {result['loopkv_equals_vllm']}")
+    kl = result.get("served_kl") or {}
+    if kl.get("engines"):
+        print(f"checkpoint: vLLM BF16 vs transformers dense BF16 top-{PLAN_LOGPROBS} KL {kl['engines']['kl']} "
+              f"(top-1 agreement {kl['engines']['top1_agreement']}; at most {ENGINES_KL_MAX}: "
+              f"{kl.get('weights_agree')})")
+    for label, row in kl.get("arms", {}).items():
+        print(f"{label}: served KL {row['served_kl']} vs LoopKVCache KL {row['reference_kl']}, ratio "
+              f"{row.get('ratio')}, bound {SERVED_KL_FACTOR} x (LoopKVCache + engines) = {row.get('bound')}: "
+              f"{'ok' if row['ok'] else 'FAILED' if row['ok'] is False else '?'}")
+    print(f"loopkv generates: {result['loopkv_generates']}; loopkv equals vllm: {result['loopkv_equals_vllm']}; "
+          f"served KL within bound: {result.get('served_kl_ok')}; passed: {result.get('passed')}")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -581,7 +758,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "its tokens, logprobs and decode rate with vLLM BF16 (repeat for several quantized plans)")
     p.add_argument("--write-plans", default=None, metavar="DIR",
                    help="write the paper's KIVI-4, LoopKV-R and LoopKV-M plans for Ouro-1.4B's shape into DIR and exit")
-    p.add_argument("--arm", choices=CHECK_ARMS, default=None, help="with --plan: run one arm in this process")
+    p.add_argument("--arm", choices=(*CHECK_ARMS, REFERENCE_ARM), default=None,
+                   help="with --plan: run one arm in this process")
+    p.add_argument("--weights", default=None,
+                   help="with --arm: the checkpoint folder (the reference arm writes it, the others load it)")
     p.add_argument("--plan-decode-context", type=int, default=0,
                    help="with --plan: also measure decode tok/s of one request at this context (0: not)")
     p.add_argument("--plan-decode-base", type=int, default=16, help="with --plan: N1 of the decode measurement")
@@ -606,10 +786,10 @@ def main(argv=None) -> dict:
             log(f"wrote {path}")
         return {}
     if args.arm is not None:
-        if args.plan is None or len(args.plan) != 1:
+        if args.plan is None or (len(args.plan) != 1 and args.arm != REFERENCE_ARM):
             raise SystemExit("--arm needs one --plan")
         try:
-            arm = run_plan_arm(args)
+            arm = run_reference_arm(args) if args.arm == REFERENCE_ARM else run_plan_arm(args)
         except Exception:  # the parent records why this arm failed
             import traceback
 
