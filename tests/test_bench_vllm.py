@@ -95,6 +95,19 @@ def test_check_plan_refuses_before_the_gpu(bench, tmp_path):
         bench.check_plan(str(path))
 
 
+def _flat(tokens):
+    """Logprobs of the arms' format, the greedy token alone at every position (a top-K KL of 0 against another)."""
+    return [[{str(t): -0.1} for t in row] for row in tokens]
+
+
+def _fake_reference(out, dense, plans):
+    """What the reference arm writes: the dense cache's greedy tokens and logprobs, and each plan's."""
+    pathlib.Path(out).write_text(json.dumps({
+        "arm": "reference", "dense": {"tokens": dense, "logprobs": _flat(dense)},
+        "plans": {label: {"tokens": t, "logprobs": _flat(t)} for label, t in plans.items()}}))
+    return SimpleNamespace(returncode=0)
+
+
 @pytest.mark.parametrize(("loopkv_tokens", "loopkv_class", "equal"), [
     (None, "LoopKVOuroForCausalLM", True),
     ([[5, 6, 0]], "LoopKVOuroForCausalLM", False),  # a different token at index 2 of the first prompt
@@ -112,9 +125,12 @@ def test_run_plan_compares_the_arms(bench, tmp_path, monkeypatch, loopkv_tokens,
 
     def fake_run(cmd, **kwargs):  # stands for the arm's process: writes what the arm would
         arm, out = cmd[cmd.index("--arm") + 1], cmd[cmd.index("--out") + 1]
+        if arm == bench.REFERENCE_ARM:
+            return _fake_reference(out, reference, {})
+        assert cmd[cmd.index("--weights") + 1].endswith("checkpoint")  # the folder the reference arm wrote
         tokens, cls = arms[arm]
-        pathlib.Path(out).write_text(json.dumps({"arm": arm, "tokens": tokens, "model_class": [cls],
-                                                 "num_gpu_blocks": 100}))
+        pathlib.Path(out).write_text(json.dumps({"arm": arm, "tokens": tokens, "logprobs": _flat(tokens),
+                                                 "model_class": [cls], "num_gpu_blocks": 100}))
         return SimpleNamespace(returncode=0)
 
     monkeypatch.setattr(bench, "PLAN_NEW_TOKENS", 3)
@@ -170,6 +186,8 @@ def test_run_plan_compares_a_quantized_plan(bench, tmp_path, monkeypatch):
     def fake_run(cmd, **kwargs):
         arm, out = cmd[cmd.index("--arm") + 1], cmd[cmd.index("--out") + 1]
         ran.append(arm)
+        if arm == bench.REFERENCE_ARM:
+            return _fake_reference(out, [[5, 6, 7], [8, 9, 10]], {"loopkv": [[5, 6, 0], [8, 9, 10]]})
         assert cmd[cmd.index("--plan-decode-context") + 1] == "16384"
         tokens = [[5, 6, 7], [8, 9, 10]] if arm == "vllm" else [[5, 6, 0], [8, 9, 10]]
         lps = [[{str(t): -0.1} for t in row] for row in tokens]
@@ -182,9 +200,10 @@ def test_run_plan_compares_a_quantized_plan(bench, tmp_path, monkeypatch):
     monkeypatch.setattr(bench, "PLAN_NEW_TOKENS", 3)
     args = bench.build_parser().parse_args(["--plan", str(plan_path), "--plan-decode-context", "16384"])
     result = bench.run_plan(args, str(tmp_path / "out.json"))
-    assert ran == ["vllm", "loopkv"]
+    assert ran == [bench.REFERENCE_ARM, "vllm", "loopkv"]  # the checkpoint first, then vLLM loads it
     assert result["mode"] == "compare"
     assert result["passed"]
+    assert result["served_kl"]["arms"]["loopkv"]["ok"]
     assert result["loopkv_generates"]
     assert not result["loopkv_equals_vllm"]
     assert result["loopkv_vs_vllm"]["first_divergence"] == [2, None]
@@ -208,6 +227,10 @@ def test_paper_plans_run_as_one_comparison(bench, tmp_path, monkeypatch):
     def fake_run(cmd, **kwargs):
         arm, out, plan = (cmd[cmd.index(flag) + 1] for flag in ("--arm", "--out", "--plan"))
         ran.append((arm, pathlib.Path(plan).name))
+        if arm == bench.REFERENCE_ARM:  # every plan given to it
+            assert [cmd[i + 1] for i, c in enumerate(cmd) if c == "--plan"] == [r_path, m_path]
+            return _fake_reference(out, [[5, 6, 7], [8, 9, 10]], {"loopkv:loopkv-r": [[5, 6, 7], [8, 9, 10]],
+                                                                  "loopkv:loopkv-m": [[5, 0, 7], [8, 9, 10]]})
         tokens = [[5, 6, 7], [8, 9, 10]] if arm == "vllm" or plan == r_path else [[5, 0, 7], [8, 9, 10]]
         pathlib.Path(out).write_text(json.dumps({
             "arm": arm, "tokens": tokens, "logprobs": [[{str(t): -0.1} for t in row] for row in tokens],
@@ -219,7 +242,8 @@ def test_paper_plans_run_as_one_comparison(bench, tmp_path, monkeypatch):
     monkeypatch.setattr(bench, "PLAN_NEW_TOKENS", 3)
     args = bench.build_parser().parse_args(["--plan", r_path, "--plan", m_path, "--plan-decode-context", "16384"])
     result = bench.run_plan(args, str(tmp_path / "out.json"))
-    assert ran == [("vllm", "loopkv-r.json"), ("loopkv", "loopkv-r.json"), ("loopkv", "loopkv-m.json")]
+    assert ran == [(bench.REFERENCE_ARM, "loopkv-r.json"), ("vllm", "loopkv-r.json"), ("loopkv", "loopkv-r.json"),
+                   ("loopkv", "loopkv-m.json")]
     assert result["labels"] == ["vllm", "loopkv:loopkv-r", "loopkv:loopkv-m"]
     assert result["passed"]
     assert result["complete"]
@@ -232,3 +256,73 @@ def test_paper_plans_run_as_one_comparison(bench, tmp_path, monkeypatch):
         tmp_path / "bf16.json")
     with pytest.raises(ValueError, match="all-bf16 plans, which are checked alone"):
         bench.arm_runs([r_path, str(tmp_path / "bf16.json")])
+
+
+# the real-weight check: the reference arm's greedy logprobs, and the served KL against LoopKVCache's
+
+def _lp(*probs):
+    import math
+
+    return {str(t + 1): math.log(p) for t, p in enumerate(probs)}  # tokens 1, 2, ...
+
+
+def _kl(p, q):
+    import math
+
+    return sum(a * math.log(a / b) for a, b in zip(p, q, strict=True))
+
+
+def test_served_kl_check(bench):
+    # one prompt, greedy token 1 at three positions; an arm whose tokens diverge at index 1 counts positions 0 and 1
+    # only (its third distribution, far off, must not count)
+    dense = {"tokens": [[1, 1, 1]], "logprobs": [[_lp(.6, .4)] * 3]}
+    vllm = {"tokens": [[1, 1, 1]], "logprobs": [[_lp(.5, .5)] * 3]}
+    reference = {"dense": dense, "plans": {"loopkv:far": {"tokens": [[1, 1, 1]], "logprobs": [[_lp(.7, .3)] * 3]},
+                                           "loopkv:near": {"tokens": [[1, 1, 1]], "logprobs": [[_lp(.7, .3)] * 3]}}}
+    arms = {"vllm": vllm, "loopkv:far": {"tokens": [[1, 1, 1]], "logprobs": [[_lp(.8, .2)] * 3]},
+            "loopkv:near": {"tokens": [[1, 2, 2]], "logprobs": [[_lp(.55, .45)] * 2 + [_lp(.01, .99)]]}}
+    got = bench.served_kl_check(arms, reference)
+    engines, plan_kl = _kl((.6, .4), (.5, .5)), _kl((.6, .4), (.7, .3))
+    assert got["engines"]["kl"] == pytest.approx(engines, abs=1e-9)
+    assert got["weights_agree"]  # 0.02 nats <= ENGINES_KL_MAX
+    far, near = got["arms"]["loopkv:far"], got["arms"]["loopkv:near"]
+    assert far["reference_kl"] == pytest.approx(plan_kl, abs=1e-9)
+    assert far["served_kl"] == pytest.approx(_kl((.5, .5), (.8, .2)), abs=1e-9)
+    assert far["bound"] == pytest.approx(bench.SERVED_KL_FACTOR * (plan_kl + engines), abs=1e-9)
+    assert far["ratio"] == pytest.approx(far["served_kl"] / plan_kl)
+    assert far["ok"] is False  # 0.22 nats > 2 x (0.023 + 0.020)
+    assert near["served_positions"] == 2
+    assert near["served_kl"] == pytest.approx(_kl((.5, .5), (.55, .45)), abs=1e-9)
+    assert near["ok"] is True
+    wrong = {"vllm": {"tokens": [[1, 1, 1]], "logprobs": [[_lp(.99, .01)] * 3]}}
+    assert not bench.served_kl_check(wrong, reference)["weights_agree"]  # 1.2 nats: vLLM read other weights
+
+
+def test_greedy_topk_is_teacher_forced_greedy(bench, tmp_path):
+    # the reference arm's loop (prefill, then one token a step through a cache) against full forwards of the
+    # prompt and the tokens so far without a cache; the checkpoint written is the model returned
+    import torch
+
+    from loopkv.models.ouro import OuroForCausalLM
+    from loopkv.models.ouro_config import dense_cache
+
+    d = OuroConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=2, num_key_value_heads=2, head_dim=32,
+                   intermediate_size=96, vocab_size=50, total_ut_steps=2, tie_word_embeddings=False).to_dict()
+    d.update(architectures=["OuroForCausalLM"], model_type="ouro", dtype="float32")
+    model = bench.write_checkpoint(tmp_path, d, dtype=torch.float32)
+    assert json.loads((tmp_path / "config.json").read_text()) == json.loads(json.dumps(d))  # JSON's str keys
+    again = OuroForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), again.state_dict().values(),
+                                                 strict=True))
+    prompts = bench.plan_prompts((3, 9), vocab=50)
+    got = bench.greedy_topk(model, prompts, lambda n: dense_cache(model.config), new_tokens=4, k=5)
+    for prompt, tokens, lps in zip(prompts, got["tokens"], got["logprobs"], strict=True):
+        seq = list(prompt)
+        for token, lp in zip(tokens, lps, strict=True):
+            with torch.no_grad():
+                want = torch.log_softmax(model(input_ids=torch.tensor([seq])).logits[0, -1].float(), -1)
+            top = torch.topk(want, 5)
+            assert token == int(top.indices[0])
+            assert list(map(int, lp)) == top.indices.tolist()
+            assert list(lp.values()) == pytest.approx(top.values.tolist(), abs=1e-4)
+            seq.append(token)
