@@ -404,7 +404,7 @@ def run_reference_arm(args) -> dict:
         model = write_checkpoint(args.weights, config, device=device)
     result = {"arm": REFERENCE_ARM, "device": device, "seed": CHECKPOINT_SEED, "dtype": "bfloat16",
               "checkpoint_s": round(s.seconds, 1), "plans": {}}
-    prompts = plan_prompts(vocab=config["vocab_size"])
+    prompts = plan_prompts(PLAN_PROMPT_LENGTHS, vocab=config["vocab_size"])
     kw = dict(new_tokens=PLAN_NEW_TOKENS, k=PLAN_LOGPROBS)
     with Step(f"[{REFERENCE_ARM}] dense cache, prompts of {PLAN_PROMPT_LENGTHS}"):
         result["dense"] = greedy_topk(model, prompts, lambda n: dense_cache(model.config), **kw)
@@ -543,7 +543,7 @@ def run_plan_arm(args) -> dict:
 
     loopkv.models.register_ouro()
     vocab = ouro_config_dict()["vocab_size"]
-    prompts = plan_prompts(vocab=vocab)
+    prompts = plan_prompts(PLAN_PROMPT_LENGTHS, vocab=vocab)
     ctx, n1, n2 = args.plan_decode_context, args.plan_decode_base, args.plan_decode_base + args.plan_decode_tokens
     if not args.weights or not os.path.isfile(os.path.join(args.weights, "config.json")):
         raise ValueError(f"--arm {args.arm} loads the checkpoint the reference arm writes: --weights "

@@ -326,3 +326,36 @@ def test_greedy_topk_is_teacher_forced_greedy(bench, tmp_path):
             assert list(map(int, lp)) == top.indices.tolist()
             assert list(lp.values()) == pytest.approx(top.values.tolist(), abs=1e-4)
             seq.append(token)
+
+
+def test_reference_arm_writes_the_checkpoint_and_each_plans_logprobs(bench, tmp_path, monkeypatch):
+    # --arm reference at a tiny shape on CPU: the checkpoint the vLLM arms load, the dense cache's greedy logprobs and
+    # LoopKVCache's for the quantized plan, under the label of its vLLM arm (an all-bf16 plan gets none)
+    import torch
+
+    from loopkv.models.ouro import OuroForCausalLM
+    from loopkv.planning.plan import Plan
+
+    config = OuroConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=2, num_key_value_heads=2,
+                        head_dim=32, intermediate_size=96, vocab_size=50, total_ut_steps=2, tie_word_embeddings=False)
+    d = config.to_dict()
+    d.update(architectures=["OuroForCausalLM"], model_type="ouro", dtype="bfloat16")
+    Plan.from_config(config, option="int4").to_json(tmp_path / "int4.json")
+    Plan.from_config(config, option="bf16").to_json(tmp_path / "bf16.json")
+    monkeypatch.setattr(bench, "ouro_config_dict", lambda: d)
+    monkeypatch.setattr(bench, "PLAN_PROMPT_LENGTHS", (4, 330))  # 330: pages quantized
+    monkeypatch.setattr(bench, "PLAN_NEW_TOKENS", 3)
+    monkeypatch.setattr(bench, "arm_runs", lambda paths: [("vllm", "vllm", paths[0])] + [
+        (f"loopkv:{pathlib.Path(p).stem}", "loopkv", p) for p in paths])
+    plans = ["--plan", str(tmp_path / "int4.json"), "--plan", str(tmp_path / "bf16.json")]
+    args = bench.build_parser().parse_args(["--arm", "reference", "--weights", str(tmp_path / "ck"), *plans])
+    got = bench.run_reference_arm(args)
+    assert got["device"] == "cpu"
+    assert list(got["plans"]) == ["loopkv:int4"]
+    for run in (got["dense"], got["plans"]["loopkv:int4"]):
+        assert [len(t) for t in run["tokens"]] == [3, 3]
+        assert all(len(lp) == bench.PLAN_LOGPROBS for row in run["logprobs"] for lp in row)
+    assert got["plans"]["loopkv:int4"]["logprobs"][1] != got["dense"]["logprobs"][1]  # INT4 pages were read
+    loaded = OuroForCausalLM.from_pretrained(tmp_path / "ck")
+    assert loaded.dtype == torch.bfloat16
+    assert float(loaded.lm_head.weight.float().std()) == pytest.approx(config.initializer_range, rel=0.1)
