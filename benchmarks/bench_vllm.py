@@ -29,14 +29,20 @@ On one H200 (the numbers the issue asks for; about 6 minutes):
 starts and generates (about 2 minutes).
 
 ``--plan PLAN.json`` (issue 31 stage 2; docs/vllm.md, "Checks on the GPU"): loopkv's vLLM plugin serving a plan,
-against vLLM's own BF16 cache. The plan is checked against the dummy model's config first (no GPU spent on a plan
-that does not fit or that the plugin cannot serve). Each arm is vLLM in a fresh process of this script (``--arm``,
-engine in process), ``block_size=32``, prefix caching off, every prompt in one chunk (``max_num_batched_tokens`` =
-``max_model_len``), greedy ``PLAN_NEW_TOKENS`` tokens with their top-``PLAN_LOGPROBS`` logprobs for the same seeded
-prompts (``PLAN_PROMPT_LENGTHS``, one batch) from the same dummy weights (vLLM seeds every parameter with 1234, so
-equal shapes give equal weights), and its model class; with ``--plan-decode-context N`` also decode tok/s of one
-request at N tokens (``decode_tok_s`` of a run of ``--plan-decode-base`` and one of that plus
-``--plan-decode-tokens`` new tokens).
+against vLLM's own BF16 cache, on one random checkpoint whose logits are not flat. The plan is checked against the
+model's config first (no GPU spent on a plan that does not fit or that the plugin cannot serve). Then, each in a
+fresh process of this script (``--arm``):
+
+1. ``reference``: loopkv's ``OuroForCausalLM`` of the config above with transformers' random init
+   (``torch.manual_seed(CHECKPOINT_SEED)``), saved in bf16 with ``save_pretrained`` (safetensors, about 3 GB at
+   Ouro-1.4B's shape) to a temporary folder that every later arm loads (``--weights``); loopkv's parameter names are
+   those vLLM's Ouro loads. Then on this GPU, through transformers, the same prompts as the vLLM arms, greedy with
+   top-K logprobs, with the dense cache (exact) and, per quantized plan, ``LoopKVCache(plan)``.
+2. the vLLM arms (``load_format="safetensors"``), engine in process, ``block_size=32``, prefix caching off, every
+   prompt in one chunk (``max_num_batched_tokens`` = ``max_model_len``), greedy ``PLAN_NEW_TOKENS`` tokens with their
+   top-``PLAN_LOGPROBS`` logprobs for the same seeded prompts (``PLAN_PROMPT_LENGTHS``, one batch), and the model
+   class; with ``--plan-decode-context N`` also decode tok/s of one request at N tokens (``decode_tok_s`` of a run
+   of ``--plan-decode-base`` and one of that plus ``--plan-decode-tokens`` new tokens).
 
 * An all-bf16 plan is a check: arms ``vllm`` (no plugin), ``vllm_again`` (vLLM need not repeat itself across
   processes) and ``loopkv`` (``LOOPKV_PLAN=PLAN.json`` and ``loopkv.vllm.plugin.register()``, so vLLM builds
@@ -44,7 +50,11 @@ request at N tokens (``decode_tok_s`` of a run of ``--plan-decode-base`` and one
 * Any other plan (``int4``, ``int2``, ``bf16`` and ``share`` cells) is a comparison: arms ``vllm`` and ``loopkv``;
   reports per prompt where the tokens first diverge, the logprobs on the positions whose context is still the same
   in both (top-1 agreement, KL over the tokens both top-K lists hold, the gap in the logprob of vLLM's token) and the
-  decode rates side by side; exits 1 unless ``loopkv`` ran with loopkv's class and generated every token.
+  decode rates side by side. The served-KL check (:func:`served_kl_check`): the arm's KL from vLLM BF16 beside
+  ``LoopKVCache(plan)``'s KL from the dense cache (same definition, same prompts, same weights), their ratio, and
+  the bound ``SERVED_KL_FACTOR x (LoopKVCache's KL + vLLM BF16's KL from transformers' dense BF16)``. Exits 1 unless
+  ``loopkv`` ran with loopkv's class and generated every token, vLLM BF16 is within ``ENGINES_KL_MAX`` of
+  transformers' dense BF16 (it read the checkpoint as loopkv's Ouro), and every arm's served KL is within its bound.
   ``--plan`` given more than once (quantized plans only): one ``vllm`` arm and one ``loopkv:NAME`` arm per plan
   (``NAME``: the file's stem), each compared with ``vllm``.
 
@@ -59,7 +69,7 @@ writes ``benchmarks/results/vllm_plan.json`` (or ``--out``):
 
     python benchmarks/bench_vllm.py --write-plans /tmp/plans
     python benchmarks/bench_vllm.py --plan /tmp/plans/kivi4.json --plan /tmp/plans/loopkv-r.json \\
-        --plan /tmp/plans/loopkv-m.json --enforce-eager --plan-decode-context 16384 --arm-timeout 130
+        --plan /tmp/plans/loopkv-m.json --enforce-eager --arm-timeout 130
 """
 
 from __future__ import annotations
@@ -468,7 +478,7 @@ def served_kl_check(arms: dict, reference: dict) -> dict:
 
 
 def check_plan(path: str):
-    """The plan at ``path``, checked as the plugin will check it on the dummy model's config and this script's engine
+    """The plan at ``path``, checked as the plugin will check it on the served model's config and this script's engine
     settings (fails before vLLM)."""
     from bench_decode import ouro_1p4b_config
 
@@ -611,6 +621,8 @@ def run_plan(args, out: str) -> dict:
     result = {"plans": options, "labels": labels, "mode": "check" if tuple(labels) == CHECK_ARMS else "compare",
               "prompt_lengths": list(PLAN_PROMPT_LENGTHS),
               "new_tokens": PLAN_NEW_TOKENS, "block_size": PLAN_BLOCK_SIZE, "enforce_eager": args.enforce_eager,
+              "weights": f"loopkv's OuroForCausalLM, Ouro-1.4B shape, transformers' random init, torch seed "
+                         f"{CHECKPOINT_SEED}, bf16 safetensors (the reference arm writes it)",
               "arms": {}, "errors": []}
     with tempfile.TemporaryDirectory() as tmp:
         weights = os.path.join(tmp, "checkpoint")
@@ -685,9 +697,9 @@ def run_reference(args, weights: str, tmp: str, result: dict) -> dict | None:
         cmd += ["--plan", path]
     with Step(f"arm {REFERENCE_ARM} (subprocess)"):
         try:
-            status = subprocess.run(cmd, cwd=HERE.parent, timeout=args.arm_timeout, check=False).returncode
+            status = subprocess.run(cmd, cwd=HERE.parent, timeout=args.reference_timeout, check=False).returncode
         except subprocess.TimeoutExpired:
-            status = f"timed out after {args.arm_timeout} s"
+            status = f"timed out after {args.reference_timeout} s"
     written = json.loads(pathlib.Path(out).read_text()) if os.path.exists(out) else {}
     if status or "dense" not in written:
         result["errors"].append({"arm": REFERENCE_ARM, "exit_status": status, "error": written.get("error")})
@@ -766,7 +778,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --plan: also measure decode tok/s of one request at this context (0: not)")
     p.add_argument("--plan-decode-base", type=int, default=16, help="with --plan: N1 of the decode measurement")
     p.add_argument("--plan-decode-tokens", type=int, default=128, help="with --plan: N2 - N1 decode steps timed")
-    p.add_argument("--arm-timeout", type=int, default=420, help="with --plan: seconds allowed to each arm")
+    p.add_argument("--arm-timeout", type=int, default=420, help="with --plan: seconds allowed to each vLLM arm")
+    p.add_argument("--reference-timeout", type=int, default=300,
+                   help="with --plan: seconds allowed to the reference arm (checkpoint, transformers runs)")
     p.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/vllm.json; "
                                                "with --quick vllm_quick.json, with --plan vllm_plan.json)")
     return p
