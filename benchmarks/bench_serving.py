@@ -2,17 +2,18 @@
 LoopKV storage (loopkv/serving), one arm per plan under the same KV budget, in one process (paper §5.1, §5.4).
 
     python benchmarks/bench_serving.py [--arms bf16,kivi4,loopkv-r,loopkv-m] [--budget-gib 96] [--max-len 16384]
-        [--requests 16] [--min-requests 6] [--trace-s 10] [--outputs 128,512] [--start-rate auto|R] [--max-trials 4]
-        [--bracket 1.5] [--peak-prompt 4096] [--peak-steps 8] [--ttft-s 10] [--tpot-x 3] [--time-budget-s 540]
-        [--seed 0] [--smoke] [--out benchmarks/results/serving.json]
+        [--requests 16] [--min-requests 6] [--trace-s 10] [--outputs 128,512] [--prompts LO,HI]
+        [--start-rate auto|R] [--max-trials 4] [--bracket 1.5] [--peak-prompt 4096] [--peak-steps 8] [--ttft-s 10]
+        [--tpot-x 3] [--time-budget-s 540] [--seed 0] [--smoke] [--out benchmarks/results/serving.json]
     python benchmarks/bench_serving.py --plot benchmarks/results/serving.json   # the figure from a JSON
 
 Model: Ouro-1.4B's shapes with random weights, bf16 (``--smoke``: a tiny one, on the CPU if there is no GPU). Trace:
 seeded Poisson arrivals, the same requests at every rate (arrival times scale with 1 / rate); prompts uniform in
-[max_len / 2, max_len - the longest output], outputs uniform in ``--outputs`` tokens, so contexts lie between half
-and all of max_len, where KV memory bounds how many requests run at once. The paper's SLO workload reaches such
-contexts by decoding (AIME prompts, 11K output tokens on average) and takes hours per rate; this one reaches them by
-prompts, so prefill takes a larger share of the GPU than in the paper. Arms: ``bf16`` stores every cell exact (an
+[max_len / 2, max_len - the longest output] (``--prompts``), outputs uniform in ``--outputs`` tokens, so contexts lie
+between half and all of max_len, where KV memory bounds how many requests run at once. The paper's SLO workload
+reaches such contexts by decoding (AIME prompts, 11K output tokens on average) and takes hours per rate; this one
+reaches them by prompts, so prefill takes a larger share of the GPU than in the paper (shorter ``--prompts`` and
+longer ``--outputs`` move it toward the paper's, at more time per rate). Arms: ``bf16`` stores every cell exact (an
 all-bf16 plan: transformers' own paged cache has one layer per physical layer and cannot hold a looped model's
 cells), ``kivi4`` INT4 in every cell, ``loopkv-r`` and ``loopkv-m`` the paper's compositions (as in
 bench_decode.py). Each arm gets the slots and pages the budget buys: ``slots = budget // (a slot's exact sink and
@@ -91,16 +92,21 @@ def plans(cfg) -> dict[str, loopkv.Plan]:
     return {"bf16": loopkv.Plan.uniform(loops=loops, layers=layers, option="bf16"), **paper_plans(loops, layers)}
 
 
-def trace(n: int, max_len: int, seed: int, outputs: tuple[int, int]) -> list[tuple[float, int, int]]:
+def trace(n: int, max_len: int, seed: int, outputs: tuple[int, int],
+          prompts: tuple[int, int] | None = None) -> list[tuple[float, int, int]]:
     """(arrival s at 1 request/s, prompt tokens, output tokens) per request; the same requests at every rate: prompts
-    uniform in [max_len / 2, max_len - the longest output], outputs uniform in ``outputs``."""
+    uniform in ``prompts`` (default [max_len / 2, max_len - the longest output]), outputs uniform in ``outputs``."""
+    lo_out, hi_out = outputs
+    lo_in, hi_in = prompts or (max_len // 2, max_len - hi_out)
+    if not 1 <= lo_in <= hi_in or hi_in + hi_out > max_len or not 1 <= lo_out <= hi_out:
+        raise ValueError(f"prompts {lo_in}..{hi_in} and outputs {lo_out}..{hi_out} tokens must be ranges of at least "
+                         f"1 whose longest request fits max_len={max_len}")
     rng = random.Random(seed)
     t, out = 0.0, []
-    lo_out, hi_out = outputs
     for _ in range(n):
         t += rng.expovariate(1.0)
         new = rng.randint(lo_out, hi_out)
-        out.append((t, rng.randint(max_len // 2, max_len - hi_out), new))
+        out.append((t, rng.randint(lo_in, hi_in), new))
     return out
 
 
@@ -445,6 +451,9 @@ def main(argv=None) -> dict:
                     help="stop once the highest rate met and the lowest missed are within this factor")
     ap.add_argument("--peak-prompt", type=int, default=4096, help="prompt tokens of the peak requests")
     ap.add_argument("--outputs", default="128,512", help="output tokens per request: uniform in [lo, hi]")
+    ap.add_argument("--prompts", default=None,
+                    help="prompt tokens per request: uniform in [lo, hi] (default: max_len/2 .. max_len - longest "
+                         "output)")
     ap.add_argument("--peak-steps", type=int, default=8, help="decode-only steps the peak is the median of")
     ap.add_argument("--time-budget-s", type=float, default=540.0, help="the whole run, model building included")
     ap.add_argument("--ttft-s", type=float, default=TTFT_SLO_S, help="the SLO's time to first token")
@@ -506,8 +515,9 @@ def main(argv=None) -> dict:
     log(f"BF16 batch-1 step {1e3 * base:.1f} ms: TPOT bound {1e3 * tpot_slo:.1f} ms")
     write_json(args.out, result)
 
-    lo_out, hi_out = (int(x) for x in args.outputs.split(","))
-    reqs = trace(args.requests, args.max_len, args.seed, (lo_out, hi_out))
+    outputs = tuple(int(x) for x in args.outputs.split(","))
+    prompts = tuple(int(x) for x in args.prompts.split(",")) if args.prompts else None
+    reqs = trace(args.requests, args.max_len, args.seed, outputs, prompts)
     mean_ctx = sum(p + n for _, p, n in reqs) / len(reqs)
     for k, (name, plan) in enumerate(arm_plans.items()):
         stop_at = time.perf_counter() + (stop_all - time.perf_counter()) / (len(arm_plans) - k)

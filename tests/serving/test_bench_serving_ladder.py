@@ -80,3 +80,14 @@ def test_decode_steps_are_timed_apart_from_prompt_steps(bench):
     assert durations == pytest.approx([0.2, 0.3, 0.1])
     assert prompt_rate == pytest.approx(500 / 1.5)
     assert bench.decode_steps(log, since=13.05, batch=1) == (pytest.approx([0.3]), None)
+
+
+def test_the_trace_draws_prompts_and_outputs_in_their_ranges(bench):
+    default = bench.trace(200, 16384, 0, (128, 512))
+    assert all(8192 <= p <= 16384 - 512 and 128 <= n <= 512 for _, p, n in default)
+    assert [a for a, _, _ in default] == sorted(a for a, _, _ in default)  # arrivals in order
+    assert bench.trace(200, 16384, 0, (128, 512)) == default  # seeded: the same requests at every rate
+    short = bench.trace(200, 16384, 0, (1024, 4096), (100, 300))
+    assert all(100 <= p <= 300 and 1024 <= n <= 4096 for _, p, n in short)
+    with pytest.raises(ValueError, match="fits max_len=16384"):
+        bench.trace(4, 16384, 0, (1024, 4096), (100, 13000))
