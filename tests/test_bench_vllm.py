@@ -1,24 +1,19 @@
 """``benchmarks/bench_vllm.py``'s pure parts: the Ouro config.json it writes for vLLM, and its decode-rate arithmetic.
 Where vLLM is installed, vLLM's own model config reads the written folder as vLLM's native ``OuroForCausalLM``."""
 
-import importlib
 import json
 import pathlib
-import sys
 from types import SimpleNamespace
 
 import pytest
 
 from loopkv.models.ouro import OuroConfig
-
-BENCHMARKS = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
+from tests import benchmark_scripts
 
 
 @pytest.fixture(scope="module")
 def bench():
-    if str(BENCHMARKS) not in sys.path:
-        sys.path.insert(0, str(BENCHMARKS))
-    return importlib.import_module("bench_vllm")
+    return benchmark_scripts.load("bench_vllm")
 
 
 def test_config_is_bench_decodes_ouro_1p4b(bench, tmp_path):
@@ -27,7 +22,7 @@ def test_config_is_bench_decodes_ouro_1p4b(bench, tmp_path):
     assert written["architectures"] == ["OuroForCausalLM"]
     assert written["model_type"] == "ouro"
     cfg = OuroConfig.from_pretrained(folder)
-    reference = importlib.import_module("bench_decode").ouro_1p4b_config()
+    reference = benchmark_scripts.load("bench_decode").ouro_1p4b_config()
     for field in bench.VLLM_OURO_FIELDS:
         assert getattr(cfg, field) == getattr(reference, field), field
     assert (cfg.total_ut_steps, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim) == (4, 24, 16, 128)
@@ -82,7 +77,7 @@ def test_compare_tokens(bench):
 def test_check_plan_refuses_before_the_gpu(bench, tmp_path):
     from loopkv.planning.plan import Plan
 
-    config = importlib.import_module("bench_decode").ouro_1p4b_config()
+    config = benchmark_scripts.load("bench_decode").ouro_1p4b_config()
     path = tmp_path / "plan.json"
     Plan.from_config(config, option="bf16").to_json(path)
     assert set(bench.check_plan(str(path)).options) == {"bf16"}
@@ -90,7 +85,7 @@ def test_check_plan_refuses_before_the_gpu(bench, tmp_path):
     assert bench.plan_arms(bench.check_plan(str(path))) == bench.COMPARE_ARMS
     Plan.from_config(config, option="int2", shared_loops=[1]).to_json(path)
     assert bench.plan_arms(bench.check_plan(str(path))) == bench.COMPARE_ARMS
-    Plan.from_config(importlib.import_module("bench_decode").smoke_config(), option="bf16").to_json(path)
+    Plan.from_config(benchmark_scripts.load("bench_decode").smoke_config(), option="bf16").to_json(path)
     with pytest.raises(ValueError, match="does not fit the model"):
         bench.check_plan(str(path))
 
@@ -116,7 +111,7 @@ def _fake_reference(out, dense, plans):
 def test_run_plan_compares_the_arms(bench, tmp_path, monkeypatch, loopkv_tokens, loopkv_class, equal):
     from loopkv.planning.plan import Plan
 
-    config = importlib.import_module("bench_decode").ouro_1p4b_config()
+    config = benchmark_scripts.load("bench_decode").ouro_1p4b_config()
     plan_path = tmp_path / "plan.json"
     Plan.from_config(config, option="bf16").to_json(plan_path)
     reference = [[5, 6, 7], [8, 9, 10]]
@@ -178,7 +173,7 @@ def test_compare_logprobs_uses_same_context_positions(bench):
 def test_run_plan_compares_a_quantized_plan(bench, tmp_path, monkeypatch):
     from loopkv.planning.plan import Plan
 
-    config = importlib.import_module("bench_decode").ouro_1p4b_config()
+    config = benchmark_scripts.load("bench_decode").ouro_1p4b_config()
     plan_path = tmp_path / "plan.json"
     Plan.from_config(config, option="int4").to_json(plan_path)
     ran = []
@@ -252,7 +247,7 @@ def test_paper_plans_run_as_one_comparison(bench, tmp_path, monkeypatch):
     assert not result["loopkv_equals_vllm"]
     assert result["decode_over_vllm"] == {"loopkv:loopkv-r": 0.5, "loopkv:loopkv-m": 0.5}
     bench.print_plan_table(result)
-    Plan.from_config(importlib.import_module("bench_decode").ouro_1p4b_config(), option="bf16").to_json(
+    Plan.from_config(benchmark_scripts.load("bench_decode").ouro_1p4b_config(), option="bf16").to_json(
         tmp_path / "bf16.json")
     with pytest.raises(ValueError, match="all-bf16 plans, which are checked alone"):
         bench.arm_runs([r_path, str(tmp_path / "bf16.json")])

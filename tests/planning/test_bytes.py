@@ -24,6 +24,7 @@ from loopkv.planning import (
 )
 from loopkv.planning.bytes import KIB
 from tests.cache.driver import tiny_config
+from tests.cache.test_short_cache import allocated_bytes
 
 OURO_1_4B = ModelShape(loops=4, layers=24, kv_heads=16, head_dim=128)
 T, L = 4, 24
@@ -185,15 +186,6 @@ def _held(cache) -> ExactBytes:
     return ExactBytes(kv=kv, lengths=lengths, padding=sum(storages.values()) - kv - lengths)
 
 
-def _all_storages(cache) -> int:
-    storages = {}
-    for i in range(len(cache.layers)):
-        for t in vars(cache.storage(i)).values():
-            if isinstance(t, torch.Tensor):
-                storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-    return sum(storages.values())
-
-
 @pytest.mark.parametrize("max_cache_len", [9, 40, 400])
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_exact_bytes_are_what_a_cache_allocates(family, max_cache_len):
@@ -209,7 +201,7 @@ def test_exact_bytes_are_what_a_cache_allocates(family, max_cache_len):
     assert exact_bytes(config, rows=3, max_cache_len=max_cache_len, dtype_bytes=dtype.itemsize) == held
     report = cache.memory_report()
     assert report.exact == report.model_exact == held
-    assert report.total_bytes == sum(report.by_cell) == sum(report.by_component.values()) == _all_storages(cache)
+    assert report.total_bytes == sum(report.by_cell) == sum(report.by_component.values()) == allocated_bytes(cache)
 
 
 def test_unit_is_half_a_kib():

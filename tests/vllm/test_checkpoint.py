@@ -6,25 +6,19 @@ CPU, float32, a tiny Ouro: vLLM's Ouro is built by the plugin with a uniform-INT
 vLLM's own attention backends do not), and a prompt on an empty slot is attended exactly (SDPA), so its logits are
 the dense model's up to float32 rounding."""
 
-import importlib
 import json
-import pathlib
-import sys
 
 import pytest
 import torch
 
 from loopkv.models.ouro import OuroConfig
 from loopkv.planning.plan import Plan
-
-BENCHMARKS = pathlib.Path(__file__).resolve().parents[2] / "benchmarks"
+from tests import benchmark_scripts
 
 
 @pytest.fixture(scope="module")
 def bench():
-    if str(BENCHMARKS) not in sys.path:
-        sys.path.insert(0, str(BENCHMARKS))
-    return importlib.import_module("bench_vllm")
+    return benchmark_scripts.load("bench_vllm")
 
 
 def test_vllm_loads_the_bench_checkpoint_as_loopkvs_ouro(bench, tmp_path):
