@@ -19,7 +19,7 @@ from loopkv.cache.loop_cache import LoopKVCache
 from loopkv.format import PAGE, POOL_FIELDS, RING, SINK, n_pages, page_bytes, pool_field_shapes, stored_pages
 from loopkv.models.ouro import OuroConfig
 from loopkv.planning.plan import Plan
-from loopkv.vllm.cells import CellExact, SlotMap, cell_region, forward_cell, plan_step, pool_views
+from loopkv.vllm.cells import CellExact, SlotMap, StepState, cell_region, forward_cell, plan_step, pool_views
 from loopkv.vllm.layout import block_bytes, kv_layout, pool_refs
 
 H, HQ, D = 2, 4, 32
@@ -109,7 +109,7 @@ SCENARIO = ([[("a", 300), ("b", 40)]] + [[("a", 1), ("b", 1)]] * 25  # a: 300 ->
             + [[("b", 1), ("c", 1), ("a", 1)]] * 30  # a crosses 351; c decodes from 500
             + ["finish b"] + [[("d", 33), ("a", 1), ("c", 1)]]  # d takes b's slot (and its blocks)
             + [[("d", 1), ("c", 1)]] * 3)
-SLOTS, NUM_BLOCKS = 3, 200
+SLOTS, NUM_BLOCKS, MAX_TOKENS = 3, 200, 512
 
 
 def _reference(plan, config=CONFIG):
@@ -180,23 +180,17 @@ def check_storage(engine, refs, slot_map, cell, pool, index=0):
 @pytest.mark.parametrize("tau", [math.inf, 2.0])
 def test_scheduled_steps_equal_loopkv_cache(tau):
     plan = Plan.from_config(CONFIG, option="int4", tau=tau)
-    slot_map = SlotMap(SLOTS)
-    page_table = torch.zeros(SLOTS, math.ceil(MAX_LEN / PAGE) - 1, dtype=torch.int32)
+    state = StepState(SLOTS, math.ceil(MAX_LEN / PAGE) - 1, MAX_TOKENS, device="cpu")
     cell = CellExact.allocate(SLOTS, H, D, dtype=torch.float32)
     pool = pool_views(torch.zeros(NUM_BLOCKS, page_bytes(4, H, D), dtype=torch.uint8), 4, H, D)
 
-    paths = set()
-
     def forward(qsl, seq_lens, first, table, q, k, v, out):
-        step = plan_step(slot_map, page_table, query_start_loc=qsl, seq_lens=seq_lens, first_blocks=first,
-                         block_table=table)
-        paths.add("span" if step.span else "all slots" if step.decode else None)
+        step = plan_step(state, query_start_loc=qsl, seq_lens=seq_lens, first_blocks=first, block_table=table)
         T = step.num_tokens
         forward_cell(cell, pool, step, q[0, :T], k[0, :T], v[0, :T], out[0, :T], bits=4, tau=tau, scale=SCALE)
 
     engine, refs = run_scenario(plan, forward)
-    check_storage(engine, refs, slot_map, cell, pool)
-    assert paths == {"span", "all slots", None}  # both decode reads ran (d, a, c: slots 1 | 0, 2)
+    check_storage(engine, refs, state.slot_map, cell, pool)
 
 
 # 3 loops x 2 layers: every option in one plan. LoopKV-R's kind (int4, int2 and bf16 cells, no shares) and LoopKV-M's
@@ -222,20 +216,19 @@ class PlanCells:
         self.refs = pool_refs(self.layout)
         self.kv = torch.zeros(NUM_BLOCKS, block_bytes(self.layout), dtype=torch.uint8)
         self.exact = {c.layer_name: CellExact.allocate(SLOTS, H, D, dtype=torch.float32) for c in self.layout}
-        self.slot_map = SlotMap(SLOTS)
-        self.page_table = torch.zeros(SLOTS, math.ceil(MAX_LEN / PAGE) - 1, dtype=torch.int32)
+        self.state = StepState(SLOTS, math.ceil(MAX_LEN / PAGE) - 1, MAX_TOKENS, device="cpu")
         self.taus = [plan.tau_of(c.cell) for c in self.layout]
-        self.paths = set()  # the decode reads the steps took
+        self.steps = []
 
     def pool(self, name):
         ref = self.refs[name]
         return pool_views(cell_region(self.kv, ref.offset, ref.size), ref.bits, H, D, dtype=torch.float32)
 
-    def forward(self, qsl, seq_lens, first, table, q, k, v, out):
-        step = plan_step(self.slot_map, self.page_table, query_start_loc=qsl, seq_lens=seq_lens, first_blocks=first,
-                         block_table=table)
+    def forward(self, qsl, seq_lens, first, table, q, k, v, out, num_tokens=None):
+        step = plan_step(self.state, query_start_loc=qsl, seq_lens=seq_lens, first_blocks=first, block_table=table,
+                         num_tokens=num_tokens)
+        self.steps.append(step)
         T = step.num_tokens
-        self.paths.add("span" if step.span else "all slots" if step.decode else None)
         for i, c in enumerate(self.layout):
             ref = self.refs[c.layer_name]
             source = None if ref.owner == c.layer_name else self.exact[ref.owner]
@@ -252,10 +245,9 @@ def test_mixed_plan_steps_equal_loopkv_cache(grid):
     starts = sorted({r.offset for r in cells.refs.values()}) + [cells.kv.shape[1]]
     assert starts == ends  # the storing cells' pools tile the plan's block, back to back
     engine, refs = run_scenario(plan, cells.forward, MIXED_SCENARIO, {"a": 327, "c": 357, "d": 35}, CONFIG3)
-    assert cells.paths == {"span", "all slots", None}
     for i, c in enumerate(cells.layout):
         if c.stores:
-            check_storage(engine, refs, cells.slot_map, cells.exact[c.layer_name], cells.pool(c.layer_name), i)
+            check_storage(engine, refs, cells.state.slot_map, cells.exact[c.layer_name], cells.pool(c.layer_name), i)
 
 
 def test_a_share_cell_refuses_a_chunk_past_its_window():
@@ -269,17 +261,17 @@ def test_a_share_cell_refuses_a_chunk_past_its_window():
 
 def test_dummy_rows_get_no_slot_and_zeros():
     # vLLM's dummy runs: block table rows of zeros (the null block), and padded requests without tokens
-    slot_map = SlotMap(2)
-    page_table = torch.zeros(2, 4, dtype=torch.int32)
+    state = StepState(2, 4, 8, device="cpu")
     cell = CellExact.allocate(2, H, D, dtype=torch.float32)
     pool = pool_views(torch.zeros(8, page_bytes(4, H, D), dtype=torch.uint8), 4, H, D)
     table = torch.tensor([[0, 0, 0], [0, 0, 0], [5, 6, 0], [0, 0, 0]], dtype=torch.int32)
-    step = plan_step(slot_map, page_table, query_start_loc=[0, 3, 4, 6, 6], seq_lens=[3, 1, 2, 0],
-                     first_blocks=[0, 0, 5, 0], block_table=table)
+    step = plan_step(state, query_start_loc=[0, 3, 4, 6, 6], seq_lens=[3, 1, 2, 0], first_blocks=[0, 0, 5, 0],
+                     block_table=table)
     assert step.dummy == ((0, 3), (3, 4))
+    assert step.decode is None
     assert [r.slot for r in step.prompts] == [0]
-    assert slot_map.held == [2, 0]
-    assert page_table[0].tolist() == [6, 0, 0, 0]
+    assert state.slot_map.held == [2, 0]
+    assert state.page_table[0].tolist() == [6, 0, 0, 0]
     q, k, v = torch.randn(6, HQ, D), torch.randn(6, H, D), torch.randn(6, H, D)
     out = torch.full((6, HQ, D), float("nan"))
     forward_cell(cell, pool, step, q, k, v, out, bits=4, tau=math.inf, scale=SCALE)
@@ -287,3 +279,71 @@ def test_dummy_rows_get_no_slot_and_zeros():
     assert torch.isfinite(out[4:]).all()
     assert torch.equal(cell.sink_k[0, :, :2], k[4:].transpose(0, 1))
     assert not cell.sink_k[1].any()
+
+
+CAPTURE_SIZES = (1, 2, 4, 8)
+# single-token steps across page 0's quantize length (a: 316 -> 319), a one-token prompt (e) among decodes, a paused
+# request (b), a mixed step (d's prompt), the slot of a finished request reused
+PADDED_SCENARIO = ([[("a", 316), ("b", 40)]] + [[("a", 1), ("b", 1)]] * 5 + [[("e", 1), ("a", 1), ("b", 1)]]
+                   + [[("e", 1), ("a", 1)]] + ["finish b"] + [[("d", 33), ("a", 1)]] + [[("d", 1), ("e", 1), ("a", 1)]])
+
+
+def padded(cells: PlanCells):
+    """``cells.forward`` as vLLM runs a step of single tokens in a CUDA graph: padded to the next capture size with
+    requests of no tokens (query_start_loc repeats the last value, seq_len 0, block table row 0) and tokens that belong
+    to no request (their q, k, v random); steps with prompts unpadded."""
+    gen = torch.Generator().manual_seed(1)
+
+    def forward(qsl, seq_lens, first, table, q, k, v, out):
+        reqs, T = len(seq_lens), qsl[-1]
+        if T != reqs:
+            return cells.forward(qsl, seq_lens, first, table, q, k, v, out)
+        n = min(c for c in CAPTURE_SIZES if c >= reqs)
+        pad = n - reqs
+
+        def grow(x):
+            return torch.cat([x[:, :T], torch.randn(x.shape[0], pad, *x.shape[2:], generator=gen)], dim=1)
+
+        table = torch.cat([table, torch.zeros(pad, table.shape[1], dtype=table.dtype)])
+        wide = torch.full((out.shape[0], n, *out.shape[2:]), float("nan"))
+        cells.forward(qsl + [T] * pad, seq_lens + [0] * pad, first + [0] * pad, table, grow(q), grow(k), grow(v), wide,
+                      num_tokens=n)
+        assert not wide[:, T:].any()  # a padded token is answered with zeros
+        out[:, :T] = wide[:, :T]
+
+    return forward
+
+
+def test_a_padded_decode_step_equals_the_unpadded_one():
+    # vLLM pads a uniform decode batch to a CUDA graph's size: the padded steps give the real tokens the outputs of
+    # the unpadded steps and leave the same cache state, and both equal LoopKVCache (run_scenario); the decode read's
+    # inputs are the same tensors (addresses) in every step
+    plan = Plan.from_grid(SHARED, kv_heads=H, head_dim=D, tau=[2.0, math.inf, 3.0])
+    held = {"a": 325, "d": 34, "e": 3}
+    outs = {}
+    cells = {}
+    for mode in ("unpadded", "padded"):
+        cells[mode] = PlanCells(plan)
+        forward = padded(cells[mode]) if mode == "padded" else cells[mode].forward
+        seen = []
+
+        def record(*args, _forward=forward, _seen=seen):
+            _forward(*args)
+            _seen.append(args[-1][:, :args[0][-1]].clone())  # the step's tokens' outputs
+
+        run_scenario(plan, record, PADDED_SCENARIO, held, CONFIG3)
+        outs[mode] = seen
+    for a, b in zip(outs["unpadded"], outs["padded"], strict=True):
+        assert torch.equal(a, b)
+    one, two = cells["unpadded"], cells["padded"]
+    assert torch.equal(one.kv, two.kv)
+    for name in one.exact:
+        for field in ("sink_k", "sink_v", "win_k", "win_v"):
+            assert torch.equal(getattr(one.exact[name], field), getattr(two.exact[name], field)), (name, field)
+    assert one.state.slot_map.held == two.state.slot_map.held
+    assert torch.equal(one.state.page_table, two.state.page_table)
+    decodes = [s.decode for s in two.steps if s.decode is not None]
+    assert len(decodes) == 9
+    assert {s.num_tokens for s in two.steps if not s.prompts} == {2, 4}
+    for field in ("token", "decoding", "row", "decodes", "lengths", "held", "scratch", "index"):
+        assert len({getattr(d, field).data_ptr() for d in decodes}) == 1, field

@@ -185,9 +185,13 @@ def test_plan_spec_merge_keeps_its_page(backend):
         backend.LoopKVPageSpec.merge([spec, other])
 
 
-def test_builder_and_impl_equal_loopkv_cache(backend):
+@pytest.mark.parametrize("pad", [False, True], ids=["eager", "padded-to-capture-sizes"])
+def test_builder_and_impl_equal_loopkv_cache(backend, pad):
     # vLLM's CommonAttentionMetadata -> LoopKVMetadataBuilder.build -> LoopKVImpl.forward, over the scheduled
-    # steps of tests/vllm/test_cells.py, against each request's LoopKVCache
+    # steps of tests/vllm/test_cells.py, against each request's LoopKVCache; pad: every step of single tokens given as
+    # vLLM gives a full CUDA graph's batch (model runner V2's prepare_inputs: requests padded to a capture size with
+    # no tokens, query_start_loc repeating the last value, seq_len 0, a block table row of zeros, num_actual_tokens
+    # the padded count), and its decode read's inputs always the same tensors
     import math
 
     from vllm.v1.attention.backend import CommonAttentionMetadata
@@ -195,11 +199,25 @@ def test_builder_and_impl_equal_loopkv_cache(backend):
     from loopkv.format import page_bytes
     from loopkv.vllm.cells import CellExact
     from loopkv.vllm.layout import PoolRef
-    from tests.vllm.test_cells import CONFIG, HQ, MAX_LEN, NUM_BLOCKS, SCALE, SLOTS, D, H, check_storage, run_scenario
+    from tests.vllm.test_cells import (
+        CAPTURE_SIZES,
+        CONFIG,
+        HQ,
+        MAX_LEN,
+        MAX_TOKENS,
+        NUM_BLOCKS,
+        SCALE,
+        SLOTS,
+        D,
+        H,
+        check_storage,
+        run_scenario,
+    )
 
     tau = 2.0
     plan = Plan.from_config(CONFIG, option="int4", tau=tau)
-    vllm_config = SimpleNamespace(scheduler_config=SimpleNamespace(max_num_seqs=SLOTS),
+    vllm_config = SimpleNamespace(scheduler_config=SimpleNamespace(max_num_seqs=SLOTS,
+                                                                   max_num_batched_tokens=MAX_TOKENS),
                                   model_config=SimpleNamespace(max_model_len=MAX_LEN))
     size = page_bytes(4, H, D)
     spec = backend.LoopKVPageSpec(block_size=32, num_kv_heads=H, head_size=D, dtype=torch.uint8,
@@ -211,21 +229,36 @@ def test_builder_and_impl_equal_loopkv_cache(backend):
     layer = SimpleNamespace(loopkv_exact=lambda: cell, loopkv_tau=tau, loopkv_pool=ref,
                             loopkv_source_exact=lambda: None)
     kv = torch.zeros(NUM_BLOCKS, page_bytes(4, H, D), dtype=torch.uint8)
-    assert builder.page_table.shape == (SLOTS, math.ceil(MAX_LEN / 32) - 1)
+    assert builder.state.page_table.shape == (SLOTS, math.ceil(MAX_LEN / 32) - 1)
+    gen = torch.Generator().manual_seed(1)
+    addresses = set()
 
     def forward(qsl, seq_lens, first, table, q, k, v, out):
-        n = len(seq_lens)
+        n, T = len(seq_lens), qsl[-1]
+        size = T
+        if pad and T == n:  # a uniform decode batch, padded as model runner V2 pads it
+            size = min(c for c in CAPTURE_SIZES if c >= n)
+            qsl, seq_lens = qsl + [T] * (size - n), seq_lens + [0] * (size - n)
+            table = torch.cat([table, torch.zeros(size - n, table.shape[1], dtype=table.dtype)])
+            q, k, v = (torch.cat([x[:, :T], torch.randn(1, size - T, *x.shape[2:], generator=gen)], dim=1)
+                       for x in (q, k, v))
         qsl_t = torch.tensor(qsl, dtype=torch.int32)
         common = CommonAttentionMetadata(
             query_start_loc=qsl_t, query_start_loc_cpu=qsl_t, seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-            num_reqs=n, num_actual_tokens=qsl[-1], max_query_len=int((qsl_t[1:] - qsl_t[:-1]).max()),
-            max_seq_len=max(seq_lens), block_table_tensor=table, slot_mapping=torch.zeros(qsl[-1], dtype=torch.long))
+            num_reqs=len(seq_lens), num_actual_tokens=size, max_query_len=int((qsl_t[1:] - qsl_t[:-1]).max()),
+            max_seq_len=max(seq_lens), block_table_tensor=table, slot_mapping=torch.zeros(size, dtype=torch.long))
         meta = builder.build(0, common)
+        if meta.step.decode is not None and not meta.step.prompts:
+            addresses.add(tuple(t.data_ptr() for t in vars(meta.step.decode).values()))
         # vLLM's layer passes q, k, v and the output as [T, heads, head_size] views
-        impl.forward(layer, q[0], k[0], v[0], kv, meta, out[0])
+        wide = torch.full((size, HQ, D), float("nan"))
+        impl.forward(layer, q[0, :size], k[0, :size], v[0, :size], kv, meta, wide)
+        assert size == T or not wide[T:].any()  # padded tokens: zeros
+        out[0, :T] = wide[:T]
 
     engine, refs = run_scenario(plan, forward)
-    check_storage(engine, refs, builder.slot_map, cell, impl.pool(kv, ref, torch.float32))
+    check_storage(engine, refs, builder.state.slot_map, cell, impl.pool(kv, ref, torch.float32))
+    assert len(addresses) == 1
     assert impl.forward(layer, None, None, None, kv, None, out := torch.ones(3)) is out
     assert not out.any()
 
