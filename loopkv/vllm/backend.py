@@ -17,7 +17,8 @@ Every cell of a plan that is not all-bf16 is one :class:`LoopKVAttention`, vLLM'
 CUDA graphs: the builder declares ``UNIFORM_SINGLE_TOKEN_DECODE``: a step whose every request decodes one token (vLLM
 pads it to a capture size with requests of no tokens) is a decode read whose device inputs the builder writes in
 place into buffers of fixed address (``loopkv.vllm.cells.StepState``), so vLLM captures the whole decode step as one
-graph (``FULL_DECODE_ONLY``, or ``FULL_AND_PIECEWISE``'s decode graphs); steps with prompts run attention eagerly. The write is part of the read (``forward_includes_kv_cache_update``).
+graph (``FULL_DECODE_ONLY``, or ``FULL_AND_PIECEWISE``'s decode graphs); steps with prompts run attention eagerly.
+The write is part of the read (``forward_includes_kv_cache_update``).
 """
 
 from __future__ import annotations

@@ -283,6 +283,7 @@ def test_vllm_ouro_with_a_plan_serves_loopkv_cells(backend, tmp_path, grid):
         CacheConfig,
         CompilationConfig,
         CompilationMode,
+        CUDAGraphMode,
         DeviceConfig,
         SchedulerConfig,
         VllmConfig,
@@ -292,7 +293,7 @@ def test_vllm_ouro_with_a_plan_serves_loopkv_cells(backend, tmp_path, grid):
     from vllm.engine.arg_utils import EngineArgs
     from vllm.forward_context import set_forward_context
     from vllm.model_executor.model_loader.weight_utils import initialize_dummy_weights
-    from vllm.v1.attention.backend import CommonAttentionMetadata
+    from vllm.v1.attention.backend import AttentionCGSupport, CommonAttentionMetadata
     from vllm.v1.core import kv_cache_utils
     from vllm.v1.worker.gpu.attn_utils import get_kv_cache_spec, init_attn_backend, init_kv_cache
 
@@ -333,8 +334,17 @@ def test_vllm_ouro_with_a_plan_serves_loopkv_cells(backend, tmp_path, grid):
         groups = kv_cache_utils.get_kv_cache_groups(vc, specs)
         kv_config = kv_cache_utils.get_kv_cache_config_from_groups(vc, groups, 40 * block_bytes(layout) + 5)
         assert kv_config.num_blocks == 40
-        attn_groups, _, block_sizes = init_attn_backend(kv_config, vc, torch.device("cpu"))
+        attn_groups, cg_support, block_sizes = init_attn_backend(kv_config, vc, torch.device("cpu"))
         assert [[sorted(g.layer_names) for g in gs] for gs in attn_groups] == [[names]]  # one builder for all
+        # the support vLLM reads from the builder, and the graph modes its config resolves from it (model runner V2)
+        assert cg_support.min_cg_support == AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+        for mode, compile_mode in (("FULL_DECODE_ONLY", CompilationMode.NONE),
+                                   ("FULL_AND_PIECEWISE", CompilationMode.VLLM_COMPILE)):
+            cc = CompilationConfig(mode=compile_mode, cudagraph_mode=mode, cudagraph_capture_sizes=[1, 2])
+            resolved = cc.resolve_cudagraph_mode_and_sizes(cg_support.min_cg_support, cg_support.min_cg_attn_backend,
+                                                           1, use_v2_model_runner=True, kv_cache_config=kv_config,
+                                                           max_num_reqs=2)
+            assert resolved == CUDAGraphMode[mode]
         kv = init_kv_cache([], vc.compilation_config.static_forward_context, kv_config, attn_groups,
                            torch.device("cpu"), "auto", block_sizes, vc)
         assert {t.data_ptr() for t in kv.values()} == {kv[names[0]].data_ptr()}
@@ -350,28 +360,66 @@ def test_vllm_ouro_with_a_plan_serves_loopkv_cells(backend, tmp_path, grid):
 
             def recording(lay, q, k, v, kv, meta, output, *rest, _forward=forward, **kw):
                 out = _forward(lay, q, k, v, kv, meta, output, *rest, **kw)
-                seen.append((lay.layer_name, q.clone(), k.clone(), v.clone(), out.clone()))
+                n = real[0]  # the step's tokens (not vLLM's padding); 0 in a dummy run
+                if n:
+                    seen.append((lay.layer_name, q[:n].clone(), k[:n].clone(), v[:n].clone(), out[:n].clone()))
                 return out
 
             layer.impl.forward = recording
 
-        def step(ids, start):
-            n = len(ids)
-            qsl = torch.tensor([0, n], dtype=torch.int32)
-            common = CommonAttentionMetadata(
-                query_start_loc=qsl, query_start_loc_cpu=qsl, seq_lens=torch.tensor([start + n], dtype=torch.int32),
-                num_reqs=1, num_actual_tokens=n, max_query_len=n, max_seq_len=start + n,
-                block_table_tensor=torch.arange(7, 7 + 20, dtype=torch.int32)[None],
-                slot_mapping=torch.zeros(n, dtype=torch.long))
-            meta = builder.build(0, common)
+        real, decodes = [0], []
+        table = torch.arange(7, 7 + 20, dtype=torch.int32)[None]
+
+        def run(common, ids, positions, meta):
             with set_forward_context({nm: meta for nm in names}, vc, slot_mapping={nm: common.slot_mapping
                                                                                     for nm in names}):
-                return model(torch.tensor(ids), torch.arange(start, start + n))
+                return model(torch.tensor(ids), positions)
 
+        def step(ids, start, size=None):
+            # one request's tokens; size: a decode batch padded to a capture size as model runner V2 pads it
+            n = len(ids)
+            size = size or n
+            qsl = torch.tensor([0] + [n] * size, dtype=torch.int32)
+            seq_lens = torch.tensor([start + n] + [0] * (size - 1), dtype=torch.int32)
+            common = CommonAttentionMetadata(
+                query_start_loc=qsl, query_start_loc_cpu=qsl, seq_lens=seq_lens, num_reqs=size,
+                num_actual_tokens=max(n, size), max_query_len=n, max_seq_len=start + n,
+                block_table_tensor=torch.cat([table, torch.zeros(size - 1, 20, dtype=torch.int32)]),
+                slot_mapping=torch.zeros(max(n, size), dtype=torch.long))
+            real[0] = n
+            ids = ids + [0] * (size - n)
+            positions = torch.cat([torch.arange(start, start + n), torch.zeros(size - n, dtype=torch.long)])
+            meta = builder.build(0, common)
+            if meta.step.decode is not None:
+                decodes.append(meta.step.decode)
+            return run(common, ids, positions, meta)[:n]
+
+        def capture_run(size):
+            # what model runner V2 builds and runs to capture a decode graph (InputBatch.make_dummy, the dummy block
+            # tables: rows of zeros): every request one token, seq_len 1
+            qsl = torch.arange(size + 1, dtype=torch.int32)
+            common = CommonAttentionMetadata(
+                query_start_loc=qsl, query_start_loc_cpu=qsl, seq_lens=torch.ones(size, dtype=torch.int32),
+                num_reqs=size, num_actual_tokens=size, max_query_len=1, max_seq_len=1024,
+                block_table_tensor=torch.zeros(size, 20, dtype=torch.int32),
+                slot_mapping=torch.zeros(size, dtype=torch.long))
+            meta = builder.build_for_cudagraph_capture(common)
+            assert meta.step.decode is not None
+            assert not meta.step.prompts
+            real[0] = 0
+            run(common, [0] * size, torch.zeros(size, dtype=torch.long), meta)
+            return meta
+
+        captured = capture_run(2)
         gen = torch.Generator().manual_seed(0)
         hidden = step(torch.randint(1, 128, (330,), generator=gen).tolist(), 0)
         for i in range(3):  # the third decode token makes the row 333 long: page 0 was quantized at 319
-            hidden = step([int(hidden[-1].abs().argmax()) % 127 + 1], 330 + i)
+            if i == 1:
+                capture_run(2)  # between live steps too: it writes nothing a live request reads
+            size = 2 if i != 1 else None  # padded as a graph of 2 requests replays it
+            hidden = step([int(hidden[-1].abs().argmax()) % 127 + 1], 330 + i, size)
+        assert {tuple(t.data_ptr() for t in vars(d).values()) for d in decodes} == {
+            tuple(t.data_ptr() for t in vars(captured.step.decode).values())}
         assert torch.isfinite(hidden).all()
     cache = LoopKVCache(plan, config=config, max_batch_size=1, max_cache_len=1024, dtype=torch.float32, device="cpu")
     assert [s[0] for s in seen] == names * 4  # 4 forwards, every cell once per forward, loop by loop
