@@ -202,9 +202,9 @@ class DecodeRead:
     token, decoding: per slot the packed token it decodes and whether it does (``loopkv.cache.slots.DecodeStep``).
     row: per packed token (``tokens`` of them, padding included) the slot whose output it takes (0 for none).
     decodes: bool per packed token: whether it is a decode token.
-    lengths: int32 per slot: the tokens held before its decode token (decoding slots) or after the step (others:
-    ``token_attention_`` writes a zero token at that next position, which no read reaches before the slot writes it
-    again).
+    lengths: int32 per slot: the tokens held before its decode token (decoding slots), or :func:`idle_length` of
+    those held after the step (others: ``token_attention_`` writes a zero token there, where the slot's next position
+    goes, unread).
     held: int32 [1, slots]: the decoding slots' tokens before the step, ``capacity`` for the others, which
     ``advance_`` leaves alone; each storing cell's ``advance_`` counts in ``scratch`` (a copy) and quantizes the page
     a decode token completes (``loopkv.format.QUANTIZE_LENGTH``), deciding on the device.
@@ -241,6 +241,14 @@ class Step:
     page_table: Tensor
 
 
+def idle_length(held: int) -> int:
+    """The length a slot that holds ``held`` tokens and decodes nothing is given in a step's decode read: the shortest
+    whose position has the same sink or ring slot as position ``held`` (the slot's next position, which no read reaches
+    before the slot writes it again), so the zero token ``token_attention_`` writes there lands unread, and the wasted
+    read of a slot that waits or whose request has finished covers at most ``SINK + RING`` tokens, not its history."""
+    return held if held < SINK + RING else SINK + (held - SINK) % RING
+
+
 class StepState:
     """What the step plans of one engine keep from step to step: the slot map, and on the device, at fixed addresses,
     the slots' page table and the decode read's inputs (:class:`DecodeRead`), written in place by :func:`plan_step`
@@ -259,9 +267,10 @@ class StepState:
 
     def fill(self, decoding: list[Row], lengths: list[int], tokens: int) -> DecodeRead:
         """The step's :class:`DecodeRead`: ``decoding`` its one-token rows, ``lengths`` per slot the tokens held
-        after the step, ``tokens`` the packed batch's length."""
+        after the step (a slot that does not decode is read at :func:`idle_length`), ``tokens`` the packed batch's
+        length."""
         slots = self.slot_map.slots
-        lengths, held, decodes = list(lengths), [self.capacity] * slots, [0] * tokens
+        lengths, held, decodes = [idle_length(n) for n in lengths], [self.capacity] * slots, [0] * tokens
         for r in decoding:
             lengths[r.slot] = held[r.slot] = r.start
             decodes[r.begin] = 1

@@ -19,7 +19,16 @@ from loopkv.cache.loop_cache import LoopKVCache
 from loopkv.format import PAGE, POOL_FIELDS, RING, SINK, n_pages, page_bytes, pool_field_shapes, stored_pages
 from loopkv.models.ouro import OuroConfig
 from loopkv.planning.plan import Plan
-from loopkv.vllm.cells import CellExact, SlotMap, StepState, cell_region, forward_cell, plan_step, pool_views
+from loopkv.vllm.cells import (
+    CellExact,
+    SlotMap,
+    StepState,
+    cell_region,
+    forward_cell,
+    idle_length,
+    plan_step,
+    pool_views,
+)
 from loopkv.vllm.layout import block_bytes, kv_layout, pool_refs
 
 H, HQ, D = 2, 4, 32
@@ -282,10 +291,21 @@ def test_dummy_rows_get_no_slot_and_zeros():
 
 
 CAPTURE_SIZES = (1, 2, 4, 8)
-# single-token steps across page 0's quantize length (a: 316 -> 319), a one-token prompt (e) among decodes, a paused
-# request (b), a mixed step (d's prompt), the slot of a finished request reused
+# single-token steps across page 0's quantize length (a: 316 -> 319), a one-token prompt (e) among decodes, paused
+# requests (b, then a at 324 tokens: read at its idle length), a mixed step (d's prompt), the slot of a finished
+# request reused
 PADDED_SCENARIO = ([[("a", 316), ("b", 40)]] + [[("a", 1), ("b", 1)]] * 5 + [[("e", 1), ("a", 1), ("b", 1)]]
-                   + [[("e", 1), ("a", 1)]] + ["finish b"] + [[("d", 33), ("a", 1)]] + [[("d", 1), ("e", 1), ("a", 1)]])
+                   + [[("e", 1), ("a", 1)]] + ["finish b"] + [[("d", 33), ("a", 1)]] + [[("d", 1), ("e", 1)]]
+                   + [[("d", 1), ("e", 1), ("a", 1)]])
+
+
+def test_idle_length_is_the_shortest_with_the_next_positions_slot():
+    def slot(p):  # where LoopKVCache keeps position p while it is exact: its sink or ring slot
+        return ("sink", p) if p < SINK else ("ring", (p - SINK) % RING)
+
+    for held in range(0, 1500):
+        shortest = next(p for p in range(held + 1) if slot(p) == slot(held))
+        assert idle_length(held) == shortest < SINK + RING
 
 
 def padded(cells: PlanCells):
@@ -319,7 +339,7 @@ def test_a_padded_decode_step_equals_the_unpadded_one():
     # the unpadded steps and leave the same cache state, and both equal LoopKVCache (run_scenario); the decode read's
     # inputs are the same tensors (addresses) in every step
     plan = Plan.from_grid(SHARED, kv_heads=H, head_dim=D, tau=[2.0, math.inf, 3.0])
-    held = {"a": 325, "d": 34, "e": 3}
+    held = {"a": 325, "d": 35, "e": 4}
     outs = {}
     cells = {}
     for mode in ("unpadded", "padded"):
@@ -343,7 +363,7 @@ def test_a_padded_decode_step_equals_the_unpadded_one():
     assert one.state.slot_map.held == two.state.slot_map.held
     assert torch.equal(one.state.page_table, two.state.page_table)
     decodes = [s.decode for s in two.steps if s.decode is not None]
-    assert len(decodes) == 9
+    assert len(decodes) == 10
     assert {s.num_tokens for s in two.steps if not s.prompts} == {2, 4}
     for field in ("token", "decoding", "row", "decodes", "lengths", "held", "scratch", "index"):
         assert len({getattr(d, field).data_ptr() for d in decodes}) == 1, field
