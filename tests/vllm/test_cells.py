@@ -9,6 +9,7 @@ pages in vLLM's blocks laid out field after field, the slot's page table from th
 the decode token that completes them)."""
 
 import math
+import os
 import random
 
 import pytest
@@ -367,3 +368,78 @@ def test_a_padded_decode_step_equals_the_unpadded_one():
     assert {s.num_tokens for s in two.steps if not s.prompts} == {2, 4}
     for field in ("token", "decoding", "row", "decodes", "lengths", "held", "scratch", "index"):
         assert len({getattr(d, field).data_ptr() for d in decodes}) == 1, field
+
+
+@pytest.mark.interpret
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1 (no CUDA)")
+@pytest.mark.parametrize("bits", [4, 2])
+def test_the_triton_launchers_take_the_decode_reads_views(monkeypatch, bits):
+    # on CUDA, token_attention_ and advance_ are loopkv's Triton launchers; one given tensors it does not take runs
+    # the PyTorch reference, which reads the device on the host (no CUDA graph). Under Triton's interpreter, the
+    # launchers take forward_cell's views of a vLLM cell (the decode read over every slot, advance_ on one cell's
+    # stacks) without falling back, and leave the references' state and outputs: 2 requests decoding across page 0's
+    # quantize length (319), head_dim 64 (the launchers' smallest)
+    from loopkv.ops import step_ops, triton_attention, triton_quant
+    from tests.tolerances import ATTN_FP32_ATOL, ATTN_FP32_RTOL
+
+    heads, q_heads, dim, slots = 1, 2, 64, 2
+    gen = torch.Generator().manual_seed(0)
+    table = torch.tensor([[3, 4, 5, 0], [6, 7, 0, 0]], dtype=torch.int32)
+    prompt = [(torch.randn(n, q_heads, dim, generator=gen), torch.randn(n, heads, dim, generator=gen),
+               torch.randn(n, heads, dim, generator=gen)) for n in (316, 40)]
+    decodes = [(torch.randn(2, q_heads, dim, generator=gen), torch.randn(2, heads, dim, generator=gen),
+                torch.randn(2, heads, dim, generator=gen)) for _ in range(5)]
+
+    def serve():
+        state = StepState(slots, 4, 8, device="cpu")
+        cell = CellExact.allocate(slots, heads, dim, dtype=torch.float32)
+        kv = torch.zeros(8, page_bytes(bits, heads, dim), dtype=torch.uint8)
+        pool = pool_views(kv, bits, heads, dim, dtype=torch.float32)
+        outs = []
+        for i, (q, k, v) in enumerate(prompt):  # one prompt a step (references: not the point)
+            step = plan_step(state, query_start_loc=[0, len(q)], seq_lens=[len(q)], first_blocks=[int(table[i, 0])],
+                             block_table=table[i:i + 1])
+            forward_cell(cell, pool, step, q, k, v, torch.empty_like(q), bits=bits, tau=math.inf, scale=dim**-0.5)
+        for j, (q, k, v) in enumerate(decodes):
+            step = plan_step(state, query_start_loc=[0, 1, 2], seq_lens=[317 + j, 41 + j], first_blocks=[3, 6],
+                             block_table=table)
+            with torch.no_grad():
+                real = (torch.ops.loopkv.token_attention_, torch.ops.loopkv.advance_)
+                if launchers:
+                    monkeypatch.setattr(torch.ops.loopkv, "token_attention_", counted(triton_attention.token_attention))
+                    monkeypatch.setattr(torch.ops.loopkv, "advance_", counted(triton_quant.advance))
+                outs.append(forward_cell(cell, pool, step, q, k, v, torch.empty_like(q), bits=bits, tau=math.inf,
+                                         scale=dim**-0.5))
+                monkeypatch.setattr(torch.ops.loopkv, "token_attention_", real[0])
+                monkeypatch.setattr(torch.ops.loopkv, "advance_", real[1])
+        return cell, kv, outs
+
+    calls = []
+
+    def counted(launcher):
+        def run(*args):
+            calls.append(launcher.__name__)
+            return launcher(*args)
+
+        return run
+
+    launchers = False
+    want = serve()
+
+    def refused(*args, **kwargs):
+        raise AssertionError("a Triton launcher fell back to its PyTorch reference")
+
+    launchers = True
+    with monkeypatch.context() as m:
+        m.setattr(step_ops, "advance_stacks_reference", refused)
+        m.setattr(step_ops, "token_attention_reference", refused)
+        got = serve()
+    assert calls == ["token_attention", "advance"] * len(decodes)
+    for a, b in zip(want[2], got[2], strict=True):
+        torch.testing.assert_close(b, a, atol=ATTN_FP32_ATOL, rtol=ATTN_FP32_RTOL)
+    for field in ("sink_k", "sink_v", "win_k", "win_v"):
+        assert torch.equal(getattr(got[0], field), getattr(want[0], field)), field
+    assert torch.equal(got[1], want[1])  # the same pool bytes
+    k_pages = pool_views(got[1], bits, heads, dim, dtype=torch.float32)[0]
+    assert k_pages[4].any()  # page 0 of request 0, quantized at 319 into its block 4
+    assert not k_pages[5].any()
