@@ -41,8 +41,9 @@ fresh process of this script (``--arm``):
 2. the vLLM arms (``load_format="safetensors"``), engine in process, ``block_size=32``, prefix caching off, every
    prompt in one chunk (``max_num_batched_tokens`` = ``max_model_len``), greedy ``PLAN_NEW_TOKENS`` tokens with their
    top-``PLAN_LOGPROBS`` logprobs for the same seeded prompts (``PLAN_PROMPT_LENGTHS``, one batch), and the model
-   class; with ``--plan-decode-context N`` also decode tok/s of one request at N tokens (``decode_tok_s`` of a run
-   of ``--plan-decode-base`` and one of that plus ``--plan-decode-tokens`` new tokens).
+   class; with ``--plan-decode-context N`` also decode tok/s at N tokens for each batch size of
+   ``--plan-decode-batches`` (B distinct prompts; ``decode_tok_s`` of a run of ``--plan-decode-base`` and one of that
+   plus ``--plan-decode-tokens`` new tokens).
 
 * An all-bf16 plan is a check: arms ``vllm`` (no plugin), ``vllm_again`` (vLLM need not repeat itself across
   processes) and ``loopkv`` (``LOOPKV_PLAN=PLAN.json`` and ``loopkv.vllm.plugin.register()``, so vLLM builds
@@ -58,6 +59,12 @@ fresh process of this script (``--arm``):
   ``--plan`` given more than once (quantized plans only): one ``vllm`` arm and one ``loopkv:NAME`` arm per plan
   (``NAME``: the file's stem), each compared with ``vllm``.
 
+CUDA graphs (every vLLM arm alike, :func:`graph_settings`): ``--enforce-eager`` none; ``--decode-graphs`` no
+torch.compile and every decode step one full graph (``FULL_DECODE_ONLY``: loopkv's read inside vLLM's graph), steps
+with prompts eager; neither: vLLM's default (torch.compile, 2-3 min per start). ``--eager-check`` adds the last
+plan's arm once more with ``--enforce-eager`` (tokens only, label ``loopkv:NAME:eager``) and exits 1 unless its
+greedy tokens equal the graph arm's.
+
 An arm serving a plan with ``share`` cells runs with chunked prefill off (``enable_chunked_prefill=False``, which
 such a plan needs: ``loopkv.vllm.settings.check_engine``); the others keep vLLM's default. Prints a table and
 writes ``benchmarks/results/vllm_plan.json`` (or ``--out``):
@@ -70,6 +77,12 @@ writes ``benchmarks/results/vllm_plan.json`` (or ``--out``):
     python benchmarks/bench_vllm.py --write-plans /tmp/plans
     python benchmarks/bench_vllm.py --plan /tmp/plans/kivi4.json --plan /tmp/plans/loopkv-r.json \\
         --plan /tmp/plans/loopkv-m.json --enforce-eager --arm-timeout 130
+
+The decode graphs (docs/vllm.md, "Checks on the GPU"; about 6-7 min on one H200):
+
+    python benchmarks/bench_vllm.py --plan /tmp/plans/kivi4.json --plan /tmp/plans/loopkv-m.json \\
+        --decode-graphs --eager-check --plan-decode-context 16384 --plan-decode-batches 1,8 \\
+        --plan-decode-base 4 --plan-decode-tokens 48 --arm-timeout 110 --reference-timeout 150
 """
 
 from __future__ import annotations
