@@ -78,11 +78,11 @@ writes ``benchmarks/results/vllm_plan.json`` (or ``--out``):
     python benchmarks/bench_vllm.py --plan /tmp/plans/kivi4.json --plan /tmp/plans/loopkv-r.json \\
         --plan /tmp/plans/loopkv-m.json --enforce-eager --arm-timeout 130
 
-The decode graphs (docs/vllm.md, "Checks on the GPU"; about 6-7 min on one H200):
+The decode graphs (docs/vllm.md, "Checks on the GPU"; about 6-8 min on one H200, estimated):
 
     python benchmarks/bench_vllm.py --plan /tmp/plans/kivi4.json --plan /tmp/plans/loopkv-m.json \\
         --decode-graphs --eager-check --plan-decode-context 16384 --plan-decode-batches 1,8 \\
-        --plan-decode-base 4 --plan-decode-tokens 48 --arm-timeout 110 --reference-timeout 150
+        --plan-decode-base 4 --plan-decode-tokens 48 --arm-timeout 105 --reference-timeout 170
 """
 
 from __future__ import annotations
