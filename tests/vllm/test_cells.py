@@ -443,3 +443,73 @@ def test_the_triton_launchers_take_the_decode_reads_views(monkeypatch, bits):
     k_pages = pool_views(got[1], bits, heads, dim, dtype=torch.float32)[0]
     assert k_pages[4].any()  # page 0 of request 0, quantized at 319 into its block 4
     assert not k_pages[5].any()
+
+
+@pytest.mark.gpu
+def test_a_decode_step_replays_as_one_cuda_graph():
+    # what vLLM's full decode graphs do with a cell, without vLLM: the decode step (padded to 4 tokens) is captured
+    # once from a dummy batch (block-table rows of zeros, as model runner V2 captures), after one eager run of it; each
+    # later step only rewrites StepState's buffers through plan_step and replays. Outputs and cache state equal an
+    # eager twin's (the same steps, forward_cell run eagerly) bit for bit, across page 0's quantize length
+    from loopkv.ops.triton_register import register_triton_kernels
+
+    assert register_triton_kernels()
+    device, dtype, heads, q_heads, dim, slots, width = "cuda", torch.bfloat16, 2, 4, 128, 4, 4
+    gen = torch.Generator().manual_seed(0)
+    table = torch.tensor([[3, 4, 5, 0], [6, 7, 0, 0]], dtype=torch.int32, device=device)
+    padded_table = torch.cat([table, torch.zeros(2, 4, dtype=torch.int32, device=device)])
+
+    def qkv(n):
+        return tuple(torch.randn(n, h, dim, generator=gen).to(device, dtype) for h in (q_heads, heads, heads))
+
+    prompts = [qkv(316), qkv(40)]
+    decodes = [qkv(width) for _ in range(6)]  # 2 real tokens, 2 padding
+    dummy = dict(query_start_loc=list(range(width + 1)), seq_lens=[1] * width, first_blocks=[0] * width,
+                 block_table=torch.zeros(width, 4, dtype=torch.int32, device=device), num_tokens=width)
+
+    def serving():
+        state = StepState(slots, 4, 512, device=device)
+        cell = CellExact.allocate(slots, heads, dim, dtype=dtype, device=device)
+        kv = torch.zeros(8, page_bytes(4, heads, dim), dtype=torch.uint8, device=device)
+        return state, cell, kv, pool_views(kv, 4, heads, dim, dtype=dtype)
+
+    def run(served, step, q, k, v, out):
+        state, cell, kv, pool = served
+        return forward_cell(cell, pool, step, q, k, v, out, bits=4, tau=math.inf, scale=dim**-0.5)
+
+    eager, graphed = serving(), serving()
+    static = [torch.zeros_like(x) for x in decodes[0]]
+    static_out = torch.zeros(width, q_heads, dim, dtype=dtype, device=device)
+    for i, (q, k, v) in enumerate(prompts):
+        for served in (eager, graphed):
+            step = plan_step(served[0], query_start_loc=[0, len(q)], seq_lens=[len(q)],
+                             first_blocks=[int(table[i, 0])], block_table=table[i:i + 1])
+            run(served, step, q, k, v, torch.empty_like(q))
+    # the capture, from a dummy batch: one eager run on a side stream (Triton compiles, counters are allocated), then
+    # the graph; the eager twin runs the same dummy step (it writes zeros where every slot's next token goes)
+    run(eager, plan_step(eager[0], **dummy), *static, torch.empty_like(static_out))
+    captured = plan_step(graphed[0], **dummy)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        run(graphed, captured, *static, static_out)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run(graphed, captured, *static, static_out)
+    for j, (q, k, v) in enumerate(decodes):
+        real = dict(query_start_loc=[0, 1, 2, 2, 2], seq_lens=[317 + j, 41 + j, 0, 0], first_blocks=[3, 6, 0, 0],
+                    block_table=padded_table, num_tokens=width)
+        want = run(eager, plan_step(eager[0], **real), q, k, v, torch.empty_like(static_out))
+        plan_step(graphed[0], **real)  # the builder's work before a replay: the same buffers, rewritten
+        for dst, src in zip(static, (q, k, v), strict=True):
+            dst.copy_(src)
+        graph.replay()
+        assert torch.equal(static_out[:2], want[:2]), j
+        assert not static_out[2:].any()
+    torch.cuda.synchronize()
+    for field in ("sink_k", "sink_v", "win_k", "win_v"):
+        assert torch.equal(getattr(graphed[1], field), getattr(eager[1], field)), field
+    assert torch.equal(graphed[2], eager[2])
+    k_pages = graphed[3][0]
+    assert k_pages[4].any()  # page 0 of request 0, quantized at 319 into its block 4 inside the graph
