@@ -41,8 +41,9 @@ fresh process of this script (``--arm``):
 2. the vLLM arms (``load_format="safetensors"``), engine in process, ``block_size=32``, prefix caching off, every
    prompt in one chunk (``max_num_batched_tokens`` = ``max_model_len``), greedy ``PLAN_NEW_TOKENS`` tokens with their
    top-``PLAN_LOGPROBS`` logprobs for the same seeded prompts (``PLAN_PROMPT_LENGTHS``, one batch), and the model
-   class; with ``--plan-decode-context N`` also decode tok/s of one request at N tokens (``decode_tok_s`` of a run
-   of ``--plan-decode-base`` and one of that plus ``--plan-decode-tokens`` new tokens).
+   class; with ``--plan-decode-context N`` also decode tok/s at N tokens for each batch size of
+   ``--plan-decode-batches`` (B distinct prompts; ``decode_tok_s`` of a run of ``--plan-decode-base`` and one of that
+   plus ``--plan-decode-tokens`` new tokens).
 
 * An all-bf16 plan is a check: arms ``vllm`` (no plugin), ``vllm_again`` (vLLM need not repeat itself across
   processes) and ``loopkv`` (``LOOPKV_PLAN=PLAN.json`` and ``loopkv.vllm.plugin.register()``, so vLLM builds
@@ -58,6 +59,12 @@ fresh process of this script (``--arm``):
   ``--plan`` given more than once (quantized plans only): one ``vllm`` arm and one ``loopkv:NAME`` arm per plan
   (``NAME``: the file's stem), each compared with ``vllm``.
 
+CUDA graphs (every vLLM arm alike, :func:`graph_settings`): ``--enforce-eager`` none; ``--decode-graphs`` no
+torch.compile and every decode step one full graph (``FULL_DECODE_ONLY``: loopkv's read inside vLLM's graph), steps
+with prompts eager; neither: vLLM's default (torch.compile, 2-3 min per start). ``--eager-check`` adds the last
+plan's arm once more with ``--enforce-eager`` (tokens only, label ``loopkv:NAME:eager``) and exits 1 unless its
+greedy tokens equal the graph arm's.
+
 An arm serving a plan with ``share`` cells runs with chunked prefill off (``enable_chunked_prefill=False``, which
 such a plan needs: ``loopkv.vllm.settings.check_engine``); the others keep vLLM's default. Prints a table and
 writes ``benchmarks/results/vllm_plan.json`` (or ``--out``):
@@ -70,6 +77,12 @@ writes ``benchmarks/results/vllm_plan.json`` (or ``--out``):
     python benchmarks/bench_vllm.py --write-plans /tmp/plans
     python benchmarks/bench_vllm.py --plan /tmp/plans/kivi4.json --plan /tmp/plans/loopkv-r.json \\
         --plan /tmp/plans/loopkv-m.json --enforce-eager --arm-timeout 130
+
+The decode graphs (docs/vllm.md, "Checks on the GPU"; about 6-8 min on one H200, estimated):
+
+    python benchmarks/bench_vllm.py --plan /tmp/plans/kivi4.json --plan /tmp/plans/loopkv-m.json \\
+        --decode-graphs --eager-check --plan-decode-context 16384 --plan-decode-batches 1,8 \\
+        --plan-decode-base 4 --plan-decode-tokens 48 --arm-timeout 105 --reference-timeout 170
 """
 
 from __future__ import annotations
@@ -159,6 +172,24 @@ def static_bf16(args, batches: list[int]) -> dict:
             "exit_status": proc.returncode}
 
 
+def graph_settings(args, batches: list[int], max_num_seqs: int) -> dict:
+    """vLLM's engine arguments for the run's mode of CUDA graphs: ``--enforce-eager``: none (and no torch.compile);
+    ``--decode-graphs``: no torch.compile (``compilation_config`` mode NONE, so the engine starts without compiling)
+    and every decode step of a batch of at most ``max_num_seqs`` requests captured as one graph
+    (``FULL_DECODE_ONLY``), steps with prompts eager; otherwise vLLM's default (torch.compile, ``FULL_AND_PIECEWISE``).
+    Graphs are captured for ``batches`` (the decode batch sizes that run) and 1, 2, 4, 8 (vLLM pads a batch to the
+    next size captured)."""
+    if args.enforce_eager and args.decode_graphs:
+        raise ValueError("--enforce-eager runs without CUDA graphs and --decode-graphs with them: give one")
+    if args.enforce_eager:
+        return {"enforce_eager": True}
+    sizes = sorted(b for b in {1, 2, 4, 8, *batches} if b <= max_num_seqs)
+    config = {"cudagraph_capture_sizes": sizes}
+    if args.decode_graphs:
+        config.update(mode=0, cudagraph_mode="FULL_DECODE_ONLY")  # CompilationMode.NONE
+    return {"enforce_eager": False, "compilation_config": config}
+
+
 def run_vllm(args, batches: list[int]) -> dict:
     """Start vLLM on the dummy Ouro-1.4B and measure decode tok/s at each batch (module docstring, step 4)."""
     if args.in_process:
@@ -182,13 +213,11 @@ def run_vllm(args, batches: list[int]) -> dict:
     model_dir = write_model_dir(tmp.name)
     max_len = args.context + args.base_tokens + args.tokens + 64
     engine_kw = dict(model=str(model_dir), load_format="dummy", dtype="bfloat16", kv_cache_dtype="auto",
-                     skip_tokenizer_init=True, max_model_len=max_len, enforce_eager=args.enforce_eager,
+                     skip_tokenizer_init=True, max_model_len=max_len,
                      gpu_memory_utilization=args.gpu_memory_utilization, enable_prefix_caching=False,
-                     max_num_seqs=max(batches), seed=0)
+                     max_num_seqs=max(batches), seed=0, **graph_settings(args, batches, max(batches)))
     if args.attention_backend:
         engine_kw["attention_backend"] = args.attention_backend
-    if not args.enforce_eager:  # capture only the batch sizes measured (and a few small ones)
-        engine_kw["compilation_config"] = {"cudagraph_capture_sizes": sorted({1, 2, 4, *batches})}
     result["engine_kwargs"] = {k: v for k, v in engine_kw.items() if k != "model"}
     with Step(f"vllm.LLM(max_model_len={max_len}, enforce_eager={args.enforce_eager})") as s:
         llm = LLM(**engine_kw)
@@ -348,6 +377,7 @@ SERVED_KL_FACTOR = 2.0
 # rounding alone (order 1e-3 nats and below); a checkpoint vLLM read wrong gives order 1
 ENGINES_KL_MAX = 0.05
 REFERENCE_ARM = "reference"
+EAGER_SUFFIX = ":eager"  # --eager-check: the label of the last plan's arm run with --enforce-eager
 
 
 def write_checkpoint(folder, config: dict, *, seed: int = CHECKPOINT_SEED, dtype=None, device="cpu"):
@@ -559,11 +589,14 @@ def run_plan_arm(args) -> dict:
         raise ValueError(f"--arm {args.arm} loads the checkpoint the reference arm writes: --weights "
                          f"{args.weights!r} has no config.json (run --arm {REFERENCE_ARM} first)")
     max_len = max(max(PLAN_PROMPT_LENGTHS) + PLAN_NEW_TOKENS, ctx + n2 if ctx else 0) + 64
+    batches = decode_batches(args) if ctx else []
+    max_seqs = max([len(prompts), *batches])
     engine_kw = dict(model=args.weights, load_format="safetensors", dtype="bfloat16",
                      kv_cache_dtype="auto", skip_tokenizer_init=True, max_model_len=max_len,
-                     enforce_eager=args.enforce_eager, gpu_memory_utilization=args.gpu_memory_utilization,
-                     enable_prefix_caching=False, block_size=PLAN_BLOCK_SIZE, max_num_seqs=len(prompts), seed=0,
-                     max_num_batched_tokens=max_len)  # a prompt in one chunk when the step's budget is free
+                     gpu_memory_utilization=args.gpu_memory_utilization,
+                     enable_prefix_caching=False, block_size=PLAN_BLOCK_SIZE, max_num_seqs=max_seqs, seed=0,
+                     max_num_batched_tokens=max_len,  # a prompt in one chunk when the step's budget is free
+                     **graph_settings(args, [len(prompts), *batches], max_seqs))
     if args.arm == "loopkv" and "share" in check_plan(args.plan[0]).options:
         engine_kw["enable_chunked_prefill"] = False  # every prompt whole (a share cell's chunks: at most 256)
     if args.attention_backend:
@@ -589,21 +622,33 @@ def run_plan_arm(args) -> dict:
     if ctx:
         import numpy as np
 
-        prompt = [TokensPrompt(prompt_token_ids=np.random.default_rng(1).integers(1, vocab, size=ctx).tolist())]
-        times = {}
-        for n in (n1, n2):
-            sp = SamplingParams(max_tokens=n, min_tokens=n, ignore_eos=True, temperature=0.0, detokenize=False)
-            with Step(f"[{args.arm}] B=1 ctx={ctx} generate {n} tokens") as s:
-                made = len(llm.generate(prompt, sp, use_tqdm=False)[0].outputs[0].token_ids)
-            if made != n:
-                raise RuntimeError(f"asked for {n} tokens at {ctx}, vLLM generated {made}")
-            times[n] = s.seconds
-        result["decode"] = {"context": ctx, "batch": 1, "base_tokens": n1, "full_tokens": n2,
-                            "t_base_s": round(times[n1], 3), "t_full_s": round(times[n2], 3),
-                            "tok_s": round(decode_tok_s(1, n1, n2 - n1, times[n1], times[n2]), 1),
-                            "step_ms": round((times[n2] - times[n1]) / (n2 - n1) * 1e3, 3)}
-        log(f"[{args.arm}] decode at {ctx}: {result['decode']['tok_s']} tok/s")
+        result["decode"] = []
+        for batch in batches:
+            ps = [TokensPrompt(prompt_token_ids=np.random.default_rng(1 + i).integers(1, vocab, size=ctx).tolist())
+                  for i in range(batch)]
+            times = {}
+            for n in (n1, n2):
+                sp = SamplingParams(max_tokens=n, min_tokens=n, ignore_eos=True, temperature=0.0, detokenize=False)
+                with Step(f"[{args.arm}] B={batch} ctx={ctx} generate {n} tokens") as s:
+                    made = [len(o.outputs[0].token_ids) for o in llm.generate(ps, sp, use_tqdm=False)]
+                if made != [n] * batch:
+                    raise RuntimeError(f"asked for {n} tokens per request at {ctx}, vLLM generated {made}")
+                times[n] = s.seconds
+            point = {"context": ctx, "batch": batch, "base_tokens": n1, "full_tokens": n2,
+                     "t_base_s": round(times[n1], 3), "t_full_s": round(times[n2], 3),
+                     "tok_s": round(decode_tok_s(batch, n1, n2 - n1, times[n1], times[n2]), 1),
+                     "step_ms": round((times[n2] - times[n1]) / (n2 - n1) * 1e3, 3)}
+            result["decode"].append(point)
+            log(f"[{args.arm}] decode at {ctx}, B={batch}: {point['tok_s']} tok/s")
     return result
+
+
+def decode_batches(args) -> list[int]:
+    """``--plan-decode-batches`` as sorted distinct ints, each at least 1."""
+    batches = sorted({int(b) for b in args.plan_decode_batches.split(",") if b.strip()})
+    if not batches or batches[0] < 1:
+        raise ValueError(f"--plan-decode-batches takes batch sizes of at least 1, got {args.plan_decode_batches!r}")
+    return batches
 
 
 def run_plan(args, out: str) -> dict:
@@ -615,12 +660,20 @@ def run_plan(args, out: str) -> dict:
 
     t0 = time.perf_counter()
     runs = arm_runs(args.plan)
+    if args.eager_check:
+        if args.enforce_eager:
+            raise ValueError("--eager-check compares the graph arm with an eager one: drop --enforce-eager")
+        last = runs[-1]
+        if last[1] != "loopkv":
+            raise ValueError("--eager-check needs a plan served by loopkv (an all-bf16 plan is vLLM's own)")
+        runs.append((f"{last[0]}{EAGER_SUFFIX}", "loopkv", last[2]))
     labels = [label for label, _, _ in runs]
     kinds = {label: arm for label, arm, _ in runs}
     options = {os.path.abspath(p): sorted(set(Plan.from_json(p).options)) for p in args.plan}
     result = {"plans": options, "labels": labels, "mode": "check" if tuple(labels) == CHECK_ARMS else "compare",
               "prompt_lengths": list(PLAN_PROMPT_LENGTHS),
               "new_tokens": PLAN_NEW_TOKENS, "block_size": PLAN_BLOCK_SIZE, "enforce_eager": args.enforce_eager,
+              "decode_graphs": args.decode_graphs,
               "weights": f"loopkv's OuroForCausalLM, Ouro-1.4B shape, transformers' random init, torch seed "
                          f"{CHECKPOINT_SEED}, bf16 safetensors (the reference arm writes it)",
               "arms": {}, "errors": []}
@@ -629,13 +682,16 @@ def run_plan(args, out: str) -> dict:
         reference = run_reference(args, weights, tmp, result)
         for label, arm, plan_path in runs if reference else []:
             arm_out = os.path.join(tmp, f"{label.replace(':', '_')}.json")
+            eager = args.enforce_eager or label.endswith(EAGER_SUFFIX)
             cmd = [sys.executable, str(HERE / "bench_vllm.py"), "--plan", plan_path, "--arm", arm, "--out", arm_out,
                    "--weights", weights,
                    "--gpu-memory-utilization", str(args.gpu_memory_utilization),
-                   "--plan-decode-context", str(args.plan_decode_context),
+                   # the eager twin gives tokens only: its decode rate is not the point
+                   "--plan-decode-context", str(0 if label.endswith(EAGER_SUFFIX) else args.plan_decode_context),
+                   "--plan-decode-batches", args.plan_decode_batches,
                    "--plan-decode-base", str(args.plan_decode_base),
                    "--plan-decode-tokens", str(args.plan_decode_tokens)]
-            cmd += ["--enforce-eager"] if args.enforce_eager else []
+            cmd += ["--enforce-eager"] if eager else ["--decode-graphs"] if args.decode_graphs else []
             cmd += ["--attention-backend", args.attention_backend] if args.attention_backend else []
             with Step(f"arm {label} (subprocess)"):
                 try:
@@ -661,9 +717,15 @@ def run_plan(args, out: str) -> dict:
                     cmp["logprobs"] = compare_logprobs(arms["vllm"]["tokens"], arms["vllm"]["logprobs"],
                                                        arms[label]["logprobs"], cmp["first_divergence"])
                 result[f"{label}_vs_vllm"] = cmp
-                ref, got = arms["vllm"].get("decode"), arms[label].get("decode")
-                if ref and got and kinds[label] == "loopkv":
-                    result["decode_over_vllm"][label] = round(got["tok_s"] / ref["tok_s"], 3)
+                ref = {p["batch"]: p["tok_s"] for p in arms["vllm"].get("decode") or []}
+                got = {p["batch"]: p["tok_s"] for p in arms[label].get("decode") or []}
+                if kinds[label] == "loopkv" and set(ref) & set(got):
+                    result["decode_over_vllm"][label] = {str(b): round(got[b] / ref[b], 3)
+                                                         for b in sorted(set(ref) & set(got))}
+    if args.eager_check:  # the graph arm against its eager twin: the same greedy tokens
+        graph, eager = labels[-2], labels[-1]
+        if graph in arms and eager in arms:
+            result["graph_vs_eager"] = compare_tokens(arms[eager]["tokens"], arms[graph]["tokens"])
     result["served_kl"] = served_kl_check(arms, reference) if reference else None
     import torch
 
@@ -680,8 +742,10 @@ def run_plan(args, out: str) -> dict:
     result["weights_agree"] = kl.get("weights_agree") is True
     result["served_kl_ok"] = result["mode"] == "check" or (
         bool(kl.get("arms")) and all(row["ok"] is True for row in kl["arms"].values()))
+    result["graph_equals_eager"] = result.get("graph_vs_eager", {}).get("equal") if args.eager_check else None
     result["passed"] = result["weights_agree"] and result["served_kl_ok"] and (
-        result["loopkv_equals_vllm"] if result["mode"] == "check" else result["loopkv_generates"])
+        result["loopkv_equals_vllm"] if result["mode"] == "check" else result["loopkv_generates"]) and (
+        result["graph_equals_eager"] is not False)
     write_json(out, result)
     log(f"wrote {out}")
     print_plan_table(result)
@@ -710,29 +774,33 @@ def run_reference(args, weights: str, tmp: str, result: dict) -> dict | None:
 
 def print_plan_table(result: dict) -> None:
     print(f"\nplans {result.get('plans')} ({result.get('mode', 'check')}), block size "
-          f"{result.get('block_size')}, enforce_eager={result.get('enforce_eager')}")
-    print(f"{'arm':18s} {'model class':24s} {'blocks':>8s} {'prompts = vllm':>15s} {'decode tok/s':>13s}  "
+          f"{result.get('block_size')}, enforce_eager={result.get('enforce_eager')}, "
+          f"decode_graphs={result.get('decode_graphs')}")
+    print(f"{'arm':24s} {'model class':24s} {'blocks':>8s} {'prompts = vllm':>15s} {'decode tok/s by B':>20s}  "
           "first divergence")
     for label in result["labels"]:
         got = result["arms"].get(label)
         if got is None:
-            print(f"{label:18s} FAILED (see the log)")
+            print(f"{label:24s} FAILED (see the log)")
             continue
         cmp = result.get(f"{label}_vs_vllm")
         equal = "reference" if label == "vllm" else (f"{cmp['prompts_equal']}/{len(cmp['first_divergence'])}"
                                                      if cmp else "?")
-        dec = got.get("decode") or {}
-        rate = f"{dec['tok_s']:.1f}" if dec else "-"
-        print(f"{label:18s} {str((got.get('model_class') or ['?'])[0]):24s} {str(got.get('num_gpu_blocks')):>8s} "
-              f"{equal:>15s} {rate:>13s}  {cmp['first_divergence'] if cmp else ''}")
+        rate = ", ".join(f"{p['batch']}: {p['tok_s']:.1f}" for p in got.get("decode") or []) or "-"
+        print(f"{label:24s} {str((got.get('model_class') or ['?'])[0]):24s} {str(got.get('num_gpu_blocks')):>8s} "
+              f"{equal:>15s} {rate:>20s}  {cmp['first_divergence'] if cmp else ''}")
     for label in result["labels"][1:]:
         lp = result.get(f"{label}_vs_vllm", {}).get("logprobs")
         if lp:
             print(f"{label} vs vllm logprobs over {lp['positions']} same-context positions: top-1 agreement "
                   f"{lp['top1_agreement']}, top-{PLAN_LOGPROBS} KL mean {lp['topk_kl_mean']} max "
                   f"{lp['topk_kl_max']}, |logprob gap| of vllm's token mean {lp['ref_token_logprob_gap_mean']}")
-    for label, ratio in result.get("decode_over_vllm", {}).items():
-        print(f"decode at {result['arms']['vllm']['decode']['context']} (B=1): {label} / vllm = {ratio}")
+    for label, ratios in result.get("decode_over_vllm", {}).items():
+        context = result["arms"]["vllm"]["decode"][0]["context"]
+        print(f"decode at {context}: {label} / vllm by batch = {ratios}")
+    if result.get("graph_vs_eager"):
+        print(f"{result['labels'][-2]} (CUDA graphs) vs {result['labels'][-1]}: greedy tokens equal "
+              f"{result['graph_equals_eager']}, first divergence {result['graph_vs_eager']['first_divergence']}")
     kl = result.get("served_kl") or {}
     if kl.get("engines"):
         print(f"checkpoint: vLLM BF16 vs transformers dense BF16 top-{PLAN_LOGPROBS} KL {kl['engines']['kl']} "
@@ -757,6 +825,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-budget-gib", type=float, default=96.0, help="passed to bench_decode.py")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--enforce-eager", action="store_true", help="no torch.compile and no CUDA graphs in vLLM")
+    p.add_argument("--decode-graphs", action="store_true",
+                   help="no torch.compile; every decode step one full CUDA graph (FULL_DECODE_ONLY), prompts eager")
     p.add_argument("--attention-backend", default=None,
                    help="vLLM's attention backend, e.g. FLASH_ATTN or TRITON_ATTN (default: vLLM chooses)")
     p.add_argument("--in-process", action="store_true",
@@ -776,6 +846,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --arm: the checkpoint folder (the reference arm writes it, the others load it)")
     p.add_argument("--plan-decode-context", type=int, default=0,
                    help="with --plan: also measure decode tok/s of one request at this context (0: not)")
+    p.add_argument("--plan-decode-batches", default="1",
+                   help="with --plan-decode-context: comma-separated batch sizes whose decode rate is measured")
+    p.add_argument("--eager-check", action="store_true",
+                   help="with --plan and --decode-graphs (or vLLM's default graphs): the last plan once more with "
+                        "--enforce-eager; its greedy tokens must equal the graph arm's")
     p.add_argument("--plan-decode-base", type=int, default=16, help="with --plan: N1 of the decode measurement")
     p.add_argument("--plan-decode-tokens", type=int, default=128, help="with --plan: N2 - N1 decode steps timed")
     p.add_argument("--arm-timeout", type=int, default=420, help="with --plan: seconds allowed to each vLLM arm")

@@ -186,7 +186,7 @@ def test_run_plan_compares_a_quantized_plan(bench, tmp_path, monkeypatch):
         assert cmd[cmd.index("--plan-decode-context") + 1] == "16384"
         tokens = [[5, 6, 7], [8, 9, 10]] if arm == "vllm" else [[5, 6, 0], [8, 9, 10]]
         lps = [[{str(t): -0.1} for t in row] for row in tokens]
-        decode = {"tok_s": 100.0 if arm == "vllm" else 80.0, "context": 16384}
+        decode = [{"tok_s": 100.0 if arm == "vllm" else 80.0, "context": 16384, "batch": 1}]
         pathlib.Path(out).write_text(json.dumps({"arm": arm, "tokens": tokens, "logprobs": lps, "decode": decode,
                                                  "model_class": [bench.PLAN_CLASSES[arm]], "num_gpu_blocks": 9}))
         return SimpleNamespace(returncode=0)
@@ -203,7 +203,7 @@ def test_run_plan_compares_a_quantized_plan(bench, tmp_path, monkeypatch):
     assert not result["loopkv_equals_vllm"]
     assert result["loopkv_vs_vllm"]["first_divergence"] == [2, None]
     assert result["loopkv_vs_vllm"]["logprobs"]["positions_per_prompt"] == [3, 3]
-    assert result["decode_over_vllm"] == {"loopkv": 0.8}
+    assert result["decode_over_vllm"] == {"loopkv": {"1": 0.8}}
 
 
 def test_paper_plans_run_as_one_comparison(bench, tmp_path, monkeypatch):
@@ -229,7 +229,7 @@ def test_paper_plans_run_as_one_comparison(bench, tmp_path, monkeypatch):
         tokens = [[5, 6, 7], [8, 9, 10]] if arm == "vllm" or plan == r_path else [[5, 0, 7], [8, 9, 10]]
         pathlib.Path(out).write_text(json.dumps({
             "arm": arm, "tokens": tokens, "logprobs": [[{str(t): -0.1} for t in row] for row in tokens],
-            "decode": {"tok_s": 100.0 if arm == "vllm" else 50.0, "context": 16384},
+            "decode": [{"tok_s": (100.0 if arm == "vllm" else 50.0) * b, "context": 16384, "batch": b} for b in (1, 8)],
             "model_class": [bench.PLAN_CLASSES[arm]], "num_gpu_blocks": 9}))
         return SimpleNamespace(returncode=0)
 
@@ -245,12 +245,89 @@ def test_paper_plans_run_as_one_comparison(bench, tmp_path, monkeypatch):
     assert result["loopkv:loopkv-r_vs_vllm"]["equal"]
     assert result["loopkv:loopkv-m_vs_vllm"]["first_divergence"] == [1, None]
     assert not result["loopkv_equals_vllm"]
-    assert result["decode_over_vllm"] == {"loopkv:loopkv-r": 0.5, "loopkv:loopkv-m": 0.5}
+    assert result["decode_over_vllm"] == {label: {"1": 0.5, "8": 0.5} for label in result["labels"][1:]}
     bench.print_plan_table(result)
     Plan.from_config(benchmark_scripts.load("bench_decode").ouro_1p4b_config(), option="bf16").to_json(
         tmp_path / "bf16.json")
     with pytest.raises(ValueError, match="all-bf16 plans, which are checked alone"):
         bench.arm_runs([r_path, str(tmp_path / "bf16.json")])
+
+
+
+@pytest.mark.parametrize("twin_equal", [True, False])
+def test_decode_graphs_and_the_eager_check(bench, tmp_path, monkeypatch, twin_equal):
+    # --decode-graphs: every vLLM arm without torch.compile, decode steps as full CUDA graphs; --eager-check: the last
+    # plan once more with --enforce-eager and no decode measurement, its greedy tokens compared with the graph arm's
+    k_path, _, m_path = bench.write_paper_plans(str(tmp_path / "plans"))
+    cmds = {}
+
+    def fake_run(cmd, **kwargs):
+        arm, out, plan = (cmd[cmd.index(flag) + 1] for flag in ("--arm", "--out", "--plan"))
+        tokens = [[5, 6, 7], [8, 9, 10]]
+        if arm == bench.REFERENCE_ARM:
+            return _fake_reference(out, tokens, {"loopkv:kivi4": tokens, "loopkv:loopkv-m": tokens})
+        eager = "--enforce-eager" in cmd
+        cmds[(arm, pathlib.Path(plan).stem, eager)] = cmd
+        if eager and not twin_equal:
+            tokens = [[5, 6, 7], [8, 0, 10]]
+        ctx = int(cmd[cmd.index("--plan-decode-context") + 1])
+        decode = [{"tok_s": 10.0 * b, "context": ctx, "batch": b} for b in (1, 8)] if ctx else None
+        pathlib.Path(out).write_text(json.dumps({
+            "arm": arm, "tokens": tokens, "logprobs": [[{str(t): -0.1} for t in row] for row in tokens],
+            "decode": decode, "model_class": [bench.PLAN_CLASSES[arm]], "num_gpu_blocks": 9}))
+        return SimpleNamespace(returncode=0)
+
+    monkeypatch.setattr(bench.subprocess, "run", fake_run)
+    monkeypatch.setattr(bench, "PLAN_NEW_TOKENS", 3)
+    args = bench.build_parser().parse_args(["--plan", k_path, "--plan", m_path, "--decode-graphs", "--eager-check",
+                                            "--plan-decode-context", "16384", "--plan-decode-batches", "1,8"])
+    result = bench.run_plan(args, str(tmp_path / "out.json"))
+    assert result["labels"] == ["vllm", "loopkv:kivi4", "loopkv:loopkv-m", "loopkv:loopkv-m:eager"]
+    assert sorted(cmds) == [("loopkv", "kivi4", False), ("loopkv", "loopkv-m", False), ("loopkv", "loopkv-m", True),
+                            ("vllm", "kivi4", False)]
+    for (_, _, eager), cmd in cmds.items():
+        assert ("--decode-graphs" in cmd) is not eager
+        assert cmd[cmd.index("--plan-decode-context") + 1] == ("0" if eager else "16384")
+        assert cmd[cmd.index("--plan-decode-batches") + 1] == "1,8"
+    assert result["graph_equals_eager"] is twin_equal
+    assert result["graph_vs_eager"]["first_divergence"] == ([None, None] if twin_equal else [None, 1])
+    assert result["passed"] is twin_equal
+    assert result["decode_over_vllm"] == {"loopkv:kivi4": {"1": 1.0, "8": 1.0}, "loopkv:loopkv-m": {"1": 1.0, "8": 1.0}}
+    assert set(result["served_kl"]["arms"]) == {"loopkv:kivi4", "loopkv:loopkv-m"}
+    bench.print_plan_table(result)
+    with pytest.raises(ValueError, match="drop --enforce-eager"):
+        bench.run_plan(bench.build_parser().parse_args(["--plan", m_path, "--enforce-eager", "--eager-check"]),
+                       str(tmp_path / "x.json"))
+
+
+def test_graph_settings_are_vllms(bench, tmp_path):
+    # the engine arguments of each mode, read by vLLM 0.26's own config classes: --decode-graphs keeps full decode
+    # graphs without torch.compile, given the support loopkv's builder declares
+    parse = bench.build_parser().parse_args
+    assert bench.graph_settings(parse(["--enforce-eager"]), [1, 8], 8) == {"enforce_eager": True}
+    assert bench.graph_settings(parse([]), [4, 16], 16)["compilation_config"] == {
+        "cudagraph_capture_sizes": [1, 2, 4, 8, 16]}
+    graphs = bench.graph_settings(parse(["--decode-graphs"]), [4, 1, 8], 8)
+    assert graphs["enforce_eager"] is False
+    with pytest.raises(ValueError, match="give one"):
+        bench.graph_settings(parse(["--decode-graphs", "--enforce-eager"]), [1], 1)
+    pytest.importorskip("vllm")
+    from vllm.config import CompilationConfig, CompilationMode, CUDAGraphMode
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.attention.backend import AttentionCGSupport
+
+    from loopkv.vllm.backend import LoopKVMetadataBuilder
+
+    config = EngineArgs(model=str(tmp_path), **graphs).compilation_config
+    assert isinstance(config, CompilationConfig)
+    assert config.mode == CompilationMode.NONE
+    assert config.cudagraph_mode == CUDAGraphMode.FULL_DECODE_ONLY
+    assert config.cudagraph_capture_sizes == [1, 2, 4, 8]
+    assert not config.cudagraph_mode.requires_piecewise_compilation()  # VllmConfig keeps it without compilation
+    support = LoopKVMetadataBuilder.get_cudagraph_support(None, None)
+    assert support == AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+    assert config.resolve_cudagraph_mode_and_sizes(support, "LoopKVBackend", 1, use_v2_model_runner=True,
+                                                   max_num_reqs=8) == CUDAGraphMode.FULL_DECODE_ONLY
 
 
 # the real-weight check: the reference arm's greedy logprobs, and the served KL against LoopKVCache's

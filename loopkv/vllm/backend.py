@@ -9,13 +9,16 @@ Every cell of a plan that is not all-bf16 is one :class:`LoopKVAttention`, vLLM'
   sees one spec (one group, one block table) and one backend (one metadata builder, one step plan for all cells);
   each cell reads its pool as a region of the tensor (``loopkv.vllm.layout.PoolRef``, a ``share`` cell its source's);
 * its backend :class:`LoopKVBackend` (``Attention(..., attn_backend=...)``): the metadata builder plans each step
-  once on the host (``loopkv.vllm.cells.plan_step``: slots, decode rows, pages to quantize) and the impl writes and
-  reads the cell (``loopkv.vllm.cells.forward_cell``; loopkv's Triton kernels on CUDA);
+  once on the host (``loopkv.vllm.cells.plan_step``: slots, prompt rows, the decode read's inputs) and the impl
+  writes and reads the cell (``loopkv.vllm.cells.forward_cell``; loopkv's Triton kernels on CUDA);
 * the exact sink and window of ``max_num_seqs`` requests, buffers allocated when the model is built (vLLM's memory
   profiler counts them before sizing the pool).
 
-CUDA graphs: the builder declares ``NEVER`` (its step plan reads the device and decides on the host), so vLLM runs
-attention eagerly between piecewise graphs. The write is part of the read (``forward_includes_kv_cache_update``).
+CUDA graphs: the builder declares ``UNIFORM_SINGLE_TOKEN_DECODE``: a step whose every request decodes one token (vLLM
+pads it to a capture size with requests of no tokens) is a decode read whose device inputs the builder writes in
+place into buffers of fixed address (``loopkv.vllm.cells.StepState``), so vLLM captures the whole decode step as one
+graph (``FULL_DECODE_ONLY``, or ``FULL_AND_PIECEWISE``'s decode graphs); steps with prompts run attention eagerly.
+The write is part of the read (``forward_includes_kv_cache_update``).
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ from vllm.v1.attention.backend import (
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 
 from loopkv.format import PAGE
-from loopkv.vllm.cells import CellExact, SlotMap, Step, cell_region, forward_cell, plan_step, pool_views
+from loopkv.vllm.cells import CellExact, Step, StepState, cell_region, forward_cell, plan_step, pool_views
 from loopkv.vllm.layout import PoolRef
 
 
@@ -76,27 +79,30 @@ class LoopKVMetadata(AttentionMetadata):
 
 
 class LoopKVMetadataBuilder(AttentionMetadataBuilder[LoopKVMetadata]):
-    """Plans each step once, on the host, for every cell: slots from the requests' first block ids, the slots'
-    page tables from vLLM's block table, which rows decode, which pages their tokens complete."""
+    """Plans each step once, on the host, for every cell (``loopkv.vllm.cells.plan_step``): slots from the requests'
+    first block ids, the slots' page tables from vLLM's block table, which tokens decode; the device inputs of the
+    decode read are written into buffers allocated here once (``loopkv.vllm.cells.StepState``), so a uniform decode
+    batch is one CUDA graph: vLLM calls ``build`` on the host before each replay, and the graph reads the same
+    addresses (``UNIFORM_SINGLE_TOKEN_DECODE``; steps with prompts run attention eagerly)."""
 
-    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
+    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
     reorder_batch_threshold: int | None = None
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
-        slots = vllm_config.scheduler_config.max_num_seqs
+        scheduler = vllm_config.scheduler_config
         pages = max(0, math.ceil(vllm_config.model_config.max_model_len / PAGE) - 1)
-        self.slot_map = SlotMap(slots)
-        self.page_table = torch.zeros(slots, pages, dtype=torch.int32, device=device)
+        self.state = StepState(scheduler.max_num_seqs, pages, scheduler.max_num_batched_tokens, device=device)
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> LoopKVMetadata:
         cm = common_attn_metadata
         n = cm.num_reqs
         qsl = cm.query_start_loc_cpu[:n + 1].tolist()
+        # the requests' first block ids (their slots' keys) are on the device only: one copy to the host per step
         host = torch.stack([cm.seq_lens[:n].to(torch.int64), cm.block_table_tensor[:n, 0].to(torch.int64)]).cpu()
-        step = plan_step(self.slot_map, self.page_table, query_start_loc=qsl, seq_lens=host[0].tolist(),
-                         first_blocks=host[1].tolist(), block_table=cm.block_table_tensor)
+        step = plan_step(self.state, query_start_loc=qsl, seq_lens=host[0].tolist(), first_blocks=host[1].tolist(),
+                         block_table=cm.block_table_tensor, num_tokens=cm.num_actual_tokens)
         return LoopKVMetadata(step=step, num_actual_tokens=cm.num_actual_tokens)
 
 

@@ -16,10 +16,15 @@ Where things live, per cell (``--block-size 32``: one vLLM block is one loopkv p
 
 Served semantics, as ``LoopKVCache`` serves them (docs/design.md, "Serving"): a prompt on an empty slot is written
 and attended exactly; a later chunk (chunked prefill) is the one-pass continuation
-(``loopkv.cache.continuation.continue_rows``; a ``share`` cell takes at most ``WINDOW`` tokens so); a decode token is
-written and read with ``token_attention_`` over all slots (the decoding slots' tokens gathered in, as
-``loopkv.cache.slots.decode`` does), and a page that leaves the window is quantized into its block with
-``write_pages_`` by the cell that owns the pool.
+(``loopkv.cache.continuation.continue_rows``; a ``share`` cell takes at most ``WINDOW`` tokens so); a single token
+(a decode token) is written and read with ``token_attention_`` over all slots (the decoding slots' tokens gathered in,
+as ``loopkv.cache.slots.decode`` does), and the page it makes leave the window is quantized into its block by
+``advance_`` in the cell that owns the pool, decided on the device.
+
+CUDA graphs: a step of single tokens only (vLLM's uniform decode batch, padded to a graph's size) is a decode read and
+nothing else, and its device inputs are views of :class:`StepState`'s buffers, rewritten in place each step: the same
+kernels, shapes and addresses for every step of the same packed length, no host sync and no branch on the step's
+data in the cell's forward.
 """
 
 from __future__ import annotations
@@ -30,22 +35,23 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from loopkv.cache.slots import DecodeSteps
 from loopkv.cache.storage import CellStorage
 from loopkv.format import (
     BITS,
     PAGE,
     POOL_FIELDS,
-    QUANTIZE_LENGTH,
     RING,
     SINK,
     WINDOW,
+    capacity,
     n_pages,
     page_bytes,
     pool_field_kind,
     pool_field_shapes,
     stored_pages,
 )
-from loopkv.ops import cache_ops, step_ops  # noqa: F401 (register torch.ops.loopkv.write_pages_, token_attention_)
+from loopkv.ops import cache_ops, step_ops  # noqa: F401 (register torch.ops.loopkv.write_pages_, token_attention_, advance_)
 
 _KINDS = {"float16": torch.float16, "uint8": torch.uint8}
 OPTION_OF_BITS = {bits: option for option, bits in BITS.items()}  # 0: share
@@ -183,53 +189,123 @@ class Row:
 
     @property
     def decodes(self) -> bool:
-        return self.end - self.begin == 1 and self.start > 0
+        """One token, read and written by the step's decode read: a decode token, the last token of a chunked prompt,
+        or a one-token prompt on an empty slot (at position 0 the decode read is the prompt's exact attention)."""
+        return self.end - self.begin == 1
+
+
+@dataclass(frozen=True)
+class DecodeRead:
+    """The device inputs of a step's decode read (:func:`forward_cell`), views of :class:`StepState`'s buffers: the
+    same addresses every step, so a CUDA graph captured for one step reads the next step's.
+
+    token, decoding: per slot the packed token it decodes and whether it does (``loopkv.cache.slots.DecodeStep``).
+    row: per packed token (``tokens`` of them, padding included) the slot whose output it takes (0 for none).
+    decodes: bool per packed token: whether it is a decode token.
+    lengths: int32 per slot: the tokens held before its decode token (decoding slots), or :func:`idle_length` of
+    those held after the step (others: ``token_attention_`` writes a zero token there, where the slot's next position
+    goes, unread).
+    held: int32 [1, slots]: the decoding slots' tokens before the step, ``capacity`` for the others, which
+    ``advance_`` leaves alone; each storing cell's ``advance_`` counts in ``scratch`` (a copy) and quantizes the page
+    a decode token completes (``loopkv.format.QUANTIZE_LENGTH``), deciding on the device.
+    index: int64 [1] of 0: ``advance_``'s one cell and one pool.
+    """
+
+    token: Tensor
+    decoding: Tensor
+    row: Tensor
+    decodes: Tensor
+    lengths: Tensor
+    held: Tensor
+    scratch: Tensor
+    index: Tensor
 
 
 @dataclass(frozen=True)
 class Step:
     """A step's plan, built on the host once and read by every cell.
 
-    prompts: rows that are not single decode tokens (a prompt on an empty slot, or a later chunk).
-    dummy: token ranges ``[begin, end)`` of the requests of a vLLM dummy run (:func:`plan_step`), answered with zeros.
-    decode: ``(token, decoding, out_rows, out_tokens)``: per slot the packed token it decodes and whether it does
-    (``loopkv.cache.slots.DecodeStep``'s fields), and the decoding slots with their packed tokens; ``None`` when no
-    row decodes or when ``span`` serves them.
-    span: ``(first slot, packed tokens, lengths)`` when the decoding rows hold consecutive slots ``first, first + 1,
-    ...`` (tokens and int32 lengths before the token, in slot order): the read covers those slots only, not every
-    slot (a slot left by a finished request still holds its tokens, which ``decode`` would read again).
-    lengths: int32 [slots] on the device: per slot the tokens held before its decode token (decoding slots) or after
-    the step (others: ``token_attention_`` writes a zero token at that next position, which no read reaches before
-    the slot writes it again).
+    num_tokens: the packed tokens the cells are given (vLLM pads a batch to a CUDA graph's size: tokens past the
+    requests' belong to none).
+    prompts: rows that are not single tokens (a prompt on an empty slot, or a later chunk).
+    dummy: token ranges ``[begin, end)`` of the requests of a vLLM dummy run (:func:`plan_step`) in a step with
+    prompts, answered with zeros.
+    decode: the decode read's inputs, or ``None`` in a step of prompts only.
     page_table: int32 [slots, pages] on the device: per slot its blocks ``1..`` (its pages).
-    quantize: ``(slots, ring slots [n, PAGE], blocks)`` on the device for the pages that decode tokens complete this
-    step, or ``None``.
     """
 
     num_tokens: int
     prompts: tuple[Row, ...]
     dummy: tuple[tuple[int, int], ...]
-    decode: tuple[Tensor, Tensor, Tensor, Tensor] | None
-    span: tuple[int, Tensor, Tensor] | None
-    lengths: Tensor
+    decode: DecodeRead | None
     page_table: Tensor
-    quantize: tuple[Tensor, Tensor, Tensor] | None
 
 
-def plan_step(slot_map: SlotMap, page_table: Tensor, *, query_start_loc: list[int], seq_lens: list[int],
-              first_blocks: list[int], block_table: Tensor) -> Step:
-    """The step's :class:`Step` from vLLM's per-request facts (host lists) and block table (device, [reqs, blocks]).
+def idle_length(held: int) -> int:
+    """The length a slot that holds ``held`` tokens and decodes nothing is given in a step's decode read: the shortest
+    whose position has the same sink or ring slot as position ``held`` (the slot's next position, which no read reaches
+    before the slot writes it again), so the zero token ``token_attention_`` writes there lands unread, and the wasted
+    read of a slot that waits or whose request has finished covers at most ``SINK + RING`` tokens, not its history."""
+    return held if held < SINK + RING else SINK + (held - SINK) % RING
 
-    ``page_table`` is the persistent [slots, pages] int32 device table: the scheduled requests' rows are refreshed
-    from ``block_table`` (block ``b >= 1`` is page ``b - 1``); a slot not scheduled keeps its row."""
+
+class StepState:
+    """What the step plans of one engine keep from step to step: the slot map, and on the device, at fixed addresses,
+    the slots' page table and the decode read's inputs (:class:`DecodeRead`), written in place by :func:`plan_step`
+    for steps of at most ``max_tokens`` packed tokens, ``pages`` pages per slot."""
+
+    def __init__(self, slots: int, pages: int, max_tokens: int, *, device):
+        self.slot_map = SlotMap(slots)
+        self.page_table = torch.zeros(slots, pages, dtype=torch.int32, device=device)
+        self.steps = DecodeSteps(rows=slots, max_tokens=max_tokens, device=device)
+        self.capacity = capacity(pages)
+        self._stage = torch.zeros(2 * slots + max_tokens, dtype=torch.long, device=device)  # lengths, held, decodes
+        self._lengths = torch.zeros(2, slots, dtype=torch.int32, device=device)
+        self._decodes = torch.zeros(max_tokens, dtype=torch.bool, device=device)
+        self._scratch = torch.zeros(1, slots, dtype=torch.int32, device=device)
+        self._index = torch.zeros(1, dtype=torch.long, device=device)
+
+    def fill(self, decoding: list[Row], lengths: list[int], tokens: int) -> DecodeRead:
+        """The step's :class:`DecodeRead`: ``decoding`` its one-token rows, ``lengths`` per slot the tokens held
+        after the step (a slot that does not decode is read at :func:`idle_length`), ``tokens`` the packed batch's
+        length."""
+        slots = self.slot_map.slots
+        lengths, held, decodes = [idle_length(n) for n in lengths], [self.capacity] * slots, [0] * tokens
+        for r in decoding:
+            lengths[r.slot] = held[r.slot] = r.start
+            decodes[r.begin] = 1
+        steps = self.steps.fill([(r.slot, r.begin) for r in decoding], tokens=tokens)
+        host = torch.tensor(lengths + held + decodes, dtype=torch.long)
+        if self._stage.device.type == "cuda":  # pinned: the copy does not wait for the device
+            host = host.pin_memory()
+        self._stage[:host.numel()].copy_(host, non_blocking=True)
+        self._lengths.copy_(self._stage[:2 * slots].view(2, slots))
+        self._decodes[:tokens].copy_(self._stage[2 * slots:2 * slots + tokens])
+        return DecodeRead(token=steps.token, decoding=steps.decoding, row=steps.row, decodes=self._decodes[:tokens],
+                          lengths=self._lengths[0], held=self._lengths[1:], scratch=self._scratch, index=self._index)
+
+
+def plan_step(state: StepState, *, query_start_loc: list[int], seq_lens: list[int], first_blocks: list[int],
+              block_table: Tensor, num_tokens: int | None = None) -> Step:
+    """The step's :class:`Step` from vLLM's per-request facts (host lists) and block table (device, [reqs, blocks]);
+    ``num_tokens``: the packed tokens the cells are given (vLLM's ``num_actual_tokens``, padded to a CUDA graph's
+    size), by default the requests'.
+
+    The scheduled requests' rows of ``state.page_table`` are refreshed from ``block_table`` (block ``b >= 1`` is page
+    ``b - 1``); a slot not scheduled keeps its row. A step of single tokens only (every decode step, and vLLM's
+    capture of its graph) has a decode read and nothing else, whatever its requests: its device work has one shape
+    for a given ``num_tokens``."""
+    slot_map, page_table = state.slot_map, state.page_table
     reqs = len(seq_lens)
     qlen = [query_start_loc[i + 1] - query_start_loc[i] for i in range(reqs)]
+    tokens = query_start_loc[reqs] if reqs else 0
+    num_tokens = tokens if num_tokens is None else num_tokens
+    if num_tokens < tokens:
+        raise ValueError(f"a step of {tokens} tokens given as {num_tokens} packed tokens")
     # vLLM's dummy runs (warm-up, capture; model runner V2 builds attention for them) give requests whose block
     # table row is zeros (block 0 is vLLM's null block, never a request's) and padded requests of no tokens: such a
-    # row gets no slot, writes nothing and reads nothing; its outputs are zeros
+    # row gets no slot, writes nothing and reads nothing
     real = [i for i in range(reqs) if qlen[i] > 0 and first_blocks[i] != 0]
-    dummy = tuple((query_start_loc[i], query_start_loc[i + 1]) for i in sorted(set(range(reqs)) - set(real))
-                  if qlen[i] > 0)
     starts = [seq_lens[i] - qlen[i] for i in real]
     slots = slot_map.assign([first_blocks[i] for i in real], starts, [seq_lens[i] for i in real])
     device = page_table.device
@@ -244,34 +320,12 @@ def plan_step(slot_map: SlotMap, page_table: Tensor, *, query_start_loc: list[in
                 for i, slot, start in zip(real, slots, starts, strict=True)]
     decoding = [r for r in all_rows if r.decodes]
     prompts = tuple(r for r in all_rows if not r.decodes)
-    lengths = list(slot_map.held)
-    decode = span = quantize = None
-    if decoding:
-        by_slot = sorted(decoding, key=lambda r: r.slot)
-        first = by_slot[0].slot
-        if [r.slot for r in by_slot] == list(range(first, first + len(by_slot))):  # consecutive slots
-            host = torch.tensor([[r.begin for r in by_slot], [r.start for r in by_slot]], dtype=torch.long)
-            dev = host.to(device)
-            span = (first, dev[0], dev[1].to(torch.int32))
-        else:
-            token, flag = [0] * slot_map.slots, [0] * slot_map.slots
-            for r in decoding:
-                token[r.slot], flag[r.slot], lengths[r.slot] = r.begin, 1, r.start
-            pad = [0] * (slot_map.slots - len(decoding))
-            host = torch.tensor([token, flag, [r.slot for r in decoding] + pad, [r.begin for r in decoding] + pad],
-                                dtype=torch.long)
-            dev = host.to(device)
-            decode = (dev[0], dev[1].bool(), dev[2, :len(decoding)], dev[3, :len(decoding)])
-        done = [(r.slot, (r.start + 1 - QUANTIZE_LENGTH) // PAGE) for r in decoding
-                if r.start + 1 >= QUANTIZE_LENGTH and (r.start + 1 - QUANTIZE_LENGTH) % PAGE == 0]
-        if done:
-            q_slots = torch.tensor([s for s, _ in done], dtype=torch.long, device=device)
-            logical = torch.tensor([p for _, p in done], dtype=torch.long, device=device)
-            ring = (PAGE * logical[:, None]) % RING + torch.arange(PAGE, device=device)
-            quantize = (q_slots, ring, page_table[q_slots, logical].long())
-    return Step(num_tokens=query_start_loc[reqs] if reqs else 0, prompts=prompts, decode=decode, span=span,
-                dummy=dummy, lengths=torch.tensor(lengths, dtype=torch.int32).to(device), page_table=page_table,
-                quantize=quantize)
+    dummy = ()
+    if prompts:  # a step with prompts runs eagerly: its dummy requests' tokens are answered with zeros
+        dummy = tuple((query_start_loc[i], query_start_loc[i + 1]) for i in sorted(set(range(reqs)) - set(real))
+                      if qlen[i] > 0)
+    decode = state.fill(decoding, slot_map.held, num_tokens) if decoding or not prompts else None
+    return Step(num_tokens=num_tokens, prompts=prompts, dummy=dummy, decode=decode, page_table=page_table)
 
 
 class _OneCell:
@@ -385,27 +439,25 @@ def forward_cell(cell: CellExact, pool: tuple[Tensor, ...], step: Step, query: T
             out = continue_rows(_ContinuationCache(rows, tau, src), 0, q[None], k[None], v[None], scale=scale,
                                 rows=[row.slot], held=[row.start], source_held=None if stores else [row.start])[0]
         output[row.begin:row.end] = out.to(output.dtype)
-    if step.span is not None:  # the decoding rows are the slots first .. first + B - 1: read those only
-        first, tokens, lengths = step.span
-        rows = slice(first, first + tokens.shape[0])
+    d = step.decode
+    if d is not None:  # one read over every slot: the decoding slots' tokens gathered in, zeros for the others
+        keep = d.decoding[:, None, None]
+        q_all = torch.where(keep, query.index_select(0, d.token), 0)
+        k_all = torch.where(keep, key.index_select(0, d.token), 0)[:, :, None]
+        v_all = torch.where(keep, value.index_select(0, d.token), 0)[:, :, None]
         out = torch.ops.loopkv.token_attention_(
-            query.index_select(0, tokens), key.index_select(0, tokens)[:, :, None],
-            value.index_select(0, tokens)[:, :, None], cell.sink_k[rows], cell.sink_v[rows], cell.win_k[rows],
-            cell.win_v[rows], lengths, step.page_table[rows], *pool, bits, tau, scale)
-        output.index_copy_(0, tokens, out.to(output.dtype))
-    elif step.decode is not None:  # any slots: one read over every slot, the others given zeros
-        token, decoding, out_rows, out_tokens = step.decode
-        keep = decoding[:, None, None]
-        q_all = torch.where(keep, query.index_select(0, token), 0)
-        k_all = torch.where(keep, key.index_select(0, token), 0)[:, :, None]
-        v_all = torch.where(keep, value.index_select(0, token), 0)[:, :, None]
-        out = torch.ops.loopkv.token_attention_(
-            q_all, k_all, v_all, cell.sink_k, cell.sink_v, cell.win_k, cell.win_v, step.lengths, step.page_table,
+            q_all, k_all, v_all, cell.sink_k, cell.sink_v, cell.win_k, cell.win_v, d.lengths, step.page_table,
             *pool, bits, tau, scale)
-        output.index_copy_(0, out_tokens, out.index_select(0, out_rows).to(output.dtype))
-    if stores and step.quantize is not None:  # the pages the decode tokens completed leave the ring for their blocks
-        slots, ring, blocks = step.quantize
-        page_k = cell.win_k[slots[:, None], :, ring].transpose(1, 2).contiguous()  # [n, H, PAGE, D]
-        page_v = cell.win_v[slots[:, None], :, ring].transpose(1, 2).contiguous()
-        torch.ops.loopkv.write_pages_(page_k, page_v, blocks, *pool, bits)
+        decoded = out.index_select(0, d.row).to(output.dtype)
+        tokens = d.row.shape[0]
+        mine = d.decodes[:, None, None]
+        # a decode-only step (one shape per packed length: vLLM's CUDA graphs) answers its other tokens (padding,
+        # dummy requests) with zeros; a step with prompts keeps their outputs
+        output[:tokens] = torch.where(mine, decoded, output[:tokens] if step.prompts else 0)
+        if stores:  # the page each decode token completes leaves the ring for its block, decided on the device
+            d.scratch.copy_(d.held)
+            slots = d.held.shape[1]
+            torch.ops.loopkv.advance_(d.index, d.index, d.scratch, cell.win_k.view(1, -1), cell.win_v.view(1, -1),
+                                      step.page_table.view(1, -1), *(f.view(1, -1) for f in pool), slots, slots,
+                                      cell.win_k.shape[1], cell.win_k.shape[3], step.page_table.shape[1], bits)
     return output

@@ -9,6 +9,7 @@ pages in vLLM's blocks laid out field after field, the slot's page table from th
 the decode token that completes them)."""
 
 import math
+import os
 import random
 
 import pytest
@@ -19,7 +20,16 @@ from loopkv.cache.loop_cache import LoopKVCache
 from loopkv.format import PAGE, POOL_FIELDS, RING, SINK, n_pages, page_bytes, pool_field_shapes, stored_pages
 from loopkv.models.ouro import OuroConfig
 from loopkv.planning.plan import Plan
-from loopkv.vllm.cells import CellExact, SlotMap, cell_region, forward_cell, plan_step, pool_views
+from loopkv.vllm.cells import (
+    CellExact,
+    SlotMap,
+    StepState,
+    cell_region,
+    forward_cell,
+    idle_length,
+    plan_step,
+    pool_views,
+)
 from loopkv.vllm.layout import block_bytes, kv_layout, pool_refs
 
 H, HQ, D = 2, 4, 32
@@ -109,7 +119,7 @@ SCENARIO = ([[("a", 300), ("b", 40)]] + [[("a", 1), ("b", 1)]] * 25  # a: 300 ->
             + [[("b", 1), ("c", 1), ("a", 1)]] * 30  # a crosses 351; c decodes from 500
             + ["finish b"] + [[("d", 33), ("a", 1), ("c", 1)]]  # d takes b's slot (and its blocks)
             + [[("d", 1), ("c", 1)]] * 3)
-SLOTS, NUM_BLOCKS = 3, 200
+SLOTS, NUM_BLOCKS, MAX_TOKENS = 3, 200, 512
 
 
 def _reference(plan, config=CONFIG):
@@ -180,23 +190,17 @@ def check_storage(engine, refs, slot_map, cell, pool, index=0):
 @pytest.mark.parametrize("tau", [math.inf, 2.0])
 def test_scheduled_steps_equal_loopkv_cache(tau):
     plan = Plan.from_config(CONFIG, option="int4", tau=tau)
-    slot_map = SlotMap(SLOTS)
-    page_table = torch.zeros(SLOTS, math.ceil(MAX_LEN / PAGE) - 1, dtype=torch.int32)
+    state = StepState(SLOTS, math.ceil(MAX_LEN / PAGE) - 1, MAX_TOKENS, device="cpu")
     cell = CellExact.allocate(SLOTS, H, D, dtype=torch.float32)
     pool = pool_views(torch.zeros(NUM_BLOCKS, page_bytes(4, H, D), dtype=torch.uint8), 4, H, D)
 
-    paths = set()
-
     def forward(qsl, seq_lens, first, table, q, k, v, out):
-        step = plan_step(slot_map, page_table, query_start_loc=qsl, seq_lens=seq_lens, first_blocks=first,
-                         block_table=table)
-        paths.add("span" if step.span else "all slots" if step.decode else None)
+        step = plan_step(state, query_start_loc=qsl, seq_lens=seq_lens, first_blocks=first, block_table=table)
         T = step.num_tokens
         forward_cell(cell, pool, step, q[0, :T], k[0, :T], v[0, :T], out[0, :T], bits=4, tau=tau, scale=SCALE)
 
     engine, refs = run_scenario(plan, forward)
-    check_storage(engine, refs, slot_map, cell, pool)
-    assert paths == {"span", "all slots", None}  # both decode reads ran (d, a, c: slots 1 | 0, 2)
+    check_storage(engine, refs, state.slot_map, cell, pool)
 
 
 # 3 loops x 2 layers: every option in one plan. LoopKV-R's kind (int4, int2 and bf16 cells, no shares) and LoopKV-M's
@@ -222,20 +226,19 @@ class PlanCells:
         self.refs = pool_refs(self.layout)
         self.kv = torch.zeros(NUM_BLOCKS, block_bytes(self.layout), dtype=torch.uint8)
         self.exact = {c.layer_name: CellExact.allocate(SLOTS, H, D, dtype=torch.float32) for c in self.layout}
-        self.slot_map = SlotMap(SLOTS)
-        self.page_table = torch.zeros(SLOTS, math.ceil(MAX_LEN / PAGE) - 1, dtype=torch.int32)
+        self.state = StepState(SLOTS, math.ceil(MAX_LEN / PAGE) - 1, MAX_TOKENS, device="cpu")
         self.taus = [plan.tau_of(c.cell) for c in self.layout]
-        self.paths = set()  # the decode reads the steps took
+        self.steps = []
 
     def pool(self, name):
         ref = self.refs[name]
         return pool_views(cell_region(self.kv, ref.offset, ref.size), ref.bits, H, D, dtype=torch.float32)
 
-    def forward(self, qsl, seq_lens, first, table, q, k, v, out):
-        step = plan_step(self.slot_map, self.page_table, query_start_loc=qsl, seq_lens=seq_lens, first_blocks=first,
-                         block_table=table)
+    def forward(self, qsl, seq_lens, first, table, q, k, v, out, num_tokens=None):
+        step = plan_step(self.state, query_start_loc=qsl, seq_lens=seq_lens, first_blocks=first, block_table=table,
+                         num_tokens=num_tokens)
+        self.steps.append(step)
         T = step.num_tokens
-        self.paths.add("span" if step.span else "all slots" if step.decode else None)
         for i, c in enumerate(self.layout):
             ref = self.refs[c.layer_name]
             source = None if ref.owner == c.layer_name else self.exact[ref.owner]
@@ -252,10 +255,9 @@ def test_mixed_plan_steps_equal_loopkv_cache(grid):
     starts = sorted({r.offset for r in cells.refs.values()}) + [cells.kv.shape[1]]
     assert starts == ends  # the storing cells' pools tile the plan's block, back to back
     engine, refs = run_scenario(plan, cells.forward, MIXED_SCENARIO, {"a": 327, "c": 357, "d": 35}, CONFIG3)
-    assert cells.paths == {"span", "all slots", None}
     for i, c in enumerate(cells.layout):
         if c.stores:
-            check_storage(engine, refs, cells.slot_map, cells.exact[c.layer_name], cells.pool(c.layer_name), i)
+            check_storage(engine, refs, cells.state.slot_map, cells.exact[c.layer_name], cells.pool(c.layer_name), i)
 
 
 def test_a_share_cell_refuses_a_chunk_past_its_window():
@@ -269,17 +271,17 @@ def test_a_share_cell_refuses_a_chunk_past_its_window():
 
 def test_dummy_rows_get_no_slot_and_zeros():
     # vLLM's dummy runs: block table rows of zeros (the null block), and padded requests without tokens
-    slot_map = SlotMap(2)
-    page_table = torch.zeros(2, 4, dtype=torch.int32)
+    state = StepState(2, 4, 8, device="cpu")
     cell = CellExact.allocate(2, H, D, dtype=torch.float32)
     pool = pool_views(torch.zeros(8, page_bytes(4, H, D), dtype=torch.uint8), 4, H, D)
     table = torch.tensor([[0, 0, 0], [0, 0, 0], [5, 6, 0], [0, 0, 0]], dtype=torch.int32)
-    step = plan_step(slot_map, page_table, query_start_loc=[0, 3, 4, 6, 6], seq_lens=[3, 1, 2, 0],
-                     first_blocks=[0, 0, 5, 0], block_table=table)
+    step = plan_step(state, query_start_loc=[0, 3, 4, 6, 6], seq_lens=[3, 1, 2, 0], first_blocks=[0, 0, 5, 0],
+                     block_table=table)
     assert step.dummy == ((0, 3), (3, 4))
+    assert step.decode is None
     assert [r.slot for r in step.prompts] == [0]
-    assert slot_map.held == [2, 0]
-    assert page_table[0].tolist() == [6, 0, 0, 0]
+    assert state.slot_map.held == [2, 0]
+    assert state.page_table[0].tolist() == [6, 0, 0, 0]
     q, k, v = torch.randn(6, HQ, D), torch.randn(6, H, D), torch.randn(6, H, D)
     out = torch.full((6, HQ, D), float("nan"))
     forward_cell(cell, pool, step, q, k, v, out, bits=4, tau=math.inf, scale=SCALE)
@@ -287,3 +289,227 @@ def test_dummy_rows_get_no_slot_and_zeros():
     assert torch.isfinite(out[4:]).all()
     assert torch.equal(cell.sink_k[0, :, :2], k[4:].transpose(0, 1))
     assert not cell.sink_k[1].any()
+
+
+CAPTURE_SIZES = (1, 2, 4, 8)
+# single-token steps across page 0's quantize length (a: 316 -> 319), a one-token prompt (e) among decodes, paused
+# requests (b, then a at 324 tokens: read at its idle length), a mixed step (d's prompt), the slot of a finished
+# request reused
+PADDED_SCENARIO = ([[("a", 316), ("b", 40)]] + [[("a", 1), ("b", 1)]] * 5 + [[("e", 1), ("a", 1), ("b", 1)]]
+                   + [[("e", 1), ("a", 1)]] + ["finish b"] + [[("d", 33), ("a", 1)]] + [[("d", 1), ("e", 1)]]
+                   + [[("d", 1), ("e", 1), ("a", 1)]])
+
+
+def test_idle_length_is_the_shortest_with_the_next_positions_slot():
+    def slot(p):  # where LoopKVCache keeps position p while it is exact: its sink or ring slot
+        return ("sink", p) if p < SINK else ("ring", (p - SINK) % RING)
+
+    for held in range(0, 1500):
+        shortest = next(p for p in range(held + 1) if slot(p) == slot(held))
+        assert idle_length(held) == shortest < SINK + RING
+
+
+def padded(cells: PlanCells):
+    """``cells.forward`` as vLLM runs a step of single tokens in a CUDA graph: padded to the next capture size with
+    requests of no tokens (query_start_loc repeats the last value, seq_len 0, block table row 0) and tokens that belong
+    to no request (their q, k, v random); steps with prompts unpadded."""
+    gen = torch.Generator().manual_seed(1)
+
+    def forward(qsl, seq_lens, first, table, q, k, v, out):
+        reqs, T = len(seq_lens), qsl[-1]
+        if T != reqs:
+            return cells.forward(qsl, seq_lens, first, table, q, k, v, out)
+        n = min(c for c in CAPTURE_SIZES if c >= reqs)
+        pad = n - reqs
+
+        def grow(x):
+            return torch.cat([x[:, :T], torch.randn(x.shape[0], pad, *x.shape[2:], generator=gen)], dim=1)
+
+        table = torch.cat([table, torch.zeros(pad, table.shape[1], dtype=table.dtype)])
+        wide = torch.full((out.shape[0], n, *out.shape[2:]), float("nan"))
+        cells.forward(qsl + [T] * pad, seq_lens + [0] * pad, first + [0] * pad, table, grow(q), grow(k), grow(v), wide,
+                      num_tokens=n)
+        assert not wide[:, T:].any()  # a padded token is answered with zeros
+        out[:, :T] = wide[:, :T]
+
+    return forward
+
+
+def test_a_padded_decode_step_equals_the_unpadded_one():
+    # vLLM pads a uniform decode batch to a CUDA graph's size: the padded steps give the real tokens the outputs of
+    # the unpadded steps and leave the same cache state, and both equal LoopKVCache (run_scenario); the decode read's
+    # inputs are the same tensors (addresses) in every step
+    plan = Plan.from_grid(SHARED, kv_heads=H, head_dim=D, tau=[2.0, math.inf, 3.0])
+    held = {"a": 325, "d": 35, "e": 4}
+    outs = {}
+    cells = {}
+    for mode in ("unpadded", "padded"):
+        cells[mode] = PlanCells(plan)
+        forward = padded(cells[mode]) if mode == "padded" else cells[mode].forward
+        seen = []
+
+        def record(*args, _forward=forward, _seen=seen):
+            _forward(*args)
+            _seen.append(args[-1][:, :args[0][-1]].clone())  # the step's tokens' outputs
+
+        run_scenario(plan, record, PADDED_SCENARIO, held, CONFIG3)
+        outs[mode] = seen
+    for a, b in zip(outs["unpadded"], outs["padded"], strict=True):
+        assert torch.equal(a, b)
+    one, two = cells["unpadded"], cells["padded"]
+    assert torch.equal(one.kv, two.kv)
+    for name in one.exact:
+        for field in ("sink_k", "sink_v", "win_k", "win_v"):
+            assert torch.equal(getattr(one.exact[name], field), getattr(two.exact[name], field)), (name, field)
+    assert one.state.slot_map.held == two.state.slot_map.held
+    assert torch.equal(one.state.page_table, two.state.page_table)
+    decodes = [s.decode for s in two.steps if s.decode is not None]
+    assert len(decodes) == 10
+    assert {s.num_tokens for s in two.steps if not s.prompts} == {2, 4}
+    for field in ("token", "decoding", "row", "decodes", "lengths", "held", "scratch", "index"):
+        assert len({getattr(d, field).data_ptr() for d in decodes}) == 1, field
+
+
+@pytest.mark.interpret
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1 (no CUDA)")
+@pytest.mark.parametrize("bits", [4, 2])
+def test_the_triton_launchers_take_the_decode_reads_views(monkeypatch, bits):
+    # on CUDA, token_attention_ and advance_ are loopkv's Triton launchers; one given tensors it does not take runs
+    # the PyTorch reference, which reads the device on the host (no CUDA graph). Under Triton's interpreter, the
+    # launchers take forward_cell's views of a vLLM cell (the decode read over every slot, advance_ on one cell's
+    # stacks) without falling back, and leave the references' state and outputs: 2 requests decoding across page 0's
+    # quantize length (319), head_dim 64 (the launchers' smallest)
+    from loopkv.ops import step_ops, triton_attention, triton_quant
+    from tests.tolerances import ATTN_FP32_ATOL, ATTN_FP32_RTOL
+
+    heads, q_heads, dim, slots = 1, 2, 64, 2
+    gen = torch.Generator().manual_seed(0)
+    table = torch.tensor([[3, 4, 5, 0], [6, 7, 0, 0]], dtype=torch.int32)
+    prompt = [(torch.randn(n, q_heads, dim, generator=gen), torch.randn(n, heads, dim, generator=gen),
+               torch.randn(n, heads, dim, generator=gen)) for n in (316, 40)]
+    decodes = [(torch.randn(2, q_heads, dim, generator=gen), torch.randn(2, heads, dim, generator=gen),
+                torch.randn(2, heads, dim, generator=gen)) for _ in range(5)]
+
+    def serve():
+        state = StepState(slots, 4, 8, device="cpu")
+        cell = CellExact.allocate(slots, heads, dim, dtype=torch.float32)
+        kv = torch.zeros(8, page_bytes(bits, heads, dim), dtype=torch.uint8)
+        pool = pool_views(kv, bits, heads, dim, dtype=torch.float32)
+        outs = []
+        for i, (q, k, v) in enumerate(prompt):  # one prompt a step (references: not the point)
+            step = plan_step(state, query_start_loc=[0, len(q)], seq_lens=[len(q)], first_blocks=[int(table[i, 0])],
+                             block_table=table[i:i + 1])
+            forward_cell(cell, pool, step, q, k, v, torch.empty_like(q), bits=bits, tau=math.inf, scale=dim**-0.5)
+        for j, (q, k, v) in enumerate(decodes):
+            step = plan_step(state, query_start_loc=[0, 1, 2], seq_lens=[317 + j, 41 + j], first_blocks=[3, 6],
+                             block_table=table)
+            with torch.no_grad():
+                real = (torch.ops.loopkv.token_attention_, torch.ops.loopkv.advance_)
+                if launchers:
+                    monkeypatch.setattr(torch.ops.loopkv, "token_attention_", counted(triton_attention.token_attention))
+                    monkeypatch.setattr(torch.ops.loopkv, "advance_", counted(triton_quant.advance))
+                outs.append(forward_cell(cell, pool, step, q, k, v, torch.empty_like(q), bits=bits, tau=math.inf,
+                                         scale=dim**-0.5))
+                monkeypatch.setattr(torch.ops.loopkv, "token_attention_", real[0])
+                monkeypatch.setattr(torch.ops.loopkv, "advance_", real[1])
+        return cell, kv, outs
+
+    calls = []
+
+    def counted(launcher):
+        def run(*args):
+            calls.append(launcher.__name__)
+            return launcher(*args)
+
+        return run
+
+    launchers = False
+    want = serve()
+
+    def refused(*args, **kwargs):
+        raise AssertionError("a Triton launcher fell back to its PyTorch reference")
+
+    launchers = True
+    with monkeypatch.context() as m:
+        m.setattr(step_ops, "advance_stacks_reference", refused)
+        m.setattr(step_ops, "token_attention_reference", refused)
+        got = serve()
+    assert calls == ["token_attention", "advance"] * len(decodes)
+    for a, b in zip(want[2], got[2], strict=True):
+        torch.testing.assert_close(b, a, atol=ATTN_FP32_ATOL, rtol=ATTN_FP32_RTOL)
+    for field in ("sink_k", "sink_v", "win_k", "win_v"):
+        assert torch.equal(getattr(got[0], field), getattr(want[0], field)), field
+    assert torch.equal(got[1], want[1])  # the same pool bytes
+    k_pages = pool_views(got[1], bits, heads, dim, dtype=torch.float32)[0]
+    assert k_pages[4].any()  # page 0 of request 0, quantized at 319 into its block 4
+    assert not k_pages[5].any()
+
+
+@pytest.mark.gpu
+def test_a_decode_step_replays_as_one_cuda_graph():
+    # what vLLM's full decode graphs do with a cell, without vLLM: the decode step (padded to 4 tokens) is captured
+    # once from a dummy batch (block-table rows of zeros, as model runner V2 captures), after one eager run of it; each
+    # later step only rewrites StepState's buffers through plan_step and replays. Outputs and cache state equal an
+    # eager twin's (the same steps, forward_cell run eagerly) bit for bit, across page 0's quantize length
+    from loopkv.ops.triton_register import register_triton_kernels
+
+    assert register_triton_kernels()
+    device, dtype, heads, q_heads, dim, slots, width = "cuda", torch.bfloat16, 2, 4, 128, 4, 4
+    gen = torch.Generator().manual_seed(0)
+    table = torch.tensor([[3, 4, 5, 0], [6, 7, 0, 0]], dtype=torch.int32, device=device)
+    padded_table = torch.cat([table, torch.zeros(2, 4, dtype=torch.int32, device=device)])
+
+    def qkv(n):
+        return tuple(torch.randn(n, h, dim, generator=gen).to(device, dtype) for h in (q_heads, heads, heads))
+
+    prompts = [qkv(316), qkv(40)]
+    decodes = [qkv(width) for _ in range(6)]  # 2 real tokens, 2 padding
+    dummy = dict(query_start_loc=list(range(width + 1)), seq_lens=[1] * width, first_blocks=[0] * width,
+                 block_table=torch.zeros(width, 4, dtype=torch.int32, device=device), num_tokens=width)
+
+    def serving():
+        state = StepState(slots, 4, 512, device=device)
+        cell = CellExact.allocate(slots, heads, dim, dtype=dtype, device=device)
+        kv = torch.zeros(8, page_bytes(4, heads, dim), dtype=torch.uint8, device=device)
+        return state, cell, kv, pool_views(kv, 4, heads, dim, dtype=dtype)
+
+    def run(served, step, q, k, v, out):
+        state, cell, kv, pool = served
+        return forward_cell(cell, pool, step, q, k, v, out, bits=4, tau=math.inf, scale=dim**-0.5)
+
+    eager, graphed = serving(), serving()
+    static = [torch.zeros_like(x) for x in decodes[0]]
+    static_out = torch.zeros(width, q_heads, dim, dtype=dtype, device=device)
+    for i, (q, k, v) in enumerate(prompts):
+        for served in (eager, graphed):
+            step = plan_step(served[0], query_start_loc=[0, len(q)], seq_lens=[len(q)],
+                             first_blocks=[int(table[i, 0])], block_table=table[i:i + 1])
+            run(served, step, q, k, v, torch.empty_like(q))
+    # the capture, from a dummy batch: one eager run on a side stream (Triton compiles, counters are allocated), then
+    # the graph; the eager twin runs the same dummy step (it writes zeros where every slot's next token goes)
+    run(eager, plan_step(eager[0], **dummy), *static, torch.empty_like(static_out))
+    captured = plan_step(graphed[0], **dummy)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        run(graphed, captured, *static, static_out)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run(graphed, captured, *static, static_out)
+    for j, (q, k, v) in enumerate(decodes):
+        real = dict(query_start_loc=[0, 1, 2, 2, 2], seq_lens=[317 + j, 41 + j, 0, 0], first_blocks=[3, 6, 0, 0],
+                    block_table=padded_table, num_tokens=width)
+        want = run(eager, plan_step(eager[0], **real), q, k, v, torch.empty_like(static_out))
+        plan_step(graphed[0], **real)  # the builder's work before a replay: the same buffers, rewritten
+        for dst, src in zip(static, (q, k, v), strict=True):
+            dst.copy_(src)
+        graph.replay()
+        assert torch.equal(static_out[:2], want[:2]), j
+        assert not static_out[2:].any()
+    torch.cuda.synchronize()
+    for field in ("sink_k", "sink_v", "win_k", "win_v"):
+        assert torch.equal(getattr(graphed[1], field), getattr(eager[1], field)), field
+    assert torch.equal(graphed[2], eager[2])
+    k_pages = graphed[3][0]
+    assert k_pages[4].any()  # page 0 of request 0, quantized at 319 into its block 4 inside the graph

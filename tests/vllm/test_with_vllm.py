@@ -185,9 +185,13 @@ def test_plan_spec_merge_keeps_its_page(backend):
         backend.LoopKVPageSpec.merge([spec, other])
 
 
-def test_builder_and_impl_equal_loopkv_cache(backend):
+@pytest.mark.parametrize("pad", [False, True], ids=["eager", "padded-to-capture-sizes"])
+def test_builder_and_impl_equal_loopkv_cache(backend, pad):
     # vLLM's CommonAttentionMetadata -> LoopKVMetadataBuilder.build -> LoopKVImpl.forward, over the scheduled
-    # steps of tests/vllm/test_cells.py, against each request's LoopKVCache
+    # steps of tests/vllm/test_cells.py, against each request's LoopKVCache; pad: every step of single tokens given as
+    # vLLM gives a full CUDA graph's batch (model runner V2's prepare_inputs: requests padded to a capture size with
+    # no tokens, query_start_loc repeating the last value, seq_len 0, a block table row of zeros, num_actual_tokens
+    # the padded count), and its decode read's inputs always the same tensors
     import math
 
     from vllm.v1.attention.backend import CommonAttentionMetadata
@@ -195,11 +199,25 @@ def test_builder_and_impl_equal_loopkv_cache(backend):
     from loopkv.format import page_bytes
     from loopkv.vllm.cells import CellExact
     from loopkv.vllm.layout import PoolRef
-    from tests.vllm.test_cells import CONFIG, HQ, MAX_LEN, NUM_BLOCKS, SCALE, SLOTS, D, H, check_storage, run_scenario
+    from tests.vllm.test_cells import (
+        CAPTURE_SIZES,
+        CONFIG,
+        HQ,
+        MAX_LEN,
+        MAX_TOKENS,
+        NUM_BLOCKS,
+        SCALE,
+        SLOTS,
+        D,
+        H,
+        check_storage,
+        run_scenario,
+    )
 
     tau = 2.0
     plan = Plan.from_config(CONFIG, option="int4", tau=tau)
-    vllm_config = SimpleNamespace(scheduler_config=SimpleNamespace(max_num_seqs=SLOTS),
+    vllm_config = SimpleNamespace(scheduler_config=SimpleNamespace(max_num_seqs=SLOTS,
+                                                                   max_num_batched_tokens=MAX_TOKENS),
                                   model_config=SimpleNamespace(max_model_len=MAX_LEN))
     size = page_bytes(4, H, D)
     spec = backend.LoopKVPageSpec(block_size=32, num_kv_heads=H, head_size=D, dtype=torch.uint8,
@@ -211,21 +229,36 @@ def test_builder_and_impl_equal_loopkv_cache(backend):
     layer = SimpleNamespace(loopkv_exact=lambda: cell, loopkv_tau=tau, loopkv_pool=ref,
                             loopkv_source_exact=lambda: None)
     kv = torch.zeros(NUM_BLOCKS, page_bytes(4, H, D), dtype=torch.uint8)
-    assert builder.page_table.shape == (SLOTS, math.ceil(MAX_LEN / 32) - 1)
+    assert builder.state.page_table.shape == (SLOTS, math.ceil(MAX_LEN / 32) - 1)
+    gen = torch.Generator().manual_seed(1)
+    addresses = set()
 
     def forward(qsl, seq_lens, first, table, q, k, v, out):
-        n = len(seq_lens)
+        n, T = len(seq_lens), qsl[-1]
+        size = T
+        if pad and T == n:  # a uniform decode batch, padded as model runner V2 pads it
+            size = min(c for c in CAPTURE_SIZES if c >= n)
+            qsl, seq_lens = qsl + [T] * (size - n), seq_lens + [0] * (size - n)
+            table = torch.cat([table, torch.zeros(size - n, table.shape[1], dtype=table.dtype)])
+            q, k, v = (torch.cat([x[:, :T], torch.randn(1, size - T, *x.shape[2:], generator=gen)], dim=1)
+                       for x in (q, k, v))
         qsl_t = torch.tensor(qsl, dtype=torch.int32)
         common = CommonAttentionMetadata(
             query_start_loc=qsl_t, query_start_loc_cpu=qsl_t, seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-            num_reqs=n, num_actual_tokens=qsl[-1], max_query_len=int((qsl_t[1:] - qsl_t[:-1]).max()),
-            max_seq_len=max(seq_lens), block_table_tensor=table, slot_mapping=torch.zeros(qsl[-1], dtype=torch.long))
+            num_reqs=len(seq_lens), num_actual_tokens=size, max_query_len=int((qsl_t[1:] - qsl_t[:-1]).max()),
+            max_seq_len=max(seq_lens), block_table_tensor=table, slot_mapping=torch.zeros(size, dtype=torch.long))
         meta = builder.build(0, common)
+        if meta.step.decode is not None and not meta.step.prompts:
+            addresses.add(tuple(t.data_ptr() for t in vars(meta.step.decode).values()))
         # vLLM's layer passes q, k, v and the output as [T, heads, head_size] views
-        impl.forward(layer, q[0], k[0], v[0], kv, meta, out[0])
+        wide = torch.full((size, HQ, D), float("nan"))
+        impl.forward(layer, q[0, :size], k[0, :size], v[0, :size], kv, meta, wide)
+        assert size == T or not wide[T:].any()  # padded tokens: zeros
+        out[0, :T] = wide[:T]
 
     engine, refs = run_scenario(plan, forward)
-    check_storage(engine, refs, builder.slot_map, cell, impl.pool(kv, ref, torch.float32))
+    check_storage(engine, refs, builder.state.slot_map, cell, impl.pool(kv, ref, torch.float32))
+    assert len(addresses) == 1
     assert impl.forward(layer, None, None, None, kv, None, out := torch.ones(3)) is out
     assert not out.any()
 
@@ -250,6 +283,7 @@ def test_vllm_ouro_with_a_plan_serves_loopkv_cells(backend, tmp_path, grid):
         CacheConfig,
         CompilationConfig,
         CompilationMode,
+        CUDAGraphMode,
         DeviceConfig,
         SchedulerConfig,
         VllmConfig,
@@ -259,7 +293,7 @@ def test_vllm_ouro_with_a_plan_serves_loopkv_cells(backend, tmp_path, grid):
     from vllm.engine.arg_utils import EngineArgs
     from vllm.forward_context import set_forward_context
     from vllm.model_executor.model_loader.weight_utils import initialize_dummy_weights
-    from vllm.v1.attention.backend import CommonAttentionMetadata
+    from vllm.v1.attention.backend import AttentionCGSupport, CommonAttentionMetadata
     from vllm.v1.core import kv_cache_utils
     from vllm.v1.worker.gpu.attn_utils import get_kv_cache_spec, init_attn_backend, init_kv_cache
 
@@ -300,8 +334,17 @@ def test_vllm_ouro_with_a_plan_serves_loopkv_cells(backend, tmp_path, grid):
         groups = kv_cache_utils.get_kv_cache_groups(vc, specs)
         kv_config = kv_cache_utils.get_kv_cache_config_from_groups(vc, groups, 40 * block_bytes(layout) + 5)
         assert kv_config.num_blocks == 40
-        attn_groups, _, block_sizes = init_attn_backend(kv_config, vc, torch.device("cpu"))
+        attn_groups, cg_support, block_sizes = init_attn_backend(kv_config, vc, torch.device("cpu"))
         assert [[sorted(g.layer_names) for g in gs] for gs in attn_groups] == [[names]]  # one builder for all
+        # the support vLLM reads from the builder, and the graph modes its config resolves from it (model runner V2)
+        assert cg_support.min_cg_support == AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+        for mode, compile_mode in (("FULL_DECODE_ONLY", CompilationMode.NONE),
+                                   ("FULL_AND_PIECEWISE", CompilationMode.VLLM_COMPILE)):
+            cc = CompilationConfig(mode=compile_mode, cudagraph_mode=mode, cudagraph_capture_sizes=[1, 2])
+            resolved = cc.resolve_cudagraph_mode_and_sizes(cg_support.min_cg_support, cg_support.min_cg_attn_backend,
+                                                           1, use_v2_model_runner=True, kv_cache_config=kv_config,
+                                                           max_num_reqs=2)
+            assert resolved == CUDAGraphMode[mode]
         kv = init_kv_cache([], vc.compilation_config.static_forward_context, kv_config, attn_groups,
                            torch.device("cpu"), "auto", block_sizes, vc)
         assert {t.data_ptr() for t in kv.values()} == {kv[names[0]].data_ptr()}
@@ -317,28 +360,66 @@ def test_vllm_ouro_with_a_plan_serves_loopkv_cells(backend, tmp_path, grid):
 
             def recording(lay, q, k, v, kv, meta, output, *rest, _forward=forward, **kw):
                 out = _forward(lay, q, k, v, kv, meta, output, *rest, **kw)
-                seen.append((lay.layer_name, q.clone(), k.clone(), v.clone(), out.clone()))
+                n = real[0]  # the step's tokens (not vLLM's padding); 0 in a dummy run
+                if n:
+                    seen.append((lay.layer_name, q[:n].clone(), k[:n].clone(), v[:n].clone(), out[:n].clone()))
                 return out
 
             layer.impl.forward = recording
 
-        def step(ids, start):
-            n = len(ids)
-            qsl = torch.tensor([0, n], dtype=torch.int32)
-            common = CommonAttentionMetadata(
-                query_start_loc=qsl, query_start_loc_cpu=qsl, seq_lens=torch.tensor([start + n], dtype=torch.int32),
-                num_reqs=1, num_actual_tokens=n, max_query_len=n, max_seq_len=start + n,
-                block_table_tensor=torch.arange(7, 7 + 20, dtype=torch.int32)[None],
-                slot_mapping=torch.zeros(n, dtype=torch.long))
-            meta = builder.build(0, common)
+        real, decodes = [0], []
+        table = torch.arange(7, 7 + 20, dtype=torch.int32)[None]
+
+        def run(common, ids, positions, meta):
             with set_forward_context({nm: meta for nm in names}, vc, slot_mapping={nm: common.slot_mapping
                                                                                     for nm in names}):
-                return model(torch.tensor(ids), torch.arange(start, start + n))
+                return model(torch.tensor(ids), positions)
 
+        def step(ids, start, size=None):
+            # one request's tokens; size: a decode batch padded to a capture size as model runner V2 pads it
+            n = len(ids)
+            size = size or n
+            qsl = torch.tensor([0] + [n] * size, dtype=torch.int32)
+            seq_lens = torch.tensor([start + n] + [0] * (size - 1), dtype=torch.int32)
+            common = CommonAttentionMetadata(
+                query_start_loc=qsl, query_start_loc_cpu=qsl, seq_lens=seq_lens, num_reqs=size,
+                num_actual_tokens=max(n, size), max_query_len=n, max_seq_len=start + n,
+                block_table_tensor=torch.cat([table, torch.zeros(size - 1, 20, dtype=torch.int32)]),
+                slot_mapping=torch.zeros(max(n, size), dtype=torch.long))
+            real[0] = n
+            ids = ids + [0] * (size - n)
+            positions = torch.cat([torch.arange(start, start + n), torch.zeros(size - n, dtype=torch.long)])
+            meta = builder.build(0, common)
+            if meta.step.decode is not None:
+                decodes.append(meta.step.decode)
+            return run(common, ids, positions, meta)[:n]
+
+        def capture_run(size):
+            # what model runner V2 builds and runs to capture a decode graph (InputBatch.make_dummy, the dummy block
+            # tables: rows of zeros): every request one token, seq_len 1
+            qsl = torch.arange(size + 1, dtype=torch.int32)
+            common = CommonAttentionMetadata(
+                query_start_loc=qsl, query_start_loc_cpu=qsl, seq_lens=torch.ones(size, dtype=torch.int32),
+                num_reqs=size, num_actual_tokens=size, max_query_len=1, max_seq_len=1024,
+                block_table_tensor=torch.zeros(size, 20, dtype=torch.int32),
+                slot_mapping=torch.zeros(size, dtype=torch.long))
+            meta = builder.build_for_cudagraph_capture(common)
+            assert meta.step.decode is not None
+            assert not meta.step.prompts
+            real[0] = 0
+            run(common, [0] * size, torch.zeros(size, dtype=torch.long), meta)
+            return meta
+
+        captured = capture_run(2)
         gen = torch.Generator().manual_seed(0)
         hidden = step(torch.randint(1, 128, (330,), generator=gen).tolist(), 0)
         for i in range(3):  # the third decode token makes the row 333 long: page 0 was quantized at 319
-            hidden = step([int(hidden[-1].abs().argmax()) % 127 + 1], 330 + i)
+            if i == 1:
+                capture_run(2)  # between live steps too: it writes nothing a live request reads
+            size = 2 if i != 1 else None  # padded as a graph of 2 requests replays it
+            hidden = step([int(hidden[-1].abs().argmax()) % 127 + 1], 330 + i, size)
+        assert {tuple(t.data_ptr() for t in vars(d).values()) for d in decodes} == {
+            tuple(t.data_ptr() for t in vars(captured.step.decode).values())}
         assert torch.isfinite(hidden).all()
     cache = LoopKVCache(plan, config=config, max_batch_size=1, max_cache_len=1024, dtype=torch.float32, device="cpu")
     assert [s[0] for s in seen] == names * 4  # 4 forwards, every cell once per forward, loop by loop
