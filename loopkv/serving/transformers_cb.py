@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import threading
 
 import torch
@@ -53,6 +54,7 @@ from loopkv.cache.paging import pool_pages_for
 from loopkv.format import PAGE
 from loopkv.serving.engine_cache import EngineCache, blocks_for
 
+logger = logging.getLogger(__name__)
 _LOCK = threading.Lock()
 SUPPORTED = (Version("5.17"), Version("5.25"))  # [from, to): the engines' cache interfaces these classes follow
 NEW_ENGINE = Version("5.24")  # from here on: EngineCache524
@@ -108,6 +110,39 @@ class EngineCache517(EngineCache):
 
     def extend_read_and_write_indices(self, request_id, past_length, query_length, read_index, write_index) -> None:
         self.schedule(request_id, past_length, query_length, write_index[0])
+
+
+class EngineProcessor:
+    """Mixed into the engine's batch processor (``continuous_api.ContinuousBatchProcessor``) by :func:`engine_cache`:
+
+    * its ``warmup(model)`` (what ``manager.warmup()`` calls before the engine starts; transformers' ``generate_batch``
+      does by default) also warms loopkv's cache up (:meth:`EngineCache.warm_up`: every decode bucket's graph
+      captured before the first request);
+    * before the engine counts a step's tokens (``update_batch``), each request whose decode token the codec could
+      not store (:meth:`EngineCache.uncodable_decodes`) is failed alone, with the error, and finished, which frees
+      its slot and pages; the engine then counts no token for it (a failed request is not decoding);
+    * once built, it puts its cache in :func:`engine_cache`'s list (``built``), after the scheduler and itself exist,
+      so a caller that waits for that list may leave the ``with`` block.
+    """
+
+    built: list  # the list engine_cache yields
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.built.append(self.cache)
+
+    def warmup(self, model) -> None:
+        super().warmup(model)
+        self.cache.warm_up(model)
+
+    def update_batch(self) -> None:
+        for request_id, error in self.cache.uncodable_decodes():
+            state = self.scheduler.active_requests.get(request_id)
+            if state is not None:
+                logger.error("%s", error)
+                self._handle_request_error(error, state)
+                self.scheduler.finish_request(request_id)
+        super().update_batch()
 
 
 class WholePrompts:
@@ -271,21 +306,21 @@ def engine_cache(plan, *, max_slots: int, max_len: int, cuda_graphs: bool = True
     def build(config, continuous_batching_config, device, *args, dtype=torch.float16, **kwargs):
         cb = continuous_batching_config
         check_step_budget(max_batch_tokens=cb.max_batch_tokens, max_len=max_len, max_slots=max_slots)
-        built.append(cls(plan, config=config, max_slots=max_slots, max_len=max_len,
-                          pool_pages=cb.num_blocks, max_batch_tokens=cb.max_batch_tokens, dtype=dtype,
-                          device=device, cuda_graphs=cuda_graphs))
-        return built[-1]
+        return cls(plan, config=config, max_slots=max_slots, max_len=max_len, pool_pages=cb.num_blocks,
+                   max_batch_tokens=cb.max_batch_tokens, dtype=dtype, device=device, cuda_graphs=cuda_graphs)
 
     schedulers = dict(scheduler.SCHEDULER_MAPPING)
     with _LOCK:
-        original = continuous_api.PagedAttentionCache
+        original = continuous_api.PagedAttentionCache, continuous_api.ContinuousBatchProcessor
         continuous_api.PagedAttentionCache = build
+        continuous_api.ContinuousBatchProcessor = type(f"LoopKV{original[1].__name__}",
+                                                       (EngineProcessor, original[1]), {"built": built})
         for name, base in schedulers.items():
             scheduler.SCHEDULER_MAPPING[name] = type(f"WholePrompts{base.__name__}", (WholePrompts, base), {})
         try:
             yield built
         finally:
-            continuous_api.PagedAttentionCache = original
+            continuous_api.PagedAttentionCache, continuous_api.ContinuousBatchProcessor = original
             scheduler.SCHEDULER_MAPPING.update(schedulers)
 
 

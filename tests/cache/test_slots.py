@@ -74,7 +74,7 @@ def _step(cache, cells, active):
     cache.reserve({s: held[s] + r.pieces[r.done] for s, r in active.items()})
     packed = decoding[::-1]
     step = slots.DecodeStep.build([(s, i) for i, s in enumerate(packed)], rows=cache.max_batch_size,
-                                  tokens=len(packed), device=cache.device)
+                                  tokens=len(packed), cells=cells, device=cache.device)
     for cell in range(cells):
         for s, r in active.items():
             q, k, v = r.piece(cell)

@@ -1,7 +1,9 @@
 """A step's new prompts written together (loopkv/cache/slots.py ``PrefillStep``) and the once-per-step check of their
 tokens (loopkv/serving/engine_cache.py): the same storage as ``LoopKVCache.prefill_cell`` per prompt, bit for bit,
-and an uncodable prompt token refused with the cache's error, nothing of its step left stored."""
+and an uncodable prompt token refused with the cache's error, nothing of its step left stored; an uncodable decode
+token fails its request alone, the others going on as if it had not come."""
 
+import contextlib
 import copy
 
 import pytest
@@ -9,7 +11,7 @@ import torch
 from transformers import GenerationConfig
 
 import loopkv
-from loopkv.cache import slots
+from loopkv.cache import checks, slots
 from loopkv.cache.storage import OWN_FIELDS, POOL_FIELDS
 from loopkv.serving.transformers_cb import engine_cache, engine_config
 from tests.cache.driver import tiny_config, tiny_ouro
@@ -82,3 +84,89 @@ def test_an_uncodable_prompt_token_fails_its_step_and_leaves_nothing_stored():
     assert engine.cache.pages_in_use == 0
     assert engine.free_block_count() == engine.num_blocks
     assert all(not engine.cache.storage(c).lengths.any() for c in range(4))
+
+
+def test_a_bf16_value_beyond_fp16s_range_is_uncodable():
+    """65536 is a bf16 value beyond fp16's largest (65504), which rounds to 65536 in bf16: compared in bf16 it would
+    pass."""
+    x = torch.tensor([65280.0, 65536.0, -65536.0, float("inf"), float("nan"), 1.0], dtype=torch.bfloat16)
+    assert checks.uncodable(x).tolist() == [False, True, True, True, True, False]
+    assert checks.uncodable(x.float()).tolist() == [False, True, True, True, True, False]
+
+
+@contextlib.contextmanager
+def _nan_at_position(model, position):
+    """The model's input embedding is NaN for every token at ``position`` (so its K/V are NaN in every cell)."""
+    seen = {}
+
+    def positions(module, args, kwargs):
+        seen["position_ids"] = kwargs["position_ids"]
+
+    def poison(module, args, out):
+        return torch.where((seen["position_ids"] == position)[..., None], float("nan"), out)
+
+    hooks = [model.model.register_forward_pre_hook(positions, with_kwargs=True),
+             model.model.embed_tokens.register_forward_hook(poison)]
+    try:
+        yield
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
+def _alone(model, plan, prompt, new, device):
+    cache = loopkv.LoopKVCache(plan, config=model.config, max_batch_size=1, max_cache_len=512, dtype=torch.float32,
+                               device=device)
+    return model.generate(torch.tensor([prompt], device=device), past_key_values=cache, max_new_tokens=new,
+                          do_sample=False, eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+
+
+def _uncodable_decode(device, head_dim, cuda_graphs):
+    """Three requests through two slots; the first's third decode token (position 302) is NaN. It fails alone with
+    the uncodable error, naming the INT4 cells (2, 3; the share cells store no pages), before that token's output
+    counts; its slot goes to the third request; the others are each request's generate alone; every page is back."""
+    model = tiny_ouro(head_dim=head_dim, device=device)
+    plan = loopkv.Plan.from_loops(loops=2, layers=2, per_loop=["share", "int4"], tau=14.0)
+    prompts = {"bad": [3 + (5 * j) % 90 for j in range(300)], "ok1": [3 + (7 * j) % 90 for j in range(40)],
+               "ok2": [3 + (11 * j) % 90 for j in range(12)]}
+    new = 10
+    gen = GenerationConfig(max_new_tokens=new, do_sample=False, eos_token_id=-1, pad_token_id=0)
+    cb = engine_config(pool_pages=40, max_len=512, max_slots=2)
+    with engine_cache(plan, max_slots=2, max_len=512, cuda_graphs=cuda_graphs) as built, _nan_at_position(model, 302):
+        manager = model.init_continuous_batching(generation_config=gen, continuous_batching_config=cb)
+        manager.start()  # no manager.warmup(): the first forward warms the cache up
+        try:
+            for rid, ids in prompts.items():
+                manager.add_request(ids, request_id=rid, max_new_tokens=new)
+            results = {r.request_id: r for r in (manager.get_result(timeout=300) for _ in prompts) if r is not None}
+            assert manager.is_running()  # the engine goes on
+        finally:
+            manager.stop(block=True)
+            model.destroy_cached_continuous_batching_manager()
+    (engine,) = built
+    assert engine.warm_up_s is not None
+    bad = results["bad"]
+    assert "the INT4/INT2 codec cannot store" in str(bad.error)
+    assert "request bad: its token at position 302 gave cells [2, 3]" in str(bad.error)
+    alone = _alone(model, plan, prompts["bad"], new, device)
+    assert bad.generated_tokens == alone[:3]  # the tokens before the step that read position 302
+    for rid in ("ok1", "ok2"):
+        assert results[rid].error is None
+        assert results[rid].generated_tokens == _alone(model, plan, prompts[rid], new, device), rid
+    assert engine.lives["ok2"][0][0] == (0, 12)  # admitted once, into the slot the failed request left
+    assert engine.cache.pages_in_use == 0
+    assert engine.free_block_count() == engine.num_blocks
+    assert engine.requests_held == 0
+    return engine
+
+
+@needs_engine
+def test_an_uncodable_decode_token_fails_its_request_alone():
+    _uncodable_decode("cpu", 32, cuda_graphs=False)
+
+
+@needs_engine
+@pytest.mark.gpu
+def test_an_uncodable_decode_token_fails_its_request_alone_in_a_captured_step():
+    engine = _uncodable_decode("cuda", 128, cuda_graphs=True)
+    assert engine.graphs.captured == [1, 2]  # the NaN token was read inside a replayed graph
