@@ -14,8 +14,16 @@ method names, chosen by the installed version (:func:`engine_class`):
   that reads none of a request's past tokens through the engine (``read_cache_limit = 0``, so the engine's read
   budget never binds and the attention mask it builds for ``sdpa``/``eager`` covers only the step's new tokens).
 
-What this relies on, and is checked by the tests on 5.17 and 5.24: the engine looks the class up in that module when
-it builds a processor, calls the allocation and index methods below, prepares each batch by calling
+:func:`engine_cache` also swaps the engine's batch-processor class (``continuous_api.ContinuousBatchProcessor``) for a
+subclass (:class:`EngineProcessor`): its ``warmup`` warms loopkv's cache up (every decode bucket's CUDA graph captured
+before the first request) and, before the engine counts a step's tokens, it fails alone each request whose decode
+token the codec could not store.
+
+What this relies on, and is checked by the tests on 5.17 and 5.24: the engine looks both classes up in that module
+when it builds a processor (the cache first), ``manager.warmup()`` calls the processor's ``warmup(model)``, the
+processor's ``update_batch`` counts the step's tokens and skips a request already ``FAILED`` (its
+``_handle_request_error`` and its scheduler's ``finish_request`` fail and free one request), the engine calls the
+allocation and index methods below, prepares each batch by calling
 ``extend_read_and_write_indices`` once per request in packing order with a fresh ``write_index`` list (one list per
 attention type, empty at the batch's first request: loopkv records the step's segments there, on the host) and runs
 that batch's forward before preparing the next, and takes the model's configured attention implementation as it is
