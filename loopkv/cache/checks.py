@@ -74,13 +74,14 @@ def uncodable_error(cells: list[int]) -> ValueError:
         "model produces such values); the cache was not counted past them: cache.reset() before the next request")
 
 
-def uncodable_decode_error(request_id: str, position: int, cells: list[int]) -> ValueError:
-    """A serving engine's request whose decode token the codec cannot store (``loopkv/serving/engine_cache.py``)."""
+def uncodable_request_error(request_id: str, tokens: str, cells: list[int]) -> ValueError:
+    """A serving engine's request whose ``tokens`` (its prompt, or its token at a position) the codec cannot store
+    (``loopkv/serving/engine_cache.py``)."""
     return ValueError(
-        f"request {request_id}: its token at position {position} gave cells {cells} K/V values the INT4/INT2 codec "
-        f"cannot store (non-finite, or |x| > {FP16_MAX:g}, beyond its fp16 scales): they would decode wrong once the "
-        "token's page leaves the window. The request was stopped and its slot and pages freed; the other requests "
-        "go on. Keep these cells 'bf16' in the plan (or find why the model produces such values)")
+        f"request {request_id}: {tokens} gave cells {cells} K/V values the INT4/INT2 codec cannot store (non-finite, "
+        f"or |x| > {FP16_MAX:g}, beyond its fp16 scales): they would decode wrong from its pages. The request was "
+        "stopped and its slot and pages freed; the other requests go on. Keep these cells 'bf16' in the plan (or "
+        "find why the model produces such values)")
 
 
 def positive_int(name: str, value) -> int:

@@ -28,11 +28,13 @@ history:
   (:meth:`warm_up`; on CUDA, each bucket's graph is captured then), so no request's step waits for a capture. The
   engine's own warm-up calls it (``transformers_cb.EngineProcessor``); otherwise the first forward does.
 * **uncodable tokens** (K/V values that are non-finite, or beyond the INT4/INT2 codec's fp16 range, in a cell that
-  stores INT4/INT2 pages) are refused when written. A prompt's are flagged on the device per quantized cell and read
-  once, at the step's last cell: such a step raises the cache's usual error. A decode token's largest magnitude is
-  recorded per (cell, row) on the device inside the step (a graph's too), copied to the host without waiting and
-  read after the forward, where the engine reads the step's tokens (:meth:`uncodable_decodes`): the engine's batch
-  processor fails only those requests, before their token is counted, and frees their slots and pages.
+  stores INT4/INT2 pages) are refused when written, failing only the request that brought them: the forward records
+  them and the engine's batch processor (``transformers_cb.EngineProcessor``) fails those requests after it, which
+  frees their slots and pages (an error raised from the forward would stop the engine). A prompt's are flagged on
+  the device per quantized cell and read once, at the step's last cell (:meth:`uncodable_prompts`). A decode
+  token's largest magnitude is recorded per (cell, row) on the device inside the step (a graph's too), copied to
+  the host without waiting and read after the forward, where the engine reads the step's tokens
+  (:meth:`uncodable_decodes`).
 
 A finished, cancelled or preempted request's slot and pages are freed by ``free_blocks``; a preempted request comes
 back under the same id as a new prompt (its generated tokens appended) and is prefilled again.
@@ -40,6 +42,7 @@ back under the same id as a new prompt (its generated tokens appended) and is pr
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import time
@@ -97,7 +100,10 @@ class EngineCache:
         self._held = [0] * max_slots  # tokens each slot holds (the cache's lengths, kept on the host)
         self._scheduled: list[tuple[str, int, int]] | None = None  # (request, past, new) of the batch being prepared
         self._step: _Step | None = None  # the segments of the forward in progress
-        self._uncodable: list[tuple[int, Tensor]] = []  # the step's (cell, device flag: a prompt token is uncodable)
+        # the step's (cell, device flags: which of its prompt tokens are uncodable), and after its last cell the
+        # prompts found uncodable: (request, slot, cells)
+        self._uncodable: list[tuple[int, Tensor]] = []
+        self._bad_prompts: list[tuple[str, int, list[int]]] = []
         self._quantized = any(layer.storage.own_bits in (4, 2) for layer in self.cache.layers)
         self._no_pad = torch.zeros(1, dtype=torch.long, device=self.device)
         self._decode_steps = slots.DecodeSteps(rows=max_slots, max_tokens=max(max_batch_tokens, bucket(max_slots)),
@@ -269,7 +275,17 @@ class EngineCache:
         bad = slots.uncodable_rows(self._largest_host, [slot for _, slot, _ in decoded])
         for slot in bad:
             self._scrub(slot)
-        return [(rid, checks.uncodable_decode_error(rid, pos, bad[slot])) for rid, slot, pos in decoded if slot in bad]
+        return [(rid, checks.uncodable_request_error(rid, f"its token at position {pos}", bad[slot]))
+                for rid, slot, pos in decoded if slot in bad]
+
+    def uncodable_prompts(self) -> list[tuple[str, ValueError]]:
+        """After a forward, once the engine has counted its tokens: each request whose prompt in that step gave a
+        quantized cell K/V values the codec cannot store, with the error to fail it with (found at the step's last
+        cell, :meth:`_find_uncodable_prompts`). Its slot's exact parts are zeroed (:meth:`_scrub`)."""
+        bad, self._bad_prompts = self._bad_prompts, []
+        for _, slot, _ in bad:
+            self._scrub(slot)
+        return [(rid, checks.uncodable_request_error(rid, "its prompt", cells)) for rid, _, cells in bad]
 
     def _scrub(self, slot: int) -> None:
         """Zero the exact sink and window of ``slot`` in every cell: a non-finite value left there would reach the
@@ -291,7 +307,7 @@ class EngineCache:
             slots.prefill_step(self.cache, cell, step.prefill, kk, vv)
         if step.checked is not None and self.cache.layers[cell].storage.own_bits in (4, 2):
             kp, vp = kk.index_select(0, step.checked), vv.index_select(0, step.checked)
-            self._uncodable.append((cell, (checks.uncodable(kp) | checks.uncodable(vp)).any()))
+            self._uncodable.append((cell, (checks.uncodable(kp) | checks.uncodable(vp)).flatten(1).any(1)))
         written = []
         for _, start, n in step.prompts:  # each new prompt (written above): exact attention over itself
             seg = slice(start, start + n)
@@ -299,7 +315,7 @@ class EngineCache:
                                                    scale)[0]))
         last = cell == len(self.cache.layers) - 1
         if last:
-            self._check_codable()
+            self._find_uncodable_prompts(step)
         if step.decode is not None:
             out = slots.decode(self.cache, cell, step.decode, q, kk, vv, scale=scale)
             if last:
@@ -310,16 +326,21 @@ class EngineCache:
             out[seg] = o
         return out[None]
 
-    def _check_codable(self) -> None:
-        """At the step's last cell: refuse the step if a quantized cell got a prompt token the codec cannot store
-        (one read from the device per step with prompts). The engine then fails the step's requests and frees their
-        slots, so nothing written stays stored."""
+    def _find_uncodable_prompts(self, step: _Step) -> None:
+        """At the step's last cell: the prompts that gave a quantized cell a token the codec cannot store (one read
+        from the device per step with prompts), kept for :meth:`uncodable_prompts`: the engine fails those requests
+        alone once it has counted the step's tokens, which frees their slots and pages."""
         flags, self._uncodable = self._uncodable, []
-        if flags:
-            read = torch.stack([f for _, f in flags]).cpu().tolist()
-            bad = [cell for (cell, _), f in zip(flags, read, strict=True) if f]
-            if bad:
-                raise checks.uncodable_error(bad)
+        if not flags:
+            return
+        read = torch.stack([f for _, f in flags]).cpu()  # [quantized cells, checked tokens: the prompts', in order]
+        ends = list(itertools.accumulate(n for *_, n in step.prompts))
+        bad = torch.stack([read[:, end - n:end].any(1) for (*_, n), end in zip(step.prompts, ends, strict=True)])
+        request = {slot: rid for rid, slot in self._slot.items()}
+        for (slot, _, _), prompt_bad in zip(step.prompts, bad.tolist(), strict=True):
+            cells = [cell for (cell, _), f in zip(flags, prompt_bad, strict=True) if f]
+            if cells:
+                self._bad_prompts.append((request[slot], slot, cells))
 
     def _begin_step(self, tokens: int, *, logits: int) -> _Step:
         """Before the forward of ``tokens`` packed tokens, ``logits`` of them kept: the scheduled segments, checked

@@ -16,13 +16,14 @@ method names, chosen by the installed version (:func:`engine_class`):
 
 :func:`engine_cache` also swaps the engine's batch-processor class (``continuous_api.ContinuousBatchProcessor``) for a
 subclass (:class:`EngineProcessor`): its ``warmup`` warms loopkv's cache up (every decode bucket's CUDA graph captured
-before the first request) and, before the engine counts a step's tokens, it fails alone each request whose decode
-token the codec could not store.
+before the first request) and, around the engine's count of a step's tokens, it fails alone each request whose
+prompt or decode token the codec could not store.
 
 What this relies on, and is checked by the tests on 5.17 and 5.24: the engine looks both classes up in that module
 when it builds a processor (the cache first), ``manager.warmup()`` calls the processor's ``warmup(model)``, the
-processor's ``update_batch`` counts the step's tokens and skips a request already ``FAILED`` (its
-``_handle_request_error`` and its scheduler's ``finish_request`` fail and free one request), the engine calls the
+processor's ``update_batch`` counts the step's tokens and counts none for a request already ``FAILED`` (a streaming
+one is delivered again, failed), its ``_handle_request_error`` and its scheduler's ``finish_request`` fail and free
+one request, the engine calls the
 allocation and index methods below, prepares each batch by calling
 ``extend_read_and_write_indices`` once per request in packing order with a fresh ``write_index`` list (one list per
 attention type, empty at the batch's first request: loopkv records the step's segments there, on the host) and runs
@@ -128,7 +129,10 @@ class EngineProcessor:
       captured before the first request);
     * before the engine counts a step's tokens (``update_batch``), each request whose decode token the codec could
       not store (:meth:`EngineCache.uncodable_decodes`) is failed alone, with the error, and finished, which frees
-      its slot and pages; the engine then counts no token for it (a failed request is not decoding);
+      its slot and pages; the engine then counts no token for it (a failed request is not decoding). A request
+      whose prompt the codec could not store (:meth:`EngineCache.uncodable_prompts`) is failed after the count (the
+      engine marks a prompt's request decoding as it counts its first token, which would undo an earlier failure);
+      one that finished at that step is left as delivered (nothing is read from its pages after);
     * once built, it puts its cache in :func:`engine_cache`'s list (``built``), after the scheduler and itself exist,
       so a caller that waits for that list may leave the ``with`` block.
     """
@@ -144,13 +148,19 @@ class EngineProcessor:
         self.cache.warm_up(model)
 
     def update_batch(self) -> None:
-        for request_id, error in self.cache.uncodable_decodes():
+        self._fail(self.cache.uncodable_decodes())
+        super().update_batch()
+        self._fail(self.cache.uncodable_prompts())
+
+    def _fail(self, failures: list[tuple[str, Exception]]) -> None:
+        """Fail each request with its error and finish it (its slot and pages go back); one that has already
+        finished (at this step) was delivered as it was."""
+        for request_id, error in failures:
             state = self.scheduler.active_requests.get(request_id)
             if state is not None:
                 logger.error("%s", error)
                 self._handle_request_error(error, state)
                 self.scheduler.finish_request(request_id)
-        super().update_batch()
 
 
 class WholePrompts:

@@ -1,7 +1,7 @@
 """A step's new prompts written together (loopkv/cache/slots.py ``PrefillStep``) and the once-per-step check of their
 tokens (loopkv/serving/engine_cache.py): the same storage as ``LoopKVCache.prefill_cell`` per prompt, bit for bit,
-and an uncodable prompt token refused with the cache's error, nothing of its step left stored; an uncodable decode
-token fails its request alone, the others going on as if it had not come."""
+and a request whose prompt or decode token is uncodable failed alone with an error that says so, nothing of it left
+stored, the others going on as if it had not come."""
 
 import contextlib
 import copy
@@ -58,31 +58,47 @@ def test_a_steps_prompts_written_together_equal_prefill_cell_per_prompt(per_loop
 
 
 @needs_engine
-def test_an_uncodable_prompt_token_fails_its_step_and_leaves_nothing_stored():
-    """A token whose K/V are NaN (its embedding is NaN) in an INT4 plan: found at the step's end, the step raises the
-    cache's error naming the cells, the engine fails the request, and the slot and every page are back."""
+def test_an_uncodable_prompt_token_fails_its_request_alone_and_leaves_nothing_stored():
+    """A token whose K/V are NaN (its embedding is NaN) in an INT4 plan, in a prompt that shares its step with
+    another: found at the step's end, that request alone fails with an error naming it and the cells, after its
+    first token; the engine goes on; the other request, and a third that takes the failed one's slot, are each
+    ``generate`` alone; the slots and every page are back at the end."""
     model = copy.deepcopy(tiny_ouro())
     with torch.no_grad():
         model.model.embed_tokens.weight[96] = float("nan")
     plan = loopkv.Plan.uniform(loops=2, layers=2, option="int4", tau=14.0)
-    gen = GenerationConfig(max_new_tokens=4, do_sample=False, eos_token_id=-1, pad_token_id=0)
+    prompts = {"ok": [5 + j % 80 for j in range(30)], "bad": [5] * 300 + [96] + [7] * 40, "next": [9, 8, 7, 6] * 5}
+    new = 6
+    gen = GenerationConfig(max_new_tokens=new, do_sample=False, eos_token_id=-1, pad_token_id=0)
     cb = engine_config(pool_pages=40, max_len=512, max_slots=2)
     with engine_cache(plan, max_slots=2, max_len=512) as built:
         manager = model.init_continuous_batching(generation_config=gen, continuous_batching_config=cb)
         manager.start()
         try:
-            manager.add_request([5] * 300 + [96] + [7] * 40, request_id="bad", max_new_tokens=4)
-            result = manager.get_result(timeout=120)
+            for rid, ids in prompts.items():
+                manager.add_request(ids, request_id=rid, max_new_tokens=new)
+            results = {r.request_id: r for r in (manager.get_result(timeout=120) for _ in prompts) if r is not None}
+            assert manager.is_running()
         finally:
             manager.stop(block=True)
             model.destroy_cached_continuous_batching_manager()
     (engine,) = built
-    assert result is not None
-    assert result.request_id == "bad"
-    assert "the INT4/INT2 codec cannot store" in str(result.error)
-    assert "cells [0, 1, 2, 3]" in str(result.error)
+    bad = results["bad"]
+    assert "the INT4/INT2 codec cannot store" in str(bad.error)
+    assert "request bad: its prompt gave cells [0, 1, 2, 3]" in str(bad.error)
+    assert len(bad.generated_tokens) == 1  # failed once the engine had counted its prompt's token
+    assert engine.lives["bad"] == [[(0, 341)]]
+    assert (1, 20) in [(d, n) for _, d, n in engine.steps]  # next's prompt beside ok's decode: in bad's slot
+    for rid in ("ok", "next"):
+        assert results[rid].error is None
+        cache = loopkv.LoopKVCache(plan, config=model.config, max_batch_size=1, max_cache_len=512,
+                                   dtype=torch.float32, device="cpu")
+        alone = model.generate(torch.tensor([prompts[rid]]), past_key_values=cache, max_new_tokens=new,
+                               do_sample=False, eos_token_id=None, pad_token_id=0)[0, len(prompts[rid]):].tolist()
+        assert results[rid].generated_tokens == alone, rid
     assert engine.cache.pages_in_use == 0
     assert engine.free_block_count() == engine.num_blocks
+    assert engine.requests_held == 0
     assert all(not engine.cache.storage(c).lengths.any() for c in range(4))
 
 
