@@ -312,9 +312,10 @@ def check_version() -> None:
 @contextlib.contextmanager
 def engine_cache(plan, *, max_slots: int, max_len: int, cuda_graphs: bool = True):
     """Within the block, transformers' engine builds an :class:`EngineCache` for ``plan`` (:func:`engine_class`; a
-    lock keeps two engines from building at once) and schedules prompts whole (:class:`WholePrompts`); yields the
-    list of the caches it built. ``cuda_graphs``: decode-only steps on CUDA replay loopkv's graphs
-    (``loopkv/serving/decode_graphs.py``)."""
+    lock keeps two engines from building at once), schedules prompts whole (:class:`WholePrompts`) and runs its
+    steps through :class:`EngineProcessor`; yields the list of the caches it built, each added once the engine's
+    batch processor around it exists. ``cuda_graphs``: decode-only steps on CUDA replay loopkv's graphs
+    (``loopkv/serving/decode_graphs.py``), every bucket's captured by the cache's warm-up."""
     from transformers.generation.continuous_batching import continuous_api, scheduler
 
     check_version()
