@@ -135,7 +135,7 @@ class DecodeStep:
     token: Tensor  # int64 [rows]: the packed token each row decodes (0 for a row that does not decode)
     decoding: Tensor  # bool [rows]: the row decodes a token this step
     row: Tensor  # int64 [tokens]: the row whose output each packed token takes (0 for a token that does not decode)
-    # float32 [2, cells, rows]: the largest |K| (0) and |V| (1) of each row's token in each cell that stores INT4/INT2
+    # float32 [cells, 2, rows]: the largest |K| (0) and |V| (1) of each row's token in each cell that stores INT4/INT2
     # pages, NaN if one is NaN (0 for a row that does not decode; other cells' stay 0): written by decode, every step
     largest: Tensor
 
@@ -154,7 +154,7 @@ class DecodeSteps:
         self.rows, self.max_tokens, self.device = rows, max_tokens, torch.device(device)
         self._buf = torch.zeros(2 * rows + max_tokens, dtype=torch.long, device=device)  # token, decoding, row
         self._decoding = torch.zeros(rows, dtype=torch.bool, device=device)
-        self.largest = torch.zeros(2, cells, rows, dtype=torch.float32, device=device)
+        self.largest = torch.zeros(cells, 2, rows, dtype=torch.float32, device=device)
 
     def fill(self, pairs: list[tuple[int, int]], *, tokens: int) -> DecodeStep:
         """This step's :class:`DecodeStep`: ``pairs`` (row, packed token) of each decoding row, ``tokens`` the packed
@@ -181,11 +181,10 @@ def decode(cache, cell: int, step: DecodeStep, query: Tensor, k: Tensor, v: Tens
     st = cache._rows(cell, rows)
     keep = step.decoding[:, None, None]
     q_all = torch.where(keep, query.index_select(0, step.token), 0)
-    k_all = torch.where(keep, k.index_select(0, step.token), 0)[:, :, None]
-    v_all = torch.where(keep, v.index_select(0, step.token), 0)[:, :, None]
+    kv_all = torch.where(keep, torch.stack((k, v)).index_select(1, step.token), 0)  # [2, rows, H, D]
     if st.own_bits in (4, 2):  # what the codec will be given when the token's page leaves the window
-        for i, x in enumerate((k_all, v_all)):
-            torch.linalg.vector_norm(x, ord=math.inf, dim=(1, 2, 3), dtype=torch.float32, out=step.largest[i, cell])
+        torch.linalg.vector_norm(kv_all, ord=math.inf, dim=(2, 3), dtype=torch.float32, out=step.largest[cell])
+    k_all, v_all = kv_all[:, :, :, None]  # [rows, H, 1, D] each
     out = torch.ops.loopkv.token_attention_(
         q_all, k_all, v_all, st.sink_k, st.sink_v, st.win_k, st.win_v, st.lengths, st.page_table, *st.pool(),
         st.read_bits, cache._tau(cell, st), scale,
@@ -198,7 +197,7 @@ def uncodable_rows(largest: Tensor, rows: list[int]) -> dict[int, list[int]]:
     value NaN or beyond fp16's range, as ``loopkv.cache.checks.uncodable`` says). ``largest``: a copy of a step's
     :attr:`DecodeStep.largest` in host memory, read with numpy (a device tensor is refused: this never waits for
     a device)."""
-    bad = ~(largest.numpy().max(0) <= FP16_MAX)  # [cells, rows]; NaN compares False
+    bad = ~(largest.numpy().max(1) <= FP16_MAX)  # [cells, rows]; NaN compares False
     return {r: [int(c) for c in bad[:, r].nonzero()[0]] for r in rows if bad[:, r].any()}
 
 
