@@ -19,7 +19,9 @@ cells), ``kivi4`` INT4 in every cell, ``loopkv-r`` and ``loopkv-m`` the paper's 
 bench_decode.py). Each arm gets the slots and pages the budget buys: ``slots = budget // (a slot's exact sink and
 window + bytes per token x the trace's mean context)``, the rest pages. Every arm's engine takes ``max_len +
 slots`` tokens per step, so every prompt is one exact pass (a plan with share cells needs this: its prompts are
-scheduled whole, loopkv/serving/transformers_cb.py), and decode-only steps replay loopkv's CUDA graphs.
+scheduled whole, loopkv/serving/transformers_cb.py), and decode-only steps replay loopkv's CUDA graphs, every
+bucket's captured when the engine starts (``manager.warmup()``, before any request: no capture happens while a
+rate is measured); each arm records that warm-up's seconds (``warm_up_s``) and the graphs' pool (``graph_pool_mib``).
 
 Steps are timed from the engine cache's own step log (``EngineCache.steps``: when each forward began, its decoding
 rows and its prompt tokens; a step lasts until the next begins), so decode is timed apart from prompt steps:
@@ -135,11 +137,16 @@ class Engine:
         self._built = self._context.__enter__()
         try:
             self.manager = model.init_continuous_batching(generation_config=gen, continuous_batching_config=cb)
+            self.manager.warmup()  # builds the engine cache, which captures every decode bucket's graph now
             self.manager.start()
         except BaseException:
             self._context.__exit__(None, None, None)
             raise
         self.submitted: dict[str, float] = {}
+
+    def warm_up(self) -> dict:
+        """The engine cache's warm-up: its seconds and the memory its graphs' pool holds (0 on the CPU)."""
+        return {"warm_up_s": self.cache.warm_up_s, "graph_pool_mib": self.cache.graphs.pool_bytes() / 2**20}
 
     @property
     def cache(self):
@@ -404,6 +411,8 @@ def run_arm(model, name: str, plan, split: tuple[int, int], reqs, args, result: 
     arm = result["arms"][name] = {"slots": slots, "pool_pages": pages, "peak": None}
     log(f"{name}: {slots} slots, {pages} pool pages; {stop_at - time.perf_counter():.0f} s for this arm")
     engine = Engine(model, plan, slots=slots, pages=pages, max_len=args.max_len)
+    arm |= engine.warm_up()
+    log(f"{name}: warm-up {arm['warm_up_s']:.1f} s, graphs' pool {arm['graph_pool_mib']:.0f} MiB")
 
     def one(rate: float) -> dict:
         row = run_rate(engine, name, rate, reqs, ttft_slo=args.ttft_s, tpot_slo=tpot_slo, trace_s=args.trace_s,
@@ -501,6 +510,7 @@ def main(argv=None) -> dict:
     # the SLO's step: BF16 with one slot and a pool for one request, through the same engine
     one_stop = time.perf_counter() + min(60.0, (stop_all - time.perf_counter()) / (len(arm_plans) + 1))
     engine = Engine(model, plans(cfg)["bf16"], slots=1, pages=math.ceil(args.max_len / 32), max_len=args.max_len)
+    result["slo_engine"] = engine.warm_up()
     try:
         engine.run_all({"warm": (64, 4)}, one_stop)
         one = peak_decode(engine, 1, args.max_len // 4, args.max_len - args.max_len // 4, args.peak_steps, one_stop)

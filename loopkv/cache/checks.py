@@ -62,8 +62,9 @@ def resolve_dtype(config, dtype) -> torch.dtype:
 
 def uncodable(x: Tensor) -> Tensor:
     """Bool tensor: ``x`` holds a value the codec cannot store (non-finite, or beyond fp16's range, where its fp16
-    scale and zero saturate and the value, and its whole group, would decode wrong)."""
-    return ~torch.isfinite(x) | (x.abs() > FP16_MAX)
+    scale and zero saturate and the value, and its whole group, would decode wrong). Compared in fp32: in bf16 the
+    bound rounds up to 65536, a bf16 value that is beyond it."""
+    return ~(x.abs().float() <= FP16_MAX)  # NaN compares False
 
 
 def uncodable_error(cells: list[int]) -> ValueError:
@@ -71,6 +72,16 @@ def uncodable_error(cells: list[int]) -> ValueError:
         f"cells {cells} were given K/V values the INT4/INT2 codec cannot store (non-finite, or |x| > {FP16_MAX:g}, "
         "beyond its fp16 scales): they would decode wrong. Keep these cells 'bf16' in the plan (or find why the "
         "model produces such values); the cache was not counted past them: cache.reset() before the next request")
+
+
+def uncodable_request_error(request_id: str, tokens: str, cells: list[int]) -> ValueError:
+    """A serving engine's request whose ``tokens`` (its prompt, or its token at a position) the codec cannot store
+    (``loopkv/serving/engine_cache.py``)."""
+    return ValueError(
+        f"request {request_id}: {tokens} gave cells {cells} K/V values the INT4/INT2 codec cannot store (non-finite, "
+        f"or |x| > {FP16_MAX:g}, beyond its fp16 scales): they would decode wrong from its pages. The request was "
+        "stopped and its slot and pages freed; the other requests go on. Keep these cells 'bf16' in the plan (or "
+        "find why the model produces such values)")
 
 
 def positive_int(name: str, value) -> int:

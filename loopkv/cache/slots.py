@@ -13,7 +13,9 @@ chunk of a longer prompt, the rest wait. Per cell, in the model's order:
 * :func:`decode` reads and writes one token for each decoding slot: one ``token_attention_`` over every row of the
   cache, the decoding slots' tokens gathered from the packed batch, the others given zeros; which rows decode, and
   which packed token each reads, is a :class:`DecodeStep`, device tensors built once per step (no host work per
-  cell);
+  cell). A cell that stores INT4/INT2 pages also records, per row, the largest magnitude of the token's K and V
+  (``DecodeStep.largest``, on the device): the engine reads it once per step, after the forward, to find a token the
+  codec could not store (:func:`uncodable_rows`);
 
 and after the step's last cell, :func:`end_step` counts the decoding slots' tokens in every cell (``advance_``) and
 puts every other row's length back. A row's read and write touch only that row, and a waiting row's write lands
@@ -24,12 +26,14 @@ step's tokens come first: ``LoopKVCache.reserve({slot: tokens after the step})``
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from loopkv.format import PAGE, RING, SINK, n_pages, stored_pages
+from loopkv.ops.codec import FP16_MAX
 
 
 def prefill(cache, cell: int, slot: int, k: Tensor, v: Tensor) -> None:
@@ -131,21 +135,26 @@ class DecodeStep:
     token: Tensor  # int64 [rows]: the packed token each row decodes (0 for a row that does not decode)
     decoding: Tensor  # bool [rows]: the row decodes a token this step
     row: Tensor  # int64 [tokens]: the row whose output each packed token takes (0 for a token that does not decode)
+    # float32 [cells, 2, rows]: the largest |K| (0) and |V| (1) of each row's token in each cell that stores INT4/INT2
+    # pages, NaN if one is NaN (0 for a row that does not decode; other cells' stay 0): written by decode, every step
+    largest: Tensor
 
     @classmethod
-    def build(cls, pairs: list[tuple[int, int]], *, rows: int, tokens: int, device) -> DecodeStep:
-        """``pairs``: (row, packed token) of each decoding row; ``tokens``: the packed batch's length."""
-        return DecodeSteps(rows=rows, max_tokens=tokens, device=device).fill(pairs, tokens=tokens)
+    def build(cls, pairs: list[tuple[int, int]], *, rows: int, tokens: int, cells: int, device) -> DecodeStep:
+        """``pairs``: (row, packed token) of each decoding row; ``tokens``: the packed batch's length; ``cells``: the
+        cache's."""
+        return DecodeSteps(rows=rows, max_tokens=tokens, device=device, cells=cells).fill(pairs, tokens=tokens)
 
 
 class DecodeSteps:
     """The device tensors of every :class:`DecodeStep` of an engine, allocated once: each step's are written in place,
     so they keep their addresses from step to step (what a captured CUDA graph of a decode step reads)."""
 
-    def __init__(self, *, rows: int, max_tokens: int, device):
+    def __init__(self, *, rows: int, max_tokens: int, device, cells: int):
         self.rows, self.max_tokens, self.device = rows, max_tokens, torch.device(device)
         self._buf = torch.zeros(2 * rows + max_tokens, dtype=torch.long, device=device)  # token, decoding, row
         self._decoding = torch.zeros(rows, dtype=torch.bool, device=device)
+        self.largest = torch.zeros(cells, 2, rows, dtype=torch.float32, device=device)
 
     def fill(self, pairs: list[tuple[int, int]], *, tokens: int) -> DecodeStep:
         """This step's :class:`DecodeStep`: ``pairs`` (row, packed token) of each decoding row, ``tokens`` the packed
@@ -161,7 +170,8 @@ class DecodeSteps:
             host = host.pin_memory()
         self._buf[:host.numel()].copy_(host, non_blocking=True)
         self._decoding.copy_(self._buf[rows:2 * rows])
-        return DecodeStep(token=self._buf[:rows], decoding=self._decoding, row=self._buf[2 * rows:2 * rows + tokens])
+        return DecodeStep(token=self._buf[:rows], decoding=self._decoding, row=self._buf[2 * rows:2 * rows + tokens],
+                          largest=self.largest)
 
 
 def decode(cache, cell: int, step: DecodeStep, query: Tensor, k: Tensor, v: Tensor, *, scale: float) -> Tensor:
@@ -171,13 +181,24 @@ def decode(cache, cell: int, step: DecodeStep, query: Tensor, k: Tensor, v: Tens
     st = cache._rows(cell, rows)
     keep = step.decoding[:, None, None]
     q_all = torch.where(keep, query.index_select(0, step.token), 0)
-    k_all = torch.where(keep, k.index_select(0, step.token), 0)[:, :, None]
-    v_all = torch.where(keep, v.index_select(0, step.token), 0)[:, :, None]
+    kv_all = torch.where(keep, torch.stack((k, v)).index_select(1, step.token), 0)  # [2, rows, H, D]
+    if st.own_bits in (4, 2):  # what the codec will be given when the token's page leaves the window
+        torch.linalg.vector_norm(kv_all, ord=math.inf, dim=(2, 3), dtype=torch.float32, out=step.largest[cell])
+    k_all, v_all = kv_all[:, :, :, None]  # [rows, H, 1, D] each
     out = torch.ops.loopkv.token_attention_(
         q_all, k_all, v_all, st.sink_k, st.sink_v, st.win_k, st.win_v, st.lengths, st.page_table, *st.pool(),
         st.read_bits, cache._tau(cell, st), scale,
     )
     return out.index_select(0, step.row)
+
+
+def uncodable_rows(largest: Tensor, rows: list[int]) -> dict[int, list[int]]:
+    """Of ``rows`` (rows that decoded), those whose token the codec cannot store in some cell, with those cells (a
+    value NaN or beyond fp16's range, as ``loopkv.cache.checks.uncodable`` says). ``largest``: a copy of a step's
+    :attr:`DecodeStep.largest` in host memory, read with numpy (a device tensor is refused: this never waits for
+    a device)."""
+    bad = ~(largest.numpy().max(1) <= FP16_MAX)  # [cells, rows]; NaN compares False
+    return {r: [int(c) for c in bad[:, r].nonzero()[0]] for r in rows if bad[:, r].any()}
 
 
 def end_step(cache, step: DecodeStep) -> None:

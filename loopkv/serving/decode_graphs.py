@@ -11,7 +11,9 @@ tokens first and zeros after (a padding token decodes no row: its output is neve
 
 A bucket's graph is captured the first time a step of that bucket runs: the step runs eagerly first (its output is
 the step's), then the same forward is captured without running (capture records kernels, it does not execute
-them), and later steps of the bucket replay it. Every bucket's graph shares one memory pool.
+them), and later steps of the bucket replay it. Every bucket's graph shares one memory pool. The engine cache runs
+every bucket (:func:`buckets`) once before its first request, with a step in which no row decodes
+(:meth:`~loopkv.serving.engine_cache.EngineCache.warm_up`), so no request's step waits for a capture.
 """
 
 from __future__ import annotations
@@ -28,6 +30,11 @@ def bucket(tokens: int) -> int:
     if tokens <= 8:
         return 1 << (tokens - 1).bit_length()
     return -(-tokens // 8) * 8
+
+
+def buckets(max_rows: int) -> list[int]:
+    """Every bucket a decode-only step of at most ``max_rows`` decoding rows runs at, ascending."""
+    return sorted({bucket(t) for t in range(1, max_rows + 1)})
 
 
 class DecodeGraphs:
@@ -52,6 +59,14 @@ class DecodeGraphs:
     def captured(self) -> list[int]:
         """The buckets that have a graph."""
         return sorted(self._graphs)
+
+    def pool_bytes(self) -> int:
+        """Device memory the graphs' pool holds (every captured bucket's intermediates and outputs); 0 without
+        capture."""
+        if self._pool is None:
+            return 0
+        pool = tuple(self._pool)
+        return sum(s["total_size"] for s in torch.cuda.memory_snapshot() if tuple(s["segment_pool_id"]) == pool)
 
     def run(self, forward: Callable[..., Tensor], input_ids: Tensor, position_ids: Tensor) -> Tensor:
         """The step's logits ``[1, T, V]``: ``forward(input_ids=, position_ids=, logits_to_keep=)`` (the model's

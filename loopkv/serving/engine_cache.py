@@ -24,9 +24,17 @@ history:
   with any transformers cache, and the ``"loopkv"`` attention function hands the packed batch to :meth:`attend`,
   which, through ``loopkv/cache/slots.py``, writes the step's new prompts together, runs their exact attention per
   segment, and every decoding slot in one fixed-shape call. Nothing is read back per cell.
-* **uncodable prompt tokens** (non-finite, or beyond the INT4/INT2 codec's fp16 range) are flagged on the device per
-  quantized cell and read once, at the step's last cell: such a step raises the cache's usual error and the engine
-  fails its requests and frees their slots, so nothing of it stays stored.
+* **warm-up**: before its first request the cache runs every decode bucket once with a step in which no row decodes
+  (:meth:`warm_up`; on CUDA, each bucket's graph is captured then), so no request's step waits for a capture. The
+  engine's own warm-up calls it (``transformers_cb.EngineProcessor``); otherwise the first forward does.
+* **uncodable tokens** (K/V values that are non-finite, or beyond the INT4/INT2 codec's fp16 range, in a cell that
+  stores INT4/INT2 pages) are refused when written, failing only the request that brought them: the forward records
+  them and the engine's batch processor (``transformers_cb.EngineProcessor``) fails those requests after it, which
+  frees their slots and pages (an error raised from the forward would stop the engine). A prompt's are flagged on
+  the device per quantized cell and read once, at the step's last cell (:meth:`uncodable_prompts`). A decode
+  token's largest magnitude is recorded per (cell, row) on the device inside the step (a graph's too), copied to
+  the host without waiting and read after the forward, where the engine reads the step's tokens
+  (:meth:`uncodable_decodes`).
 
 A finished, cancelled or preempted request's slot and pages are freed by ``free_blocks``; a preempted request comes
 back under the same id as a new prompt (its generated tokens appended) and is prefilled again.
@@ -34,11 +42,12 @@ back under the same id as a new prompt (its generated tokens appended) and is pr
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import time
 from collections import OrderedDict, deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -48,7 +57,7 @@ from loopkv.cache.attention import _prompt_attention
 from loopkv.cache.layer import LoopKVHandle
 from loopkv.cache.loop_cache import LoopKVCache
 from loopkv.format import PAGE
-from loopkv.serving.decode_graphs import DecodeGraphs, bucket
+from loopkv.serving.decode_graphs import DecodeGraphs, bucket, buckets
 
 logger = logging.getLogger(__name__)
 LIVES_KEPT = 1024  # requests whose steps EngineCache.lives keeps
@@ -91,13 +100,24 @@ class EngineCache:
         self._held = [0] * max_slots  # tokens each slot holds (the cache's lengths, kept on the host)
         self._scheduled: list[tuple[str, int, int]] | None = None  # (request, past, new) of the batch being prepared
         self._step: _Step | None = None  # the segments of the forward in progress
-        self._uncodable: list[tuple[int, Tensor]] = []  # the step's (cell, device flag: a prompt token is uncodable)
+        # the step's (cell, device flags: which of its prompt tokens are uncodable), and after its last cell the
+        # prompts found uncodable: (request, slot, cells)
+        self._uncodable: list[tuple[int, Tensor]] = []
+        self._bad_prompts: list[tuple[str, int, list[int]]] = []
         self._quantized = any(layer.storage.own_bits in (4, 2) for layer in self.cache.layers)
         self._no_pad = torch.zeros(1, dtype=torch.long, device=self.device)
         self._decode_steps = slots.DecodeSteps(rows=max_slots, max_tokens=max(max_batch_tokens, bucket(max_slots)),
-                                               device=self.device)
+                                               cells=len(self.cache.layers), device=self.device)
+        # the last decode step's largest K/V magnitudes, copied to the host without waiting, and what they are of:
+        # (request, slot, position) of each decoding row, and the event that says the copy is done
+        self._largest_host = torch.empty(self._decode_steps.largest.shape, dtype=torch.float32,
+                                         pin_memory=self.device.type == "cuda")
+        self._decoded: list[tuple[str, int, int]] = []
+        self._copied = torch.cuda.Event() if self.device.type == "cuda" else None
         self.graphs = DecodeGraphs(max_rows=max_slots, device=self.device,
                                    capture=cuda_graphs and self.device.type == "cuda")
+        self.warm_up_s: float | None = None  # how long warm_up took, once it has run
+        self._warming = False  # a forward that only warms up (warm_up)
         # the last STEPS_KEPT forwards: (time.perf_counter() when it began, decoding rows, prompt tokens); a step
         # lasts until the next one starts (what a benchmark times decode steps by)
         self.steps: deque[tuple[float, int, int]] = deque(maxlen=STEPS_KEPT)
@@ -186,15 +206,94 @@ class EngineCache:
         """One engine forward, called by the model with its forward as ``logits_of(input_ids=, position_ids=,
         logits_to_keep=)`` (returning its logits): the step is prepared on the host (:meth:`_begin_step`), then run,
         a decode-only step through :attr:`graphs`. Returns the logits the engine asked for (``logits_to_keep``)."""
+        if self.warm_up_s is None:
+            self._warm_up(logits_of)
+        if self._warming:
+            return None
         tokens = input_ids.shape[1]
         kept = logits_to_keep.numel() if isinstance(logits_to_keep, Tensor) else tokens
-        self._step = self._begin_step(tokens, logits=kept)
+        self._step = step = self._begin_step(tokens, logits=kept)
         try:
-            if self._step.graphed:
-                return self.graphs.run(logits_of, input_ids, position_ids)
-            return logits_of(input_ids=input_ids, position_ids=position_ids, logits_to_keep=logits_to_keep)
+            if step.graphed:
+                logits = self.graphs.run(logits_of, input_ids, position_ids)
+            else:
+                logits = logits_of(input_ids=input_ids, position_ids=position_ids, logits_to_keep=logits_to_keep)
         finally:
             self._step = None
+        if step.decoded and self._quantized:  # read by uncodable_decodes once the engine has the step's tokens
+            self._largest_host.copy_(self._decode_steps.largest, non_blocking=True)
+            if self._copied is not None:
+                self._copied.record()
+            self._decoded = step.decoded
+        return logits
+
+    def warm_up(self, model) -> None:
+        """Before the first request: run every decode bucket (:func:`~loopkv.serving.decode_graphs.buckets` up to
+        ``max_slots``) once, capturing its CUDA graph where graphs are on, with a step in which no row decodes, so no
+        request's step waits for a capture. ``model`` is the engine's (its forward hands itself to :meth:`run_step`,
+        which does the work). Once per cache; the first forward does it if this was not called."""
+        if self.warm_up_s is not None:
+            return
+        self._warming = True
+        try:
+            with torch.no_grad():
+                zeros = torch.zeros(1, 1, dtype=torch.long, device=self.device)
+                model(input_ids=zeros, position_ids=zeros, past_key_values=self, logits_to_keep=1)
+        finally:
+            self._warming = False
+
+    def _warm_up(self, logits_of) -> None:
+        """:meth:`warm_up` with the model's forward: each bucket, largest first (the graphs' pool is sized by the
+        first capture; the smaller ones fit in it), runs a :class:`~loopkv.cache.slots.DecodeStep` in which no row
+        decodes: every cell reads and writes every row as in any decode step, but each row's token is zeros written
+        at its next position, position 0 of a fresh cache's zeroed sink, no page leaves a window and every length is
+        put back. So the storage is bitwise what it was, which is why it runs before the cache's first step."""
+        if self.steps:
+            raise RuntimeError(f"the LoopKV engine cache warms up before its first step; this one has run "
+                               f"{len(self.steps)}")
+        began = time.perf_counter()
+        for width in reversed(buckets(self.max_slots)):
+            self._step = _Step(prompts=[], decode=self._decode_steps.fill([], tokens=width), graphed=True)
+            zeros = torch.zeros(1, width, dtype=torch.long, device=self.device)
+            try:
+                self.graphs.run(logits_of, zeros, zeros)
+            finally:
+                self._step = None
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.warm_up_s = time.perf_counter() - began
+
+    def uncodable_decodes(self) -> list[tuple[str, ValueError]]:
+        """After a forward, once the engine has its tokens: each request whose decode token in that step gave a
+        quantized cell K/V values the codec cannot store, with the error to fail it with (one host read of what the
+        step recorded on the device; nothing if the step decoded nothing or the plan quantizes nothing)."""
+        decoded, self._decoded = self._decoded, []
+        if not decoded:
+            return []
+        if self._copied is not None:
+            self._copied.synchronize()  # the step's end: the engine waits for it to read the step's tokens anyway
+        bad = slots.uncodable_rows(self._largest_host, [slot for _, slot, _ in decoded])
+        for slot in bad:
+            self._scrub(slot)
+        return [(rid, checks.uncodable_request_error(rid, f"its token at position {pos}", bad[slot]))
+                for rid, slot, pos in decoded if slot in bad]
+
+    def uncodable_prompts(self) -> list[tuple[str, ValueError]]:
+        """After a forward, once the engine has counted its tokens: each request whose prompt in that step gave a
+        quantized cell K/V values the codec cannot store, with the error to fail it with (found at the step's last
+        cell, :meth:`_find_uncodable_prompts`). Its slot's exact parts are zeroed (:meth:`_scrub`)."""
+        bad, self._bad_prompts = self._bad_prompts, []
+        for _, slot, _ in bad:
+            self._scrub(slot)
+        return [(rid, checks.uncodable_request_error(rid, "its prompt", cells)) for rid, _, cells in bad]
+
+    def _scrub(self, slot: int) -> None:
+        """Zero the exact sink and window of ``slot`` in every cell: a non-finite value left there would reach the
+        slot's next request, whose reads weigh the positions past its length by 0 (and 0 x NaN is NaN)."""
+        for layer in self.cache.layers:
+            st = layer.storage
+            for t in (st.sink_k, st.sink_v, st.win_k, st.win_v):
+                t[slot].zero_()
 
     def attend(self, cell: int, query: Tensor, k: Tensor, v: Tensor, *, scale: float) -> Tensor:
         """One cell of the packed batch: query [1, Hq, T, D], k, v [1, H, T, D] -> [1, T, Hq, D]. The batch's
@@ -208,7 +307,7 @@ class EngineCache:
             slots.prefill_step(self.cache, cell, step.prefill, kk, vv)
         if step.checked is not None and self.cache.layers[cell].storage.own_bits in (4, 2):
             kp, vp = kk.index_select(0, step.checked), vv.index_select(0, step.checked)
-            self._uncodable.append((cell, (checks.uncodable(kp) | checks.uncodable(vp)).any()))
+            self._uncodable.append((cell, (checks.uncodable(kp) | checks.uncodable(vp)).flatten(1).any(1)))
         written = []
         for _, start, n in step.prompts:  # each new prompt (written above): exact attention over itself
             seg = slice(start, start + n)
@@ -216,7 +315,7 @@ class EngineCache:
                                                    scale)[0]))
         last = cell == len(self.cache.layers) - 1
         if last:
-            self._check_codable()
+            self._find_uncodable_prompts(step)
         if step.decode is not None:
             out = slots.decode(self.cache, cell, step.decode, q, kk, vv, scale=scale)
             if last:
@@ -227,16 +326,21 @@ class EngineCache:
             out[seg] = o
         return out[None]
 
-    def _check_codable(self) -> None:
-        """At the step's last cell: refuse the step if a quantized cell got a prompt token the codec cannot store
-        (one read from the device per step with prompts). The engine then fails the step's requests and frees their
-        slots, so nothing written stays stored."""
+    def _find_uncodable_prompts(self, step: _Step) -> None:
+        """At the step's last cell: the prompts that gave a quantized cell a token the codec cannot store (one read
+        from the device per step with prompts), kept for :meth:`uncodable_prompts`: the engine fails those requests
+        alone once it has counted the step's tokens, which frees their slots and pages."""
         flags, self._uncodable = self._uncodable, []
-        if flags:
-            read = torch.stack([f for _, f in flags]).cpu().tolist()
-            bad = [cell for (cell, _), f in zip(flags, read, strict=True) if f]
-            if bad:
-                raise checks.uncodable_error(bad)
+        if not flags:
+            return
+        read = torch.stack([f for _, f in flags]).cpu()  # [quantized cells, checked tokens: the prompts', in order]
+        ends = list(itertools.accumulate(n for *_, n in step.prompts))
+        bad = torch.stack([read[:, end - n:end].any(1) for (*_, n), end in zip(step.prompts, ends, strict=True)])
+        request = {slot: rid for rid, slot in self._slot.items()}
+        for (slot, _, _), prompt_bad in zip(step.prompts, bad.tolist(), strict=True):
+            cells = [cell for (cell, _), f in zip(flags, prompt_bad, strict=True) if f]
+            if cells:
+                self._bad_prompts.append((request[slot], slot, cells))
 
     def _begin_step(self, tokens: int, *, logits: int) -> _Step:
         """Before the forward of ``tokens`` packed tokens, ``logits`` of them kept: the scheduled segments, checked
@@ -282,8 +386,9 @@ class EngineCache:
             index = [t for _, start, n in prompts for t in range(start, start + n)]
             checked = _to_device(index, self.device)
         self.steps.append((began, len(decoding), sum(n for *_, n in prompts)))
+        decoded = [(r, self._slot[r], pos) for r, pos, n in scheduled if n == 1 and pos > 0]
         return _Step(prompts=prompts, decode=decode, prefill=prefill, checked=checked, no_pad=self._no_pad,
-                     graphed=graphed)
+                     graphed=graphed, decoded=decoded)
 
 
 def _to_device(values: list[int], device) -> Tensor:
@@ -305,6 +410,7 @@ class _Step:
     checked: Tensor | None = None  # the packed tokens of the prompts, checked codable (quantized plans)
     no_pad: Tensor | None = None  # a prompt's padding for its exact attention: none
     graphed: bool = False  # every token decodes a row: the step runs padded to its bucket (DecodeGraphs)
+    decoded: list[tuple[str, int, int]] = field(default_factory=list)  # (request, slot, position) each
 
 
 def blocks_for(tokens: int) -> int:

@@ -14,8 +14,17 @@ method names, chosen by the installed version (:func:`engine_class`):
   that reads none of a request's past tokens through the engine (``read_cache_limit = 0``, so the engine's read
   budget never binds and the attention mask it builds for ``sdpa``/``eager`` covers only the step's new tokens).
 
-What this relies on, and is checked by the tests on 5.17 and 5.24: the engine looks the class up in that module when
-it builds a processor, calls the allocation and index methods below, prepares each batch by calling
+:func:`engine_cache` also swaps the engine's batch-processor class (``continuous_api.ContinuousBatchProcessor``) for a
+subclass (:class:`EngineProcessor`): its ``warmup`` warms loopkv's cache up (every decode bucket's CUDA graph captured
+before the first request) and, around the engine's count of a step's tokens, it fails alone each request whose
+prompt or decode token the codec could not store.
+
+What this relies on, and is checked by the tests on 5.17 and 5.24: the engine looks both classes up in that module
+when it builds a processor (the cache first), ``manager.warmup()`` calls the processor's ``warmup(model)``, the
+processor's ``update_batch`` counts the step's tokens and counts none for a request already ``FAILED`` (a streaming
+one is delivered again, failed), its ``_handle_request_error`` and its scheduler's ``finish_request`` fail and free
+one request, the engine calls the
+allocation and index methods below, prepares each batch by calling
 ``extend_read_and_write_indices`` once per request in packing order with a fresh ``write_index`` list (one list per
 attention type, empty at the batch's first request: loopkv records the step's segments there, on the host) and runs
 that batch's forward before preparing the next, and takes the model's configured attention implementation as it is
@@ -43,6 +52,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import threading
 
 import torch
@@ -53,6 +63,7 @@ from loopkv.cache.paging import pool_pages_for
 from loopkv.format import PAGE
 from loopkv.serving.engine_cache import EngineCache, blocks_for
 
+logger = logging.getLogger(__name__)
 _LOCK = threading.Lock()
 SUPPORTED = (Version("5.17"), Version("5.25"))  # [from, to): the engines' cache interfaces these classes follow
 NEW_ENGINE = Version("5.24")  # from here on: EngineCache524
@@ -108,6 +119,48 @@ class EngineCache517(EngineCache):
 
     def extend_read_and_write_indices(self, request_id, past_length, query_length, read_index, write_index) -> None:
         self.schedule(request_id, past_length, query_length, write_index[0])
+
+
+class EngineProcessor:
+    """Mixed into the engine's batch processor (``continuous_api.ContinuousBatchProcessor``) by :func:`engine_cache`:
+
+    * its ``warmup(model)`` (what ``manager.warmup()`` calls before the engine starts; transformers' ``generate_batch``
+      does by default) also warms loopkv's cache up (:meth:`EngineCache.warm_up`: every decode bucket's graph
+      captured before the first request);
+    * before the engine counts a step's tokens (``update_batch``), each request whose decode token the codec could
+      not store (:meth:`EngineCache.uncodable_decodes`) is failed alone, with the error, and finished, which frees
+      its slot and pages; the engine then counts no token for it (a failed request is not decoding). A request
+      whose prompt the codec could not store (:meth:`EngineCache.uncodable_prompts`) is failed after the count (the
+      engine marks a prompt's request decoding as it counts its first token, which would undo an earlier failure);
+      one that finished at that step is left as delivered (nothing is read from its pages after);
+    * once built, it puts its cache in :func:`engine_cache`'s list (``built``), after the scheduler and itself exist,
+      so a caller that waits for that list may leave the ``with`` block.
+    """
+
+    built: list  # the list engine_cache yields
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.built.append(self.cache)
+
+    def warmup(self, model) -> None:
+        super().warmup(model)
+        self.cache.warm_up(model)
+
+    def update_batch(self) -> None:
+        self._fail(self.cache.uncodable_decodes())
+        super().update_batch()
+        self._fail(self.cache.uncodable_prompts())
+
+    def _fail(self, failures: list[tuple[str, Exception]]) -> None:
+        """Fail each request with its error and finish it (its slot and pages go back); one that has already
+        finished (at this step) was delivered as it was."""
+        for request_id, error in failures:
+            state = self.scheduler.active_requests.get(request_id)
+            if state is not None:
+                logger.error("%s", error)
+                self._handle_request_error(error, state)
+                self.scheduler.finish_request(request_id)
 
 
 class WholePrompts:
@@ -259,9 +312,10 @@ def check_version() -> None:
 @contextlib.contextmanager
 def engine_cache(plan, *, max_slots: int, max_len: int, cuda_graphs: bool = True):
     """Within the block, transformers' engine builds an :class:`EngineCache` for ``plan`` (:func:`engine_class`; a
-    lock keeps two engines from building at once) and schedules prompts whole (:class:`WholePrompts`); yields the
-    list of the caches it built. ``cuda_graphs``: decode-only steps on CUDA replay loopkv's graphs
-    (``loopkv/serving/decode_graphs.py``)."""
+    lock keeps two engines from building at once), schedules prompts whole (:class:`WholePrompts`) and runs its
+    steps through :class:`EngineProcessor`; yields the list of the caches it built, each added once the engine's
+    batch processor around it exists. ``cuda_graphs``: decode-only steps on CUDA replay loopkv's graphs
+    (``loopkv/serving/decode_graphs.py``), every bucket's captured by the cache's warm-up."""
     from transformers.generation.continuous_batching import continuous_api, scheduler
 
     check_version()
@@ -271,21 +325,21 @@ def engine_cache(plan, *, max_slots: int, max_len: int, cuda_graphs: bool = True
     def build(config, continuous_batching_config, device, *args, dtype=torch.float16, **kwargs):
         cb = continuous_batching_config
         check_step_budget(max_batch_tokens=cb.max_batch_tokens, max_len=max_len, max_slots=max_slots)
-        built.append(cls(plan, config=config, max_slots=max_slots, max_len=max_len,
-                          pool_pages=cb.num_blocks, max_batch_tokens=cb.max_batch_tokens, dtype=dtype,
-                          device=device, cuda_graphs=cuda_graphs))
-        return built[-1]
+        return cls(plan, config=config, max_slots=max_slots, max_len=max_len, pool_pages=cb.num_blocks,
+                   max_batch_tokens=cb.max_batch_tokens, dtype=dtype, device=device, cuda_graphs=cuda_graphs)
 
     schedulers = dict(scheduler.SCHEDULER_MAPPING)
     with _LOCK:
-        original = continuous_api.PagedAttentionCache
+        original = continuous_api.PagedAttentionCache, continuous_api.ContinuousBatchProcessor
         continuous_api.PagedAttentionCache = build
+        continuous_api.ContinuousBatchProcessor = type(f"LoopKV{original[1].__name__}",
+                                                       (EngineProcessor, original[1]), {"built": built})
         for name, base in schedulers.items():
             scheduler.SCHEDULER_MAPPING[name] = type(f"WholePrompts{base.__name__}", (WholePrompts, base), {})
         try:
             yield built
         finally:
-            continuous_api.PagedAttentionCache = original
+            continuous_api.PagedAttentionCache, continuous_api.ContinuousBatchProcessor = original
             scheduler.SCHEDULER_MAPPING.update(schedulers)
 
 

@@ -74,7 +74,7 @@ def _step(cache, cells, active):
     cache.reserve({s: held[s] + r.pieces[r.done] for s, r in active.items()})
     packed = decoding[::-1]
     step = slots.DecodeStep.build([(s, i) for i, s in enumerate(packed)], rows=cache.max_batch_size,
-                                  tokens=len(packed), device=cache.device)
+                                  tokens=len(packed), cells=cells, device=cache.device)
     for cell in range(cells):
         for s, r in active.items():
             q, k, v = r.piece(cell)
@@ -130,3 +130,38 @@ def test_requests_sharing_a_pool_equal_each_request_alone(per_loop, device, head
             torch.testing.assert_close(torch.cat(r.outs[cell]), want[cell], atol=ATTN_FP32_ATOL,
                                        rtol=ATTN_FP32_RTOL)
     assert cache.pages_in_use == 0  # every request's pages came back
+
+
+@pytest.mark.parametrize(("device", "head_dim"), [
+    ("cpu", 32), pytest.param("cuda", 128, marks=[pytest.mark.gpu, CUDA]),  # CUDA: recorded by the same torch ops
+])
+def test_a_decode_step_finds_each_rows_uncodable_token_per_cell(device, head_dim):
+    """Rows 1 and 3 of 5 decode, packed in reverse; their K/V carry a NaN, an inf, a value beyond fp16 (70000,
+    -65536) or only codable ones (65504 itself), in different cells. What the step
+    records (``DecodeStep.largest``) names exactly the (row, cell) pairs a brute-force float64 check finds, among the
+    cells that store INT4/INT2 pages (a bf16 or share cell's values are never encoded); row 0, which does not decode
+    (its packed token 0 would be row 3's), is never named."""
+    plan = loopkv.Plan.from_loops(loops=4, layers=1, per_loop=["share", "int2", "bf16", "int4"], tau=14.0)
+    cells = plan.loops
+    cache = loopkv.LoopKVCache(plan, config=tiny_config(loops=cells, layers=1, head_dim=head_dim),
+                               max_batch_size=5, max_cache_len=800, device=device, pool_pages=20)
+    step = slots.DecodeStep.build([(3, 0), (1, 1)], rows=5, tokens=2, cells=cells, device=device)
+    g = torch.Generator().manual_seed(0)
+    poison = {(0, 0, "k"): float("nan"), (1, 0, "v"): float("inf"), (1, 1, "k"): 70000.0, (3, 1, "v"): -65536.0,
+              (3, 0, "v"): 65504.0, (2, 1, "k"): float("nan")}  # (cell, packed token, k|v): value
+    expected = {}
+    for cell in range(cells):
+        q = torch.randn(2, HQ, head_dim, generator=g)
+        kv = {"k": torch.randn(2, H, head_dim, generator=g), "v": torch.randn(2, H, head_dim, generator=g)}
+        for (c, token, which), value in poison.items():
+            if c == cell:
+                kv[which][token, 1, 5] = value
+        for token, row in ((0, 3), (1, 1)):
+            values = torch.cat([x[token].double().flatten() for x in kv.values()])
+            bad = bool((~torch.isfinite(values) | (values.abs() > 65504)).any())
+            if bad and plan.options[cell] in ("int4", "int2"):
+                expected.setdefault(row, []).append(cell)
+        slots.decode(cache, cell, step, q.to(device), kv["k"].to(device), kv["v"].to(device), scale=SCALE)
+    assert expected == {3: [1], 1: [1, 3]}  # the poison above, seen through the plan
+    assert slots.uncodable_rows(step.largest.cpu(), [0, 1, 2, 3, 4]) == expected
+    assert slots.uncodable_rows(step.largest.cpu(), [1]) == {1: [1, 3]}

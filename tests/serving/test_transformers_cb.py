@@ -208,7 +208,9 @@ def test_a_decode_step_reads_nothing_back_from_the_device(tmp_path):
     """The segments come from the engine's host-side scheduling and the decoding rows and new prompts' writes go to
     the device once per step: in a decode step, loopkv's cache and shim make no call that would wait for a GPU
     (``tolist``, ``item``, ``bool``/``int`` of a tensor, a tensor built from host data on a device), while the
-    counter does see the engine's own (it builds its index tensors from host lists every step)."""
+    counter does see the engine's own (it builds its index tensors from host lists every step). (The check of the
+    step's decode tokens reads a host copy after the forward, once its CUDA event says the step has ended, which the
+    engine waits for next anyway to read the step's tokens; neither is a call this counter sees.)"""
     import importlib.util
     import pathlib
 
