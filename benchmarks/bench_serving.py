@@ -29,9 +29,10 @@ rows and its prompt tokens; a step lasts until the next begins), so decode is ti
 * **the SLO's step**: BF16 with one slot and a pool for one request, one request of max_len / 4 tokens: the median
   decode-only step. SLO, per request: time to first token <= 10 s and mean time per output token <= 3x that step
   (``--ttft-s``, ``--tpot-x``; the smoke run's are loose: its numbers mean nothing, and a busy CPU would miss them);
-* **peak decode** per arm: as many requests as the arm has slots, ``--peak-prompt`` tokens each, sent at once; once
-  ``--peak-steps`` decode-only steps with every slot decoding have run, they are cancelled: tokens/s = slots / the
-  median of those steps (and prompt tokens/s until the first decode-only step);
+* **peak decode** per arm: as many requests as the arm's slots and pool hold together (:func:`peak_batch`: the
+  slots are sized for the trace's mean context, so at a long ``--peak-prompt`` the pool holds fewer), ``--peak-prompt``
+  tokens each, sent at once; once ``--peak-steps`` decode-only steps with all of them decoding have run, they are
+  cancelled: tokens/s = batch / the median of those steps (and prompt tokens/s until the first decode-only step);
 * **goodput** per arm: a search on the rate (:func:`search`): from ``--start-rate`` (``auto``: 70% of the lower of
   the prompts' and the slots' capacity, from a mean prompt's time to first token alone and the peak's step,
   :func:`first_rate`) it doubles while a rate meets 95% and halves while it does not, then bisects (geometric)
@@ -234,6 +235,19 @@ def median(xs: list[float]) -> float:
     return sorted(xs)[len(xs) // 2]
 
 
+def peak_batch(slots: int, pool_pages: int, prompt: int, steps: int) -> int:
+    """The most requests of ``prompt`` tokens the engine holds at once until ``steps`` decode-only steps have run: at
+    most ``slots``, and their blocks within the pool. The first admitted request decodes one token in each later
+    request's prompt step, so each is counted at ``prompt + batch + steps`` tokens (the engine's blocks,
+    ``engine_cache.blocks_for``). A batch the pool cannot hold would preempt and prefill again without end."""
+    from loopkv.serving.engine_cache import blocks_for
+
+    batch = slots
+    while batch > 1 and batch * blocks_for(prompt + batch + steps) > pool_pages:
+        batch -= 1
+    return batch
+
+
 def peak_decode(engine: Engine, batch: int, prompt: int, new: int, steps: int, stop_at: float) -> dict:
     """``batch`` requests at once (``prompt`` tokens, room for ``new``): once ``steps`` decode-only steps with all of
     them decoding have run, they are cancelled. Decode tokens/s = batch / the median such step; prompt tokens/s until
@@ -391,7 +405,8 @@ def plot(result: dict, path) -> None:
                 label=label)
     ax.axhline(100 * ATTAINMENT, color="tab:red", lw=0.8, ls="--")
     ax.set_ylim(0, 105)
-    ax.set_xscale("log", base=2)
+    if any(r["complete"] for r in result["rows"]):  # a run without a complete rate has no rate to put on a log axis
+        ax.set_xscale("log", base=2)
     ax.set_xlabel("arrival rate (requests/s)")
     ax.set_ylabel("requests meeting the SLO (%)")
     slo = result["slo"]
@@ -427,9 +442,10 @@ def run_arm(model, name: str, plan, split: tuple[int, int], reqs, args, result: 
 
     try:
         engine.run_all({"warm": (64, 4)}, stop_at)
-        arm["peak"] = peak_decode(engine, slots, args.peak_prompt, args.max_len - args.peak_prompt,
+        batch = peak_batch(slots, pages, args.peak_prompt, args.peak_steps)
+        arm["peak"] = peak_decode(engine, batch, args.peak_prompt, args.max_len - args.peak_prompt,
                                   args.peak_steps, stop_at)
-        log(f"{name}: peak decode {arm['peak']['tokens_per_s'] or 0:.1f} tok/s at batch {slots} "
+        log(f"{name}: peak decode {arm['peak']['tokens_per_s'] or 0:.1f} tok/s at batch {batch} "
             f"({arm['peak']['decode_steps']} steps), prompts {arm['peak']['prompt_tokens_per_s'] or 0:.0f} tok/s")
         mean_prompt, mean_new = (sum(r[i] for r in reqs) / len(reqs) for i in (1, 2))
         if args.start_rate == "auto":  # a mean prompt alone: its time to first token
