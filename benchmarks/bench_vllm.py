@@ -65,8 +65,11 @@ with prompts eager; neither: vLLM's default (torch.compile, 2-3 min per start). 
 plan's arm once more with ``--enforce-eager`` (tokens only, label ``loopkv:NAME:eager``) and exits 1 unless its
 greedy tokens equal the graph arm's.
 
-An arm serving a plan with ``share`` cells runs with chunked prefill off (``enable_chunked_prefill=False``, which
-such a plan needs: ``loopkv.vllm.settings.check_engine``); the others keep vLLM's default. Prints a table and
+An arm serving a quantized plan runs with chunked prefill off (``enable_chunked_prefill=False``): a plan with
+``share`` cells needs it (``loopkv.vllm.settings.check_engine``), and for the others a prompt's later chunks go
+through loopkv's continuation, a dense fp32 read per cell (on the H200 a uniform-INT4 arm did not finish 8 prompts of
+16K tokens, each but the first split in two by the step budget, within 50 s). vLLM's own arms keep its default.
+Prints a table and
 writes ``benchmarks/results/vllm_plan.json`` (or ``--out``):
 
     python benchmarks/bench_vllm.py --plan PLAN.json --enforce-eager --plan-decode-context 16384
@@ -597,8 +600,8 @@ def run_plan_arm(args) -> dict:
                      enable_prefix_caching=False, block_size=PLAN_BLOCK_SIZE, max_num_seqs=max_seqs, seed=0,
                      max_num_batched_tokens=max_len,  # a prompt in one chunk when the step's budget is free
                      **graph_settings(args, [len(prompts), *batches], max_seqs))
-    if args.arm == "loopkv" and "share" in check_plan(args.plan[0]).options:
-        engine_kw["enable_chunked_prefill"] = False  # every prompt whole (a share cell's chunks: at most 256)
+    if args.arm == "loopkv":  # every prompt whole: a share cell's chunks take at most 256 tokens, others' are slow
+        engine_kw["enable_chunked_prefill"] = False
     if args.attention_backend:
         engine_kw["attention_backend"] = args.attention_backend
     with Step(f"[{args.arm}] vllm.LLM") as s:

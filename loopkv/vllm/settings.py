@@ -13,11 +13,14 @@ so it is tested on a CPU without vLLM.
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections.abc import Mapping
 from typing import Any
 
 from loopkv.planning.plan import Plan
+
+logger = logging.getLogger(__name__)
 
 PLAN_ENV = "LOOPKV_PLAN"
 PLAN_KEY = "loopkv_plan"
@@ -151,3 +154,9 @@ def check_engine(plan: Plan, *, block_size: int | None, prefix_caching: bool, sp
     if problems:
         raise ValueError("loopkv's vLLM plugin cannot serve this plan with these engine settings: "
                          + "; ".join(problems))
+    if chunked_prefill:
+        logger.warning(
+            "chunked prefill is on: a prompt's chunks after its first are read by loopkv's continuation "
+            "(loopkv.cache.continuation), exact but a dense fp32 read per cell and far slower than a whole prompt on a "
+            "GPU; for long prompts pass --no-enable-chunked-prefill with --max-num-batched-tokens at least "
+            "--max-model-len (docs/vllm.md)")

@@ -1,6 +1,7 @@
 """The plan setting of loopkv's vLLM plugin and its start-up checks (loopkv/vllm/settings.py); no vLLM needed."""
 
 import json
+import logging
 import subprocess
 import sys
 
@@ -129,6 +130,17 @@ def test_engine_settings_for_loopkv_cells(config):
         with pytest.raises(ValueError, match="chunked prefill is on.*--no-enable-chunked-prefill.*threshold 256"):
             check_engine(shared, block_size=32, prefix_caching=False, speculative=False, chunked_prefill=True,
                          long_prefill_token_threshold=threshold)
+
+
+def test_chunked_prefill_is_served_with_a_warning(config, caplog):
+    int4, bf16 = Plan.from_config(config, option="int4"), Plan.from_config(config, option="bf16")
+    with caplog.at_level(logging.WARNING, logger="loopkv.vllm.settings"):
+        check_engine(int4, block_size=32, prefix_caching=False, speculative=False, chunked_prefill=False)
+        check_engine(bf16, block_size=32, prefix_caching=False, speculative=False, chunked_prefill=True)
+        assert not caplog.records  # whole prompts, or vLLM's own cells
+        check_engine(int4, block_size=32, prefix_caching=False, speculative=False, chunked_prefill=True)
+    assert len(caplog.records) == 1
+    assert "--no-enable-chunked-prefill" in caplog.records[0].getMessage()
 
 
 def test_importing_the_plugin_package_imports_no_vllm():
