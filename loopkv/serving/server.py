@@ -150,6 +150,7 @@ class CompletionServer:
             with engine_cache(plan, max_slots=max_slots, max_len=max_len) as built:
                 self.manager = model.init_continuous_batching(generation_config=generation,
                                                               continuous_batching_config=cb)
+                self.manager.warmup()  # builds the engine cache: every decode bucket captured before any request
                 self.manager.start()
                 deadline = time.monotonic() + ENGINE_START_SECONDS
                 while not built and self.manager.is_running() and time.monotonic() < deadline:
