@@ -73,6 +73,7 @@ from collections.abc import Sequence
 import torch
 from run_info import RESULTS, run_info, write_json
 
+from loopkv.planning.compare import differing_cells, kl_verdict, standard_error
 from loopkv.planning.profile_data import Profile
 
 SEED = 0
@@ -411,12 +412,6 @@ def damage_budget(budget: dict) -> float:
     return (PRESETS[budget["preset"]] if "preset" in budget else budget)["max_damage"]
 
 
-def differing_cells(a, b) -> list[dict]:
-    """The cells where plans ``a`` and ``b`` (fp32- and TF32-profiled) take different options."""
-    return [{"cell": [i // a.layers, i % a.layers], "fp32": x, "tf32": y}
-            for i, (x, y) in enumerate(zip(a.options, b.options, strict=True)) if x != y]
-
-
 def _plan_row(plan, fp32: Profile) -> dict:
     from loopkv.planning.knapsack import predicted_damage
 
@@ -428,12 +423,8 @@ def _plan_row(plan, fp32: Profile) -> dict:
             "damage_by_fp32_profile_kl_share": predicted_damage(fp32, plan) / fp32.kl_share}
 
 
-def _standard_error(values: Sequence[float]) -> float:
-    return float(torch.tensor(values, dtype=torch.float64).std()) / math.sqrt(len(values))
-
-
-def measure_plan(model, plan, docs, *, positions: int) -> dict:
-    """``plan``'s KL through the real cache on ``docs`` (``measure_kl``), with TF32 off."""
+def measure_plan(model, plan, docs, *, positions: int):
+    """``plan``'s KL through the real cache on ``docs`` (``measure_kl``), with TF32 off: its row, and the result."""
     from loopkv.planning.evaluate import measure_kl
 
     _sync(model.device)
@@ -441,20 +432,8 @@ def measure_plan(model, plan, docs, *, positions: int) -> dict:
     with torch.no_grad(), matmul_tf32(False):
         r = measure_kl(model, plan, docs, max_positions=positions, progress=False)
     _sync(model.device)
-    return {"kl": r.kl, "standard_error": _standard_error(r.per_document), "per_document": list(r.per_document),
-            "agreement": r.agreement, "positions": r.positions, "seconds": time.perf_counter() - begin}
-
-
-def kl_verdict(fp32: dict, tf32: dict) -> dict:
-    """The TF32-profiled plan's measured KL against the fp32-profiled plan's: within the eval's noise when they differ
-    by less than the fp32 plan's standard error over documents. Also the paired standard error (same documents)."""
-    d = tf32["kl"] - fp32["kl"]
-    se = fp32["standard_error"]
-    paired = _standard_error([y - x for x, y in zip(fp32["per_document"], tf32["per_document"], strict=True)])
-    return {"kl_difference": d, "relative_difference": d / fp32["kl"] if fp32["kl"] else None,
-            "eval_standard_error": se, "difference_over_se": abs(d) / se if se > 0 else None,
-            "paired_standard_error": paired, "difference_over_paired_se": abs(d) / paired if paired > 0 else None,
-            "within_eval_noise": d == 0 or abs(d) < se}
+    return {"kl": r.kl, "standard_error": standard_error(r.per_document), "per_document": list(r.per_document),
+            "agreement": r.agreement, "positions": r.positions, "seconds": time.perf_counter() - begin}, r
 
 
 def compare_plans(model, fp32: Profile, tf32: Profile, eval_docs, *, ladder: Sequence[float], tau: float,
@@ -462,9 +441,9 @@ def compare_plans(model, fp32: Profile, tf32: Profile, eval_docs, *, ladder: Seq
     """Per budget (:func:`plan_budgets`): the plans from the fp32 and the TF32 profile, compared cell by cell, and
     their measured KL where the module docstring says (the presets always, differing ladder plans until
     ``deadline``). ``on_row`` is called after each budget's row (the caller writes its JSON)."""
-    measured: dict = {}  # one measurement per distinct plan
+    measured: dict = {}  # one measurement (its row, its KLResult) per distinct plan
 
-    def kl(plan) -> dict:
+    def kl(plan):
         key = (plan.options, plan.taus)
         if key not in measured:
             measured[key] = measure_plan(model, plan, eval_docs, positions=positions)
@@ -478,20 +457,20 @@ def compare_plans(model, fp32: Profile, tf32: Profile, eval_docs, *, ladder: Seq
             row |= {"cells_differ": None, "feasible": {"fp32": not isinstance(a, str), "tf32": not isinstance(b, str)},
                     "kl": {"how": "not measured: no plan fits this budget on at least one profile"}}
         else:
-            diff = differing_cells(a, b)
+            diff = [{"cell": list(cell), "fp32": x, "tf32": y} for cell, x, y in differing_cells(a, b)]
             row |= {"cells_differ": len(diff), "differences": diff,
                     "tf32_plan_within_fp32_budget":
                         row["tf32"]["damage_by_fp32_profile_kl_share"] <= damage_budget(budget) * (1 + 1e-9)}
             preset = "preset" in budget
             if not diff:
-                m = kl(a) if preset else None
+                m = kl(a)[0] if preset else None
                 row["kl"] = {"how": "equal plans: trivially within the eval's noise" + ("" if preset else
                              " (not measured)"), "fp32_plan": m, "tf32_plan": m, "within_eval_noise": True}
             elif not preset and time.perf_counter() > deadline:
                 row["kl"] = {"how": "skipped: past --budget-s", "within_eval_noise": None}
             else:
-                ma, mb = kl(a), kl(b)
-                row["kl"] = {"how": "measured", "fp32_plan": ma, "tf32_plan": mb, **kl_verdict(ma, mb)}
+                (ma, ra), (mb, rb) = kl(a), kl(b)
+                row["kl"] = {"how": "measured", "fp32_plan": ma, "tf32_plan": mb, **kl_verdict(ra, rb)}
         rows.append(row)
         if on_row is not None:
             on_row(rows)

@@ -33,10 +33,11 @@ rows and its prompt tokens; a step lasts until the next begins), so decode is ti
   slots are sized for the trace's mean context, so at a long ``--peak-prompt`` the pool holds fewer), ``--peak-prompt``
   tokens each, sent at once; once ``--peak-steps`` decode-only steps with all of them decoding have run, they are
   cancelled: tokens/s = batch / the median of those steps (and prompt tokens/s until the first decode-only step);
-* **goodput** per arm: a search on the rate (:func:`search`): from ``--start-rate`` (``auto``: 70% of the lower of
-  the prompts' and the slots' capacity, from a mean prompt's time to first token alone and the peak's step,
-  :func:`first_rate`) it doubles while a rate meets 95% and halves while it does not, then bisects (geometric)
-  between the highest rate met and the lowest missed until they are within ``--bracket`` of each other,
+* **goodput** per arm: a search on the rate (``loopkv.serving.goodput.search``): from ``--start-rate``
+  (``auto``: 70% of the lower of the prompts' and the slots' capacity, from a mean prompt's time to first token
+  alone and the peak's step, ``goodput.first_rate``) it doubles while a rate meets 95% and halves while it does
+  not, then bisects (geometric) between the highest rate met and the lowest missed until they are within
+  ``--bracket`` of each other,
   ``--max-trials`` are run or the arm's time is spent. A rate's trace is its arrivals within ``--trace-s`` seconds
   (at least ``--min-requests``, at most ``--requests``); it ends when every request is finished or past its SLO
   deadline (arrival + TTFT bound + (tokens - 1) x TPOT bound, or the TTFT bound if the step ending its prompt has
@@ -62,7 +63,6 @@ import gc
 import json
 import math
 import pathlib
-import random
 import sys
 import threading
 import time
@@ -76,11 +76,11 @@ from run_info import RESULTS, run_info, write_json  # noqa: E402
 
 import loopkv  # noqa: E402
 from loopkv.models.ouro import OuroForCausalLM  # noqa: E402
+from loopkv.serving.goodput import ATTAINMENT, capacity, decode_steps, first_rate, meets_slo, search, trace  # noqa: E402
 from loopkv.serving.transformers_cb import engine_cache, engine_config  # noqa: E402
 
 TTFT_SLO_S = 10.0  # the paper's SLO (its defaults here: --ttft-s, --tpot-x)
 TPOT_SLO_X = 3.0
-ATTAINMENT = 0.95
 STYLE = {"bf16": ("k", "o"), "kivi4": ("tab:blue", "s"), "loopkv-r": ("tab:orange", "^"),
          "loopkv-m": ("tab:red", "v")}
 T0 = time.perf_counter()
@@ -93,24 +93,6 @@ def log(message: str) -> None:
 def plans(cfg) -> dict[str, loopkv.Plan]:
     loops, layers = cfg.total_ut_steps, cfg.num_hidden_layers
     return {"bf16": loopkv.Plan.uniform(loops=loops, layers=layers, option="bf16"), **paper_plans(loops, layers)}
-
-
-def trace(n: int, max_len: int, seed: int, outputs: tuple[int, int],
-          prompts: tuple[int, int] | None = None) -> list[tuple[float, int, int]]:
-    """(arrival s at 1 request/s, prompt tokens, output tokens) per request; the same requests at every rate: prompts
-    uniform in ``prompts`` (default [max_len / 2, max_len - the longest output]), outputs uniform in ``outputs``."""
-    lo_out, hi_out = outputs
-    lo_in, hi_in = prompts or (max_len // 2, max_len - hi_out)
-    if not 1 <= lo_in <= hi_in or hi_in + hi_out > max_len or not 1 <= lo_out <= hi_out:
-        raise ValueError(f"prompts {lo_in}..{hi_in} and outputs {lo_out}..{hi_out} tokens must be ranges of at least "
-                         f"1 whose longest request fits max_len={max_len}")
-    rng = random.Random(seed)
-    t, out = 0.0, []
-    for _ in range(n):
-        t += rng.expovariate(1.0)
-        new = rng.randint(lo_out, hi_out)
-        out.append((t, rng.randint(lo_in, hi_in), new))
-    return out
 
 
 def budget_split(plan, cfg, budget: int, mean_context: float, dtype_bytes: int) -> tuple[int, int]:
@@ -220,17 +202,6 @@ class Engine:
         return done
 
 
-def decode_steps(steps, since: float, batch: int) -> tuple[list[float], float | None]:
-    """From a step log (``EngineCache.steps``: start, decoding rows, prompt tokens), the steps begun after ``since``:
-    the durations of the decode-only steps with ``batch`` rows decoding (each until the next step began), and the
-    prompt tokens per second until the first decode-only step (None if there is none, or no prompt before it)."""
-    steps = [s for s in list(steps) if s[0] >= since]  # list(): one C call, so the engine's thread cannot append midway
-    durations = [b[0] - a[0] for a, b in zip(steps, steps[1:], strict=False) if a[2] == 0 and a[1] == batch]
-    first = next((s[0] for s in steps if s[2] == 0 and s[1]), None)
-    prompt = sum(s[2] for s in steps if first is not None and s[0] < first)
-    return durations, (prompt / (first - since) if first is not None and prompt else None)
-
-
 def median(xs: list[float]) -> float:
     return sorted(xs)[len(xs) // 2]
 
@@ -295,7 +266,8 @@ def run_rate(engine: Engine, name: str, rate: float, reqs, *, ttft_slo: float, t
         got = engine.collect(timeout=max(0.01, min(wait, 0.2)))
         if got is not None and got["id"] in deadline:
             del deadline[got["id"]]
-            got["ok"] = got["ttft_s"] <= ttft_slo and got["tpot_s"] <= tpot_slo and not got["error"]
+            got["ok"] = not got["error"] and meets_slo(got["ttft_s"], got["tpot_s"], ttft_slo_s=ttft_slo,
+                                                       tpot_slo_s=tpot_slo)
             results[got["id"]] = got
             misses += not got["ok"]
         now = time.perf_counter()
@@ -330,21 +302,8 @@ def run_rate(engine: Engine, name: str, rate: float, reqs, *, ttft_slo: float, t
             "tpot_misses": sum(r["tpot_s"] > tpot_slo for r in results.values())}
 
 
-def capacity(rows: list[dict]) -> tuple[float, str]:
-    """An arm's goodput from its complete rows: the highest rate meeting 95% below the lowest rate missing it, and
-    whether that is bracketed (``measured``: a tested rate above it missed), ``at least`` (no tested rate missed) or
-    ``below lowest`` (the lowest tested rate missed: 0)."""
-    rows = [r for r in rows if r["complete"]]
-    failed = [r["rate"] for r in rows if r["attainment"] < ATTAINMENT]
-    ceiling = min(failed, default=math.inf)
-    met = [r["rate"] for r in rows if r["attainment"] >= ATTAINMENT and r["rate"] < ceiling]
-    if not met:
-        return 0.0, "below lowest" if failed else "no complete rate"
-    return max(met), "measured" if failed else "at least"
-
-
 def summarize(arms: dict, rows: list[dict]) -> dict:
-    """Goodput per arm (:func:`capacity`), its ratios to BF16 and KIVI-4, the peaks."""
+    """Goodput per arm (``goodput.capacity``), its ratios to BF16 and KIVI-4, the peaks."""
     found = {name: capacity([r for r in rows if r["arm"] == name]) for name in arms}
     goodput = {name: g for name, (g, _) in found.items()}
     ratio = {base: {n: (g / goodput[base] if goodput.get(base) else None) for n, g in goodput.items()}
@@ -352,40 +311,6 @@ def summarize(arms: dict, rows: list[dict]) -> dict:
     return {"goodput_rps": goodput, "goodput_status": {name: status for name, (_, status) in found.items()},
             "goodput_vs_bf16": ratio.get("bf16", {}), "goodput_vs_kivi4": ratio.get("kivi4", {}),
             "peak_tokens_per_s": {n: a["peak"]["tokens_per_s"] for n, a in arms.items() if a.get("peak")}}
-
-
-def search(start: float, run, *, max_trials: int, bracket: float, factor: float = 2.0) -> list[dict]:
-    """Rates from ``start`` (``run(rate) -> row``): times ``factor`` while every rate tested met 95%, divided by it
-    while every one missed, then the geometric mean of the highest rate met and the lowest missed, until those are
-    within ``bracket`` of each other, ``max_trials`` rows are run, or a row is incomplete (its time ran out)."""
-    rows, rate = [], start
-    while len(rows) < max_trials:
-        rows.append(run(rate))
-        if not rows[-1]["complete"]:
-            break
-        done = [r for r in rows if r["complete"]]
-        met = [r["rate"] for r in done if r["attainment"] >= ATTAINMENT]
-        missed = [r["rate"] for r in done if r["attainment"] < ATTAINMENT]
-        if not missed:
-            rate = max(met) * factor
-        elif not met or min(met) >= min(missed):  # every rate met is above one missed: go below the lowest missed
-            rate = min(missed) / factor
-        else:
-            lo, hi = max(m for m in met if m < min(missed)), min(missed)
-            if hi / lo <= bracket:
-                break
-            rate = math.sqrt(lo * hi)
-    return rows
-
-
-def first_rate(probe_s: float, peak: dict, mean_new: float, floor: float) -> float:
-    """The search's first rate: 70% of the lower of two capacities, the prompts' (one mean prompt alone takes
-    ``probe_s`` to its first token: 1 / probe_s) and the slots' (every slot decoding a mean output at the peak's step:
-    slots / (mean_new x step)); queueing, longer contexts and the SLO make the real capacity lower. At least
-    ``floor``."""
-    if not peak.get("step_s"):
-        return floor
-    return max(floor, 0.7 * min(1 / probe_s, peak["batch"] / (mean_new * peak["step_s"])))
 
 
 def plot(result: dict, path) -> None:

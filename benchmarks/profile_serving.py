@@ -9,9 +9,9 @@ Reports, per decode-only step (every request decoding one token) and per step wi
 * the step's wall time (from one forward's first cell to the next's: the engine's scheduling, its batch preparation,
   the model and loopkv's cache, i.e. everything a step costs on the host when the device is fast); for steps with
   prompts, the median and each step's packed tokens;
-* the calls that would synchronize the host with a GPU, counted by caller (transformers' engine, loopkv, the rest):
-  ``Tensor.tolist``, ``Tensor.item``, ``bool``/``int`` of a tensor, and tensors built from host data with a device
-  argument (``torch.tensor(..., device=)``, a blocking host-to-device copy on a GPU);
+* the calls that would synchronize the host with a GPU, counted by caller (transformers' engine, loopkv, the rest;
+  ``loopkv.serving.host_syncs``): ``Tensor.tolist``, ``Tensor.item``, ``bool``/``int`` of a tensor, and tensors built
+  from host data with a device argument (``torch.tensor(..., device=)``, a blocking host-to-device copy on a GPU);
 * with ``--cprofile TOP``, a cProfile of the engine's thread (which slows its steps), its TOP functions by own time,
   and their total by package.
 """
@@ -20,11 +20,9 @@ from __future__ import annotations
 
 import argparse
 import collections
-import contextlib
 import cProfile
 import pstats
 import sys
-import time
 
 import torch
 
@@ -33,50 +31,8 @@ from run_info import RESULTS, ROOT, run_info, write_json  # noqa: E402
 
 import loopkv  # noqa: E402
 from loopkv.models.ouro import OuroConfig, OuroForCausalLM  # noqa: E402
-from loopkv.serving.engine_cache import EngineCache  # noqa: E402
+from loopkv.serving.host_syncs import between, mean_per_step, record_steps  # noqa: E402
 from loopkv.serving.transformers_cb import engine_cache, engine_config  # noqa: E402
-
-
-def _caller() -> str:
-    """The package of the first frame outside this file and torch's own Python."""
-    frame = sys._getframe(2)
-    while frame is not None:
-        name = frame.f_code.co_filename
-        if name != __file__ and "/torch/" not in name:
-            break
-        frame = frame.f_back
-    name = frame.f_code.co_filename if frame is not None else ""
-    if "/loopkv/ops/" in name:
-        return "loopkv.ops"  # the reference ops: on a GPU the Triton kernels run instead
-    return "transformers" if "/transformers/" in name else "loopkv" if "/loopkv/" in name else "other"
-
-
-@contextlib.contextmanager
-def count_host_syncs(counts: collections.Counter):
-    """Count, by caller, the calls that synchronize the host with a GPU (module docstring)."""
-    originals = {n: getattr(torch.Tensor, n) for n in ("tolist", "item", "__bool__", "__int__")}
-    tensor = torch.tensor
-
-    def wrap(name):
-        def counted(self, *a, **k):
-            counts[(_caller(), name)] += 1
-            return originals[name](self, *a, **k)
-        return counted
-
-    def counted_tensor(data, *a, **k):
-        if k.get("device") is not None and not isinstance(data, torch.Tensor):
-            counts[(_caller(), "tensor(device=)")] += 1
-        return tensor(data, *a, **k)
-
-    for name in originals:
-        setattr(torch.Tensor, name, wrap(name))
-    torch.tensor = counted_tensor
-    try:
-        yield counts
-    finally:
-        for name, fn in originals.items():
-            setattr(torch.Tensor, name, fn)
-        torch.tensor = tensor
 
 
 def main(argv=None) -> dict:
@@ -105,42 +61,26 @@ def main(argv=None) -> dict:
     max_len = max(512, args.prompt + args.new)
     cb = engine_config(pool_pages=args.requests * -(-max_len // 32), max_len=max_len, max_slots=args.requests)
 
-    # per forward: when it started, whether every token decoded, the sync counts so far, its packed tokens
-    steps: list[tuple[float, bool, collections.Counter, int]] = []
-    counts: collections.Counter = collections.Counter()
-    run_step = EngineCache.run_step
-
-    def timed_run_step(self, logits_of, *, input_ids, **k):
-        if not steps and args.cprofile:  # the engine's thread: profile it from its first forward on
-            profiler.enable()
-        tokens = input_ids.shape[1]
-        steps.append((time.perf_counter(), tokens <= args.requests, counts.copy(), tokens))
-        return run_step(self, logits_of, input_ids=input_ids, **k)
-
     profiler = cProfile.Profile()
-    EngineCache.run_step = timed_run_step
-    try:
-        with engine_cache(plan, max_slots=args.requests, max_len=max_len), count_host_syncs(counts), torch.no_grad():
-            model.generate_batch(prompts, generation_config=gen, continuous_batching_config=cb)
-    finally:
-        EngineCache.run_step = run_step
 
-    decode = [(steps[i + 1][0] - steps[i][0], steps[i + 1][2] - steps[i][2]) for i in range(len(steps) - 1)
-              if steps[i][1]]
+    def on_step(step):
+        if args.cprofile and not steps:  # the engine's thread: profile it from its first forward on
+            profiler.enable()
+
+    with engine_cache(plan, max_slots=args.requests, max_len=max_len), record_steps(on_step=on_step) as steps, \
+            torch.no_grad():
+        model.generate_batch(prompts, generation_config=gen, continuous_batching_config=cb)
+
+    timed = between(steps)  # a decode-only step: every token of the packed batch one decoding row's
+    decode = [(seconds, syncs) for step, seconds, syncs in timed if step.tokens <= args.requests]
     decode = decode[len(decode) // 4:]  # past the first steps (allocator and first-call warm-up)
     step_ms = sorted(d for d, _ in decode)[len(decode) // 2] * 1e3
-    per_step = collections.Counter()
-    for _, c in decode:
-        per_step.update(c)
-    syncs = {f"{who}:{what}": n / len(decode) for (who, what), n in sorted(per_step.items())}
-    prompt = [steps[i + 1][2] - steps[i][2] for i in range(len(steps) - 1) if not steps[i][1]]
-    prompt_ms = [(steps[i + 1][0] - steps[i][0]) * 1e3 for i in range(len(steps) - 1) if not steps[i][1]]
-    prompt_tokens = [steps[i][3] for i in range(len(steps) - 1) if not steps[i][1]]
+    syncs = mean_per_step([c for _, c in decode])
+    prompt = [(step, seconds, c) for step, seconds, c in timed if step.tokens > args.requests]
+    prompt_ms = [seconds * 1e3 for _, seconds, _ in prompt]
+    prompt_tokens = [step.tokens for step, _, _ in prompt]
     prompt_ms_median = sorted(prompt_ms)[len(prompt_ms) // 2] if prompt_ms else None
-    per_prompt_step = collections.Counter()
-    for c in prompt:
-        per_prompt_step.update(c)
-    prompt_syncs = {f"{who}:{what}": n / len(prompt) for (who, what), n in sorted(per_prompt_step.items())}
+    prompt_syncs = mean_per_step([c for _, _, c in prompt])
     by_package = collections.Counter()
     rows = []
     for (file, line, fn), (_, calls, own, total, _) in (pstats.Stats(profiler).stats.items() if args.cprofile else ()):

@@ -10,7 +10,7 @@ from packaging.version import Version
 from transformers import GenerationConfig
 
 import loopkv
-from loopkv.serving import transformers_cb
+from loopkv.serving import host_syncs, transformers_cb
 from loopkv.serving.transformers_cb import check_version, engine_cache, engine_config, generate_batch
 from tests.cache.driver import tiny_ouro
 
@@ -204,30 +204,31 @@ def test_a_request_longer_than_max_len_fails_alone_in_a_running_engine(model, ca
 
 
 @needs_engine
-def test_a_decode_step_reads_nothing_back_from_the_device(tmp_path):
+def test_a_decode_step_reads_nothing_back_from_the_device(model):
     """The segments come from the engine's host-side scheduling and the decoding rows and new prompts' writes go to
     the device once per step: in a decode step, loopkv's cache and shim make no call that would wait for a GPU
     (``tolist``, ``item``, ``bool``/``int`` of a tensor, a tensor built from host data on a device), while the
     counter does see the engine's own (it builds its index tensors from host lists every step). (The check of the
     step's decode tokens reads a host copy after the forward, once its CUDA event says the step has ended, which the
     engine waits for next anyway to read the step's tokens; neither is a call this counter sees.)"""
-    import importlib.util
-    import pathlib
-
-    path = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "profile_serving.py"
-    spec = importlib.util.spec_from_file_location("profile_serving", path)
-    profile_serving = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(profile_serving)
-    result = profile_serving.main(["--loops", "2", "--layers", "2", "--requests", "3", "--prompt", "8", "--new", "8",
-                                   "--out", str(tmp_path / "profile.json")])
-    syncs = result["host_syncs_per_decode_step"]
-    assert result["decode_steps_measured"] >= 3
+    requests = 3
+    prompts = [[3 + (i * 7 + j) % 90 for j in range(8)] for i in range(requests)]
+    plan = loopkv.Plan.uniform(loops=2, layers=2, option="int4", tau=14.0)
+    cb = engine_config(pool_pages=requests * 16, max_len=512, max_slots=requests)
+    with engine_cache(plan, max_slots=requests, max_len=512), host_syncs.record_steps() as steps, torch.no_grad():
+        model.generate_batch(prompts, generation_config=_greedy(8), continuous_batching_config=cb)
+    timed = host_syncs.between(steps)
+    decode = [c for step, _, c in timed if step.tokens <= requests]  # every packed token a decoding row's
+    decode = decode[len(decode) // 4:]  # past the first steps
+    assert len(decode) >= 3
+    syncs = host_syncs.mean_per_step(decode)
     assert syncs.get("transformers:tensor(device=)", 0) > 0  # the counter counts
     assert not {name: n for name, n in syncs.items() if name.startswith("loopkv:")}
     # a step with prompts reads one thing back: whether a prompt token was uncodable (an INT4 plan), at its end;
     # the page table's update, when the step's rows get pages, is the one blocking copy (two tensors)
-    prompt = {name: n for name, n in result["host_syncs_per_prompt_step"].items() if name.startswith("loopkv:")}
-    assert result["prompt_steps_measured"] >= 1
+    prompt_steps = [c for step, _, c in timed if step.tokens > requests]
+    assert len(prompt_steps) >= 1
+    prompt = {name: n for name, n in host_syncs.mean_per_step(prompt_steps).items() if name.startswith("loopkv:")}
     assert prompt.pop("loopkv:tolist") == 1
     assert prompt.pop("loopkv:tensor(device=)", 0) <= 2
     assert not prompt

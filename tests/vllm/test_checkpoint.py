@@ -1,27 +1,22 @@
-"""The checkpoint ``benchmarks/bench_vllm.py`` writes for its real-weight check, read by vLLM 0.26 (skipped without
-vLLM): vLLM's own loader (``DefaultModelLoader.load_weights``, strict: every parameter must come from the file) fills
-vLLM's Ouro from loopkv's parameter names, and the served model's prompt logits equal loopkv's Ouro's.
+"""A checkpoint of loopkv's Ouro (``OuroForCausalLM.save_pretrained``, as bench_vllm's real-weight check writes it),
+read by vLLM 0.26 (skipped without vLLM): vLLM's own loader (``DefaultModelLoader.load_weights``, strict: every
+parameter must come from the file) fills vLLM's Ouro from loopkv's parameter names, and the served model's prompt
+logits equal loopkv's Ouro's.
 
 CPU, float32, a tiny Ouro: vLLM's Ouro is built by the plugin with a uniform-INT4 plan (loopkv's cells run on CPU,
-vLLM's own attention backends do not), and a prompt on an empty slot is attended exactly (SDPA), so its logits are
-the dense model's up to float32 rounding."""
+vLLM's own attention backends do not), and a prompt on an empty slot is attended exactly (SDPA), so its logits are the
+dense model's up to float32 rounding."""
 
 import json
 
 import pytest
 import torch
 
-from loopkv.models.ouro import OuroConfig
+from loopkv.models.ouro import OuroConfig, OuroForCausalLM
 from loopkv.planning.plan import Plan
-from tests import benchmark_scripts
 
 
-@pytest.fixture(scope="module")
-def bench():
-    return benchmark_scripts.load("bench_vllm")
-
-
-def test_vllm_loads_the_bench_checkpoint_as_loopkvs_ouro(bench, tmp_path):
+def test_vllm_loads_a_saved_checkpoint_as_loopkvs_ouro(tmp_path):
     pytest.importorskip("vllm")
     from vllm.config import (
         CacheConfig,
@@ -51,9 +46,11 @@ def test_vllm_loads_the_bench_checkpoint_as_loopkvs_ouro(bench, tmp_path):
                         tie_word_embeddings=False)
     d = config.to_dict()
     d.update(architectures=["OuroForCausalLM"], model_type="ouro", dtype="float32")
-    ours = bench.write_checkpoint(tmp_path, d, dtype=torch.float32)
+    torch.manual_seed(0)
+    ours = OuroForCausalLM(config).float().eval()
     # transformers' init leaves the norms at one and the gate's bias at zero: make every tensor distinct, so that
-    # a norm or projection vLLM read under another name shows in the logits, and save again (the same names)
+    # a norm or projection vLLM read under another name shows in the logits, then save (vLLM reads config.json as
+    # its own Ouro's: the architecture and model type written in)
     gen = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for name, p in ours.named_parameters():
