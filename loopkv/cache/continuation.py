@@ -1,4 +1,4 @@
-"""Several new tokens on a non-empty cell in one pass, with the served semantics (docs/design.md, "Continuations").
+"""Several new tokens on a non-empty cell in one pass, with the served semantics (docs/design.md, "The decode step").
 
 A continuation of ``S`` tokens on a row holding ``h`` gives each of them what decoding it alone would have given:
 token ``i`` (position ``h + i``, so the row holds ``n = h + i + 1`` tokens when it reads) attends to the sink, to
