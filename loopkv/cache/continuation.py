@@ -137,30 +137,31 @@ def _read_row(st, b: int, h: int, ws: int, q: Tensor, exact_k: Tensor, exact_v: 
     nring = st.win_k.shape[2]
     per_query = 2 * H * (nsink + nring) * D * st.sink_k.element_size()  # its sink and ring, K and V
     block = max(1, _VIRTUAL_ROW_BYTES // per_query)
-    tail_k, tail_v = (F.pad(t, (0, 0, 1, 0)) for t in (exact_k, exact_v))  # a zero slot, then positions [ws, h + S)
+    # a zero slot, then positions [ws, h + S), heads flattened: [H * (1 + h + S - ws), D]
+    tail_k, tail_v = (F.pad(t, (0, 0, 1, 0)).flatten(0, 1) for t in (exact_k, exact_v))
     S = q.shape[1]
     out = []
     for lo in range(0, S, block):
         m = min(S, lo + block) - lo
         n = torch.arange(h + lo + 1, h + lo + m + 1, dtype=torch.int32, device=q.device)  # [m] tokens each reads
-        index = _virtual_rings(n, ws, nring)  # [m, nring] into the padded tail
+        index = _virtual_rings(n, ws, nring, H, exact_k.shape[1] + 1)  # [m, H, R] into the flattened tail
         out.append(torch.ops.loopkv.cell_attention(
             q[:, lo:lo + m].transpose(0, 1),  # [m, Hq, D]
             st.sink_k[b].expand(m, -1, -1, -1).contiguous(), st.sink_v[b].expand(m, -1, -1, -1).contiguous(),
-            tail_k[:, index].transpose(0, 1).contiguous(),  # [m, H, R, D]
-            tail_v[:, index].transpose(0, 1).contiguous(),
+            tail_k[index], tail_v[index],  # [m, H, R, D]
             n, st.page_table[b].expand(m, -1).contiguous(), *st.pool(), bits, tau, scale,
         ))
     return torch.cat(out)
 
 
-def _virtual_rings(n: Tensor, ws: int, nring: int) -> Tensor:
-    """For virtual rows holding ``n`` [m] tokens, which tail token each of ``nring`` ring slots holds: the index
-    into the exact tail (positions ``[ws, ...)``) with one zero slot in front, [m, nring]. Slot ``s`` holds the last
+def _virtual_rings(n: Tensor, ws: int, nring: int, heads: int, tail: int) -> Tensor:
+    """The ring of each virtual row holding ``n`` [m] tokens, as indices [m, heads, nring] into the exact tail
+    (positions ``[ws, ...)`` after one zero slot: ``tail`` slots per head, heads flattened). Slot ``s`` holds the last
     position ``p < n`` with ``(p - SINK) % RING == s``, as decoding to length ``n`` leaves it; a decode at ``n`` reads
     the positions ``[SINK + PAGE * n_pages(n), n)`` (fewer than ``RING``, each the last of its slot, all ``>= ws``),
     and a slot whose position is before the tail (read by no query) gets the zero slot."""
     last = n[:, None].long() - 1  # [m, 1]
     slot = torch.arange(nring, device=n.device)  # [nring]
     position = last - torch.remainder(last - SINK - slot, RING)  # [m, nring]
-    return (position - ws + 1).clamp_min(0)
+    head = torch.arange(heads, device=n.device)[None, :, None] * tail  # [1, heads, 1]
+    return (position - ws + 1).clamp_min(0)[:, None, :] + head
