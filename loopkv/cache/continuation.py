@@ -1,16 +1,18 @@
-"""Several new tokens on a non-empty cell in one pass, with the served semantics (docs/design.md, "Continuations").
+"""Several new tokens on a non-empty cell in one pass, with the served semantics (docs/design.md, "The decode step").
 
 A continuation of ``S`` tokens on a row holding ``h`` gives each of them what decoding it alone would have given:
 token ``i`` (position ``h + i``, so the row holds ``n = h + i + 1`` tokens when it reads) attends to the sink, to
-history pages ``[0, n_pages(n))`` dequantized (V precision included: the cold rule of ``cell_attention`` with the
-query's own scores), and to every later position up to itself exactly (the window, and the continuation's own
-earlier tokens). The cell ends in the state ``S`` decode steps would leave: the same sink, window ring, lengths and
-page codes (pages are encoded from the same exact tokens by the same codec).
+history pages ``[0, n_pages(n))`` dequantized (V precision included) and to every later position up to itself exactly
+(the window, and the continuation's own earlier tokens). The cell ends in the state ``S`` decode steps would leave:
+the same sink, window ring, lengths and page codes (pages are encoded from the same exact tokens by the same codec).
 
 Writes first: the sink slots, the pages the continuation completes (encoded in bulk with ``write_pages_``), the
-ring and the lengths; then one dense read per row and block of queries, where each key is scored both as stored
-exact and as dequantized and each query takes the form its position would have had. The cost is a prefill's, not
-``S`` decode steps'.
+ring and the lengths. Then the read is the decode read itself: each query is a *virtual row* of one
+``torch.ops.loopkv.cell_attention`` call, with length ``n``, the row's sink and page table, the pool a decode of the
+cell reads (a ``share`` cell: its source's), and a ring gathered from the exact tail so that each slot holds what
+decoding to length ``n`` would have left there. One semantics, one op (its reference on the CPU, its Triton kernel on
+CUDA); the cost is ``S`` decode reads of the row's pages, in blocks of queries whose ring and sink copies stay within
+``_VIRTUAL_ROW_BYTES``.
 
 A ``share`` cell reads its source's pages, and its source (the final loop) runs after it in the same forward. The
 pages such a cell needs that are not yet in the pool are encoded here from the source's window ring, which holds
@@ -21,15 +23,13 @@ not exist yet when the share cell reads, so a share cell takes at most :func:`sh
 
 from __future__ import annotations
 
-import math
-
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
-from loopkv.format import PAGE, RING, SINK, cold_threshold, n_pages, stored_pages
-from loopkv.ops import codec
+from loopkv.format import PAGE, RING, SINK, n_pages, stored_pages
 
-_BLOCK_ELEMENTS = 1 << 24  # scores held at once per block of queries (heads x queries x keys)
+_VIRTUAL_ROW_BYTES = 1 << 28  # sink and ring copies (K and V) one block of virtual rows holds: 256 MiB
 
 
 def share_limit(held: int, source_held: int) -> int:
@@ -103,11 +103,12 @@ def continue_rows(cache, layer_idx: int, query: Tensor, k: Tensor, v: Tensor, *,
 
 
 def _exact_tail(st, b: int, h: int, ws: int, k_new: Tensor, v_new: Tensor) -> tuple[Tensor, Tensor]:
-    """The exact tokens of positions ``[ws, h + S)``: the ring's ``[ws, h)`` then the new ones past the sink."""
+    """The exact tokens of positions ``[ws, h + S)``, in the cache's dtype (as the ring stores them): the ring's
+    ``[ws, h)`` then the new ones past the sink."""
     old = (torch.arange(ws, h, device=k_new.device) - SINK) % RING if h > ws else None
     skip = max(0, SINK - h)  # new tokens that land in the sink are not part of the tail
-    parts_k = [k_new[:, skip:]]
-    parts_v = [v_new[:, skip:]]
+    parts_k = [k_new[:, skip:].to(st.win_k.dtype)]
+    parts_v = [v_new[:, skip:].to(st.win_v.dtype)]
     if old is not None:
         parts_k.insert(0, st.win_k[b][:, old])
         parts_v.insert(0, st.win_v[b][:, old])
@@ -128,79 +129,39 @@ def _write_pages(st, b: int, pages: range, ws: int, exact_k: Tensor, exact_v: Te
 
 def _read_row(st, b: int, h: int, ws: int, q: Tensor, exact_k: Tensor, exact_v: Tensor, bits: int, tau: float,
               scale: float) -> Tensor:
-    """Row ``b``'s continuation queries q [Hq, S, D] -> [S, Hq, D] (see the module docstring)."""
-    Hq, S, D = q.shape
-    H = exact_k.shape[0]
-    g = Hq // H
-    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-    dev = q.device
-    qf = q.to(acc).view(H, g, S, D)
-    n = torch.arange(h + 1, h + S + 1, device=dev)  # tokens held when each query reads
-    npg = n_pages(n)  # [S] history pages read by each query
-    P = int(n_pages(h + S)) if bits else 0
-
-    sink_pos = torch.arange(st.sink_k.shape[2], device=dev)  # SINK slots, or a short cache's fewer
-    tail_pos = torch.arange(ws, ws + exact_k.shape[1], device=dev)
-    sink_k, sink_v = st.sink_k[b].to(acc), st.sink_v[b].to(acc)
-    ek, ev = exact_k.to(acc), exact_v.to(acc)
-    if P:
-        pages = _gather_pages(st, b, P)
-        hist_k = codec.decode_k(pages, bits).to(acc) if bits != 16 else pages.k_codes.to(acc)  # [P, H, PAGE, D]
-        hist_k = hist_k.permute(1, 0, 2, 3).reshape(H, P * PAGE, D)
-        if bits == 16:
-            v_full = pages.v_hi.to(acc).permute(1, 0, 2, 3).reshape(H, P * PAGE, D)
-        else:
-            v_full = codec.decode_v(pages, bits).to(acc).permute(1, 0, 2, 3).reshape(H, P * PAGE, D)
-        cold_v = None
-        if bits == 4 and not math.isinf(tau):
-            every = torch.ones(pages.v_hi.shape[:-1], dtype=torch.bool, device=dev)
-            cold_v = codec.decode_v(pages, bits, every).to(acc).permute(1, 0, 2, 3).reshape(H, P * PAGE, D)
-        hist_page = torch.arange(P * PAGE, device=dev) // PAGE
-
-    keys = sink_pos.shape[0] + P * PAGE + exact_k.shape[1]
-    block = max(1, _BLOCK_ELEMENTS // max(1, Hq * keys))
+    """Row ``b``'s continuation queries q [Hq, S, D] -> [S, Hq, D]: query ``i`` is a virtual row of one
+    ``cell_attention`` call, holding ``h + i + 1`` tokens, with the row's sink and page table and the ring a decode at
+    that length reads (:func:`_virtual_rings`). Blocks of queries keep the per-query copies within
+    ``_VIRTUAL_ROW_BYTES``."""
+    H, nsink, D = st.sink_k.shape[1:]
+    nring = st.win_k.shape[2]
+    per_query = 2 * H * (nsink + nring) * D * st.sink_k.element_size()  # its sink and ring, K and V
+    block = max(1, _VIRTUAL_ROW_BYTES // per_query)
+    # a zero slot, then positions [ws, h + S), heads flattened: [H * (1 + h + S - ws), D]
+    tail_k, tail_v = (F.pad(t, (0, 0, 1, 0)).flatten(0, 1) for t in (exact_k, exact_v))
+    S = q.shape[1]
     out = []
     for lo in range(0, S, block):
-        hi = min(S, lo + block)
-        qb, nb, npb = qf[:, :, lo:hi], n[lo:hi], npg[lo:hi]
-        s_sink = torch.einsum("hgsd,htd->hgst", qb, sink_k) * scale
-        s_sink = s_sink.masked_fill(~(sink_pos[None, :] < nb[:, None]), -math.inf)
-        first_exact = SINK + PAGE * npb  # [s] positions from here on are read exact
-        tail_ok = (tail_pos[None, :] >= first_exact[:, None]) & (tail_pos[None, :] < nb[:, None])
-        s_tail = (torch.einsum("hgsd,htd->hgst", qb, ek) * scale).masked_fill(~tail_ok, -math.inf)
-        parts = [s_sink, s_tail]
-        if P:
-            s_hist = torch.einsum("hgsd,htd->hgst", qb, hist_k) * scale
-            s_hist = s_hist.masked_fill(~(hist_page[None, :] < npb[:, None]), -math.inf)
-            parts.append(s_hist)
-        s = torch.cat(parts, dim=-1)
-        m = s.amax(dim=-1, keepdim=True)
-        p = torch.exp(s - m)
-        denom = p.sum(dim=-1, keepdim=True)
-        ns = sink_pos.shape[0]
-        p_sink, p_tail = p[..., :ns], p[..., ns:ns + ek.shape[1]]
-        o = torch.einsum("hgst,htd->hgsd", p_sink, sink_v) + torch.einsum("hgst,htd->hgsd", p_tail, ev)
-        if P:
-            p_hist = p[..., ns + ek.shape[1]:]
-            if cold_v is None:
-                o = o + torch.einsum("hgst,htd->hgsd", p_hist, v_full)
-            else:  # the cold rule of cell_attention, per query: m_ref = max(sink max, its page's max)
-                page_max = s_hist.unflatten(-1, (P, PAGE)).amax(dim=-1)  # [H, g, s, P]
-                m_ref = torch.maximum(s_sink.amax(dim=-1, keepdim=True), page_max)
-                thr = cold_threshold(m_ref, tau).repeat_interleave(PAGE, dim=-1)
-                cold = (s_hist < thr).all(dim=1, keepdim=True)  # cold for every query head of the group
-                o = o + torch.einsum("hgst,htd->hgsd", p_hist * ~cold, v_full)
-                o = o + torch.einsum("hgst,htd->hgsd", p_hist * cold, cold_v)
-        out.append(o / denom)
-    return torch.cat(out, dim=2).reshape(Hq, S, D).transpose(0, 1).to(q.dtype)
+        m = min(S, lo + block) - lo
+        n = torch.arange(h + lo + 1, h + lo + m + 1, dtype=torch.int32, device=q.device)  # [m] tokens each reads
+        index = _virtual_rings(n, ws, nring, H, exact_k.shape[1] + 1)  # [m, H, R] into the flattened tail
+        out.append(torch.ops.loopkv.cell_attention(
+            q[:, lo:lo + m].transpose(0, 1),  # [m, Hq, D]
+            st.sink_k[b].expand(m, -1, -1, -1).contiguous(), st.sink_v[b].expand(m, -1, -1, -1).contiguous(),
+            tail_k[index], tail_v[index],  # [m, H, R, D]
+            n, st.page_table[b].expand(m, -1).contiguous(), *st.pool(), bits, tau, scale,
+        ))
+    return torch.cat(out)
 
 
-def _gather_pages(st, b: int, P: int) -> codec.PageCodes:
-    """Row ``b``'s history pages ``[0, P)`` as stored (bits 16: exact pages in ``k_codes``/``v_hi``)."""
-    phys = st.page_table[b, :P].long()
-    if st.k_scale.numel() == 0:  # bf16 pages
-        return codec.PageCodes(st.k_pages[phys], st.k_scale, st.k_zero, st.v_hi[phys], st.v_lo, st.v_scale,
-                               st.v_zero)
-    v_lo = st.v_lo[phys] if st.v_lo.numel() else st.v_lo
-    return codec.PageCodes(st.k_pages[phys], st.k_scale[phys], st.k_zero[phys], st.v_hi[phys], v_lo,
-                           st.v_scale[phys], st.v_zero[phys])
+def _virtual_rings(n: Tensor, ws: int, nring: int, heads: int, tail: int) -> Tensor:
+    """The ring of each virtual row holding ``n`` [m] tokens, as indices [m, heads, nring] into the exact tail
+    (positions ``[ws, ...)`` after one zero slot: ``tail`` slots per head, heads flattened). Slot ``s`` holds the last
+    position ``p < n`` with ``(p - SINK) % RING == s``, as decoding to length ``n`` leaves it; a decode at ``n`` reads
+    the positions ``[SINK + PAGE * n_pages(n), n)`` (fewer than ``RING``, each the last of its slot, all ``>= ws``),
+    and a slot whose position is before the tail (read by no query) gets the zero slot."""
+    last = n[:, None].long() - 1  # [m, 1]
+    slot = torch.arange(nring, device=n.device)  # [nring]
+    position = last - torch.remainder(last - SINK - slot, RING)  # [m, nring]
+    head = torch.arange(heads, device=n.device)[None, :, None] * tail  # [1, heads, 1]
+    return (position - ws + 1).clamp_min(0)[:, None, :] + head

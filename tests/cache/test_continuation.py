@@ -1,26 +1,55 @@
 """A later turn (several tokens on a non-empty cache) in one pass equals decoding it token by token.
 
 The reference is the decode path itself (one token per step through ``token_attention_`` and ``advance_``): the
-served semantics. The one-pass continuation must give every token the same attention (fp32, different summation
-order) and leave the cell bit for bit in the same state (sink, ring, lengths, page codes).
+served semantics. The one-pass continuation reads each token as a virtual row of the decode read
+(``cell_attention``), so on the CPU, where both run the op's reference, every token's attention equals the decode's
+bit for bit, and the cell ends bit for bit in the same state (sink, ring, lengths, page codes). Every read the
+continuation makes is checked against the op's argument contract (``check_cell_args``), and one small case runs the
+Triton kernels under the interpreter.
 """
 
+import gc
 import math
+import os
 
 import pytest
 import torch
 
 import loopkv
+from loopkv.cache import continuation
 from loopkv.cache.attention import loopkv_attention
 from loopkv.cache.continuation import share_limit
-from loopkv.format import WINDOW
+from loopkv.format import WINDOW, exact_slots
+from loopkv.ops.cell_attention import cell_attention_reference, check_cell_args
 from tests.cache.driver import decode, left_pad, prefill, tiny_config, tiny_ouro
+from tests.cache.test_short_cache import triton_on_cpu  # noqa: F401  (the Triton launchers as the CPU kernels)
 from tests.tolerances import ATTN_FP32_ATOL, ATTN_FP32_RTOL, LOGITS_FP32_ATOL, LOGITS_FP32_RTOL
 
 H, HQ, D = 2, 4, 32
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 STATE = ("sink_k", "sink_v", "win_k", "win_v", "lengths", "k_pages", "k_scale", "k_zero", "v_hi", "v_lo", "v_scale",
          "v_zero")
+
+
+@pytest.fixture
+def reads():
+    """Every ``cell_attention`` call on the CPU while the test runs, checked against the op's argument contract
+    (``check_cell_args``: an eager call runs only the reference, which checks nothing) and recorded (its lengths),
+    then read by the reference. The continuation's reads are its only ``cell_attention`` calls (decode writes and
+    reads with ``token_attention_``)."""
+    calls = []
+
+    def checked(q, sink_k, sink_v, win_k, win_v, lengths, page_table, *rest):
+        check_cell_args(q, sink_k, sink_v, win_k, win_v, lengths, page_table, rest[:7], rest[7])
+        calls.append(lengths.tolist())
+        return cell_attention_reference(q, sink_k, sink_v, win_k, win_v, lengths, page_table, *rest)
+
+    lib = torch.library.Library("loopkv", "FRAGMENT")  # the registration lives as long as it does
+    torch.library.impl("loopkv::cell_attention", "cpu", checked, lib=lib)
+    yield calls
+    del lib
+    gc.collect()
 
 
 def _two_caches(plan, lengths, max_len=1200, seed=0, device="cpu", head_dim=D):
@@ -46,35 +75,82 @@ def _turn(batch, new, seed=1, device="cpu", head_dim=D):
                                         torch.randn(batch, H, new, head_dim, generator=g)))
 
 
-@pytest.mark.parametrize(("option", "tau", "lengths", "new"), [
-    ("int4", 14.0, [300, 340, 20], 70),  # rows before, across and well inside the first pages; a short row
-    ("int4", math.inf, [300, 340, 20], 70),
-    ("int4", 2.0, [300, 340, 20], 70),  # many cold tokens
-    ("int2", math.inf, [300, 340, 20], 70),
-    ("bf16", math.inf, [300, 340, 20], 70),
-    ("int4", 14.0, [5, 319, 700], 400),  # longer than the ring: the turn's own early tokens become history
-])
-@pytest.mark.parametrize(("device", "head_dim"), [
-    ("cpu", D), pytest.param("cuda", 128, marks=[pytest.mark.gpu, CUDA]),  # CUDA: decode through the Triton kernels
-])
-def test_one_pass_equals_decoding_token_by_token(option, tau, lengths, new, device, head_dim):
-    plan = loopkv.Plan.uniform(loops=1, layers=1, option=option, tau=tau)
-    one_pass, stepped = _two_caches(plan, lengths, device=device, head_dim=head_dim)
+def _one_pass_and_stepped(plan, lengths, new, *, max_len=1200, device="cpu", head_dim=D):
+    """The turn's attention through the continuation and through decoding token by token, and the two caches."""
+    one_pass, stepped = _two_caches(plan, lengths, max_len=max_len, device=device, head_dim=head_dim)
     q, k, v = _turn(len(lengths), new, device=device, head_dim=head_dim)
     hk, hv = one_pass.update(k, v, 0)
     out, _ = loopkv_attention(None, q, hk, hv, None, scaling=0.3)
     ref = torch.stack([decode(stepped, 0, q[:, :, i:i + 1], k[:, :, i:i + 1], v[:, :, i:i + 1], 0.3)
                        for i in range(new)], dim=1)
-    if device == "cpu":
-        torch.testing.assert_close(out, ref, atol=ATTN_FP32_ATOL, rtol=ATTN_FP32_RTOL)
-    else:  # a token whose score sits on the cold threshold can flip between the Triton reader and the dense pass,
-        # which round scores differently (3 of 614,400 outputs by up to 2.9e-5 at the H200): a bound on how many
+    return out, ref, one_pass, stepped
+
+
+def _assert_same_state(a, b):
+    for name in STATE:
+        assert torch.equal(getattr(a, name), getattr(b, name)), name
+
+
+@pytest.mark.parametrize(("option", "tau", "lengths", "new", "max_len"), [
+    # rows before, across (h < 320 <= h + S: pages written and first read within the turn) and well inside the first
+    # pages; a row whose sink is not yet full
+    ("int4", 14.0, [300, 340, 20], 70, 1200),
+    ("int4", math.inf, [300, 340, 20], 70, 1200),
+    ("int4", 2.0, [300, 340, 20], 70, 1200),  # many cold tokens
+    ("int2", math.inf, [300, 340, 20], 70, 1200),
+    ("bf16", math.inf, [300, 340, 20], 70, 1200),
+    ("int4", 14.0, [5, 319, 700], 400, 1200),  # longer than the ring: the turn's own early tokens become history
+    ("int4", 14.0, [20, 150], 100, 250),  # a short cache: no pages, a ring of 218 slots
+    ("int2", math.inf, [3, 10], 12, 25),  # a short cache with 25 sink slots and no ring
+])
+@pytest.mark.parametrize(("device", "head_dim"), [
+    ("cpu", D), pytest.param("cuda", 128, marks=[pytest.mark.gpu, CUDA]),  # CUDA: decode through the Triton kernels
+])
+def test_one_pass_equals_decoding_token_by_token(option, tau, lengths, new, max_len, device, head_dim, reads):
+    plan = loopkv.Plan.uniform(loops=1, layers=1, option=option, tau=tau)
+    out, ref, one_pass, stepped = _one_pass_and_stepped(plan, lengths, new, max_len=max_len, device=device,
+                                                        head_dim=head_dim)
+    st = one_pass.storage(0)
+    assert tuple(st.sink_k.shape[2:3] + st.win_k.shape[2:3]) == exact_slots(max_len)
+    if device == "cpu":  # each token is read by cell_attention's reference over what its decode read: the same
+        # values in the same slots (the ring's unread slots are masked), in a batch of virtual rows instead of the
+        # cache's rows, which the reference's per-row arithmetic does not see
+        assert torch.equal(out, ref)
+        assert reads == [list(range(h + 1, h + new + 1)) for h in lengths]  # one call per row: a block of new tokens
+    else:  # the Triton reader launched for ``new`` virtual rows and for the cache's rows may split the pages and
+        # pick its reader differently (both depend on the row count), which rounds the sums differently, and a token
+        # whose score sits on the cold threshold can then flip: a bound on how many
         far = ~torch.isclose(out, ref, atol=ATTN_FP32_ATOL, rtol=ATTN_FP32_RTOL)
         assert far.float().mean() < 1e-4
         torch.testing.assert_close(out, ref, atol=1e-3, rtol=1e-2)
-    a, b = one_pass.storage(0), stepped.storage(0)
-    for name in STATE:
-        assert torch.equal(getattr(a, name), getattr(b, name)), name
+    _assert_same_state(st, stepped.storage(0))
+
+
+def test_blocks_of_virtual_rows_read_as_one(monkeypatch, reads):
+    """With a bound on the virtual rows' copies that holds 16 queries, a 70-token turn is read in blocks of 16, 16,
+    16, 16 and 6 per row, each query still equal to its decode read."""
+    plan = loopkv.Plan.uniform(loops=1, layers=1, option="int4", tau=14.0)
+    per_query = 2 * H * (32 + 288) * D * 4  # K and V of a virtual row's sink and ring, fp32
+    monkeypatch.setattr(continuation, "_VIRTUAL_ROW_BYTES", 16 * per_query + per_query // 2)
+    lengths = [300, 20]
+    out, ref, _, _ = _one_pass_and_stepped(plan, lengths, 70)
+    assert torch.equal(out, ref)
+    assert [len(c) for c in reads] == [16, 16, 16, 16, 6] * 2
+    assert sum(reads, []) == [n for h in lengths for n in range(h + 1, h + 71)]
+
+
+@pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1 (set on machines without CUDA)")
+@pytest.mark.usefixtures("triton_on_cpu")
+def test_triton_kernels_read_the_virtual_rows():
+    """The Triton kernels (the ops' CUDA kernels) as the CPU kernels, run by the interpreter: the continuation's
+    virtual rows are arguments the reader takes (a launcher that fell back to its reference would fail), across the
+    quantize boundary with V precision, and the turn reads what decoding it through the same kernels reads (another
+    launch: other splits of the pages, fp32 rounding) and leaves the same state. head_dim 64 (the kernels serve 64
+    to 256), one row, few tokens: the interpreter runs every program in Python."""
+    plan = loopkv.Plan.uniform(loops=1, layers=1, option="int4", tau=14.0)
+    out, ref, one_pass, stepped = _one_pass_and_stepped(plan, [316], 6, max_len=400, head_dim=64)
+    torch.testing.assert_close(out, ref, atol=ATTN_FP32_ATOL, rtol=ATTN_FP32_RTOL)
+    _assert_same_state(one_pass.storage(0), stepped.storage(0))
 
 
 def test_a_share_cell_continues_within_its_limit_and_refuses_beyond_it():
@@ -102,8 +178,8 @@ def test_a_share_cell_continues_within_its_limit_and_refuses_beyond_it():
     for i in range(limit):  # decode steps: every cell, in order, per token
         for cell in (0, 1):
             refs[cell].append(decode(stepped, cell, q[:, :, i:i + 1], k[:, :, i:i + 1], v[:, :, i:i + 1], 0.3))
-    for cell in (0, 1):
-        torch.testing.assert_close(outs[cell], torch.stack(refs[cell], 1), atol=ATTN_FP32_ATOL, rtol=ATTN_FP32_RTOL)
+    for cell in (0, 1):  # the same reference over the same values, as in test_one_pass_equals_decoding_token_by_token
+        assert torch.equal(outs[cell], torch.stack(refs[cell], 1))
 
 
 @pytest.fixture(scope="module")
