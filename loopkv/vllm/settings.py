@@ -157,6 +157,6 @@ def check_engine(plan: Plan, *, block_size: int | None, prefix_caching: bool, sp
     if chunked_prefill:
         logger.warning(
             "chunked prefill is on: a prompt's chunks after its first are read by loopkv's continuation "
-            "(loopkv.cache.continuation), exact but a dense fp32 read per cell and far slower than a whole prompt on a "
-            "GPU; for long prompts pass --no-enable-chunked-prefill with --max-num-batched-tokens at least "
-            "--max-model-len (docs/vllm.md)")
+            "(loopkv.cache.continuation), exact but reading the row's pages once per chunk token as a decode step "
+            "does, far slower than a whole prompt on a GPU; for long prompts pass --no-enable-chunked-prefill with "
+            "--max-num-batched-tokens at least --max-model-len (docs/vllm.md)")
