@@ -69,7 +69,8 @@ greedy tokens equal the graph arm's.
 An arm serving a quantized plan runs with chunked prefill off (``enable_chunked_prefill=False``): a plan with
 ``share`` cells needs it (``loopkv.vllm.settings.check_engine``), and for the others a prompt's later chunks go
 through loopkv's continuation, which reads the row's pages once per chunk token (docs/vllm.md, "Chunked
-prefill"). vLLM's own arms keep its default. Prints a table and writes ``benchmarks/results/vllm_plan.json`` (or ``--out``):
+prefill"). vLLM's own arms keep its default. Prints a table and writes ``benchmarks/results/vllm_plan.json`` (or
+``--out``):
 
     python benchmarks/bench_vllm.py --plan PLAN.json --enforce-eager --plan-decode-context 16384
 
