@@ -33,7 +33,6 @@ import torch
 from torch import Tensor
 
 from loopkv.format import PAGE, RING, SINK, n_pages, stored_pages
-from loopkv.ops.codec import FP16_MAX
 
 
 def prefill(cache, cell: int, slot: int, k: Tensor, v: Tensor) -> None:
@@ -181,10 +180,10 @@ def decode(cache, cell: int, step: DecodeStep, query: Tensor, k: Tensor, v: Tens
     st = cache._rows(cell, rows)
     keep = step.decoding[:, None, None]
     q_all = torch.where(keep, query.index_select(0, step.token), 0)
-    kv_all = torch.where(keep, torch.stack((k, v)).index_select(1, step.token), 0)  # [2, rows, H, D]
+    kv_all = torch.where(keep, torch.stack((k.index_select(0, step.token), v.index_select(0, step.token))), 0)
     if st.own_bits in (4, 2):  # what the codec will be given when the token's page leaves the window
         torch.linalg.vector_norm(kv_all, ord=math.inf, dim=(2, 3), dtype=torch.float32, out=step.largest[cell])
-    k_all, v_all = kv_all[:, :, :, None]  # [rows, H, 1, D] each
+    k_all, v_all = kv_all[:, :, :, None]  # kv_all [2, rows, H, D] -> [rows, H, 1, D] each
     out = torch.ops.loopkv.token_attention_(
         q_all, k_all, v_all, st.sink_k, st.sink_v, st.win_k, st.win_v, st.lengths, st.page_table, *st.pool(),
         st.read_bits, cache._tau(cell, st), scale,
@@ -194,10 +193,13 @@ def decode(cache, cell: int, step: DecodeStep, query: Tensor, k: Tensor, v: Tens
 
 def uncodable_rows(largest: Tensor, rows: list[int]) -> dict[int, list[int]]:
     """Of ``rows`` (rows that decoded), those whose token the codec cannot store in some cell, with those cells (a
-    value NaN or beyond fp16's range, as ``loopkv.cache.checks.uncodable`` says). ``largest``: a copy of a step's
-    :attr:`DecodeStep.largest` in host memory, read with numpy (a device tensor is refused: this never waits for
-    a device)."""
-    bad = ~(largest.numpy().max(1) <= FP16_MAX)  # [cells, rows]; NaN compares False
+    value NaN or beyond fp16's range: ``loopkv.cache.checks.uncodable``). ``largest``: a copy of a step's
+    :attr:`DecodeStep.largest` in host memory (a device tensor is refused: this never waits for a device)."""
+    from loopkv.cache import checks
+
+    if largest.device.type != "cpu":
+        raise ValueError(f"uncodable_rows reads a host copy of the step's record, not a {largest.device} tensor")
+    bad = checks.uncodable(largest).any(1).numpy()  # [cells, rows], read as host memory
     return {r: [int(c) for c in bad[:, r].nonzero()[0]] for r in rows if bad[:, r].any()}
 
 

@@ -43,8 +43,8 @@ engine's ``_process_candidates``, whose signature 5.17 and 5.24 share), and the 
 request next to every slot decoding (``max_batch_tokens >= max_len + max_slots``, :func:`check_step_budget`), so a
 waiting prompt fits in a step once it is first in line. A new prompt is one exact pass (``slots.prefill_step``), as
 in ``generate``; a later chunk would be a continuation with the served semantics, which costs far more per token
-(``loopkv/cache/continuation.py`` scores every key both as stored exact and dequantized: about 1.2 s per 512-token
-chunk of Ouro-1.4B on the H200, against one pass of a 13K-token prompt in 1.2 s) and which a plan with ``share``
+(each of its tokens reads the row's pages as a decode step does, where a prompt's pass reads each key once for
+all its queries; docs/design.md, "Whole prompts") and which a plan with ``share``
 cells takes at most ``WINDOW`` tokens at a time (``LoopKVCache.continuation_limit``).
 """
 

@@ -257,8 +257,9 @@ class StepState:
     def __init__(self, slots: int, pages: int, max_tokens: int, *, device):
         self.slot_map = SlotMap(slots)
         self.page_table = torch.zeros(slots, pages, dtype=torch.int32, device=device)
-        self.steps = DecodeSteps(rows=slots, max_tokens=max_tokens, device=device, cells=0)  # vLLM's steps check
-        # their tokens codable as they write them (:func:`forward_cell`), not in a per-cell record
+        # no per-cell record of the decode tokens' magnitudes (cells=0): forward_cell checks prompts as it writes
+        # them; decode tokens in vLLM are not checked codable (docs/vllm.md)
+        self.steps = DecodeSteps(rows=slots, max_tokens=max_tokens, device=device, cells=0)
         self.capacity = capacity(pages)
         self._stage = torch.zeros(2 * slots + max_tokens, dtype=torch.long, device=device)  # lengths, held, decodes
         self._lengths = torch.zeros(2, slots, dtype=torch.int32, device=device)
