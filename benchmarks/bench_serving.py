@@ -30,7 +30,8 @@ rows and its prompt tokens; a step lasts until the next begins), so decode is ti
   decode-only step. SLO, per request: time to first token <= 10 s and mean time per output token <= 3x that step
   (``--ttft-s``, ``--tpot-x``; the smoke run's are loose: its numbers mean nothing, and a busy CPU would miss them);
 * **peak decode** per arm: as many requests as the arm's slots and pool hold together (:func:`peak_batch`: the
-  slots are sized for the trace's mean context, so at a long ``--peak-prompt`` the pool holds fewer), ``--peak-prompt``
+  slots are sized for the trace's mean context, so at a long ``--peak-prompt`` the pool holds fewer, and the engine
+  admits a prompt beside decoding requests only while its ``safety_margin`` of the pool is free), ``--peak-prompt``
   tokens each, sent at once; once ``--peak-steps`` decode-only steps with all of them decoding have run, they are
   cancelled: tokens/s = batch / the median of those steps (and prompt tokens/s until the first decode-only step);
 * **goodput** per arm: a search on the rate (``loopkv.serving.goodput.search``): from ``--start-rate``
@@ -127,6 +128,11 @@ class Engine:
             raise
         self.submitted: dict[str, float] = {}
 
+    @property
+    def safety_margin(self) -> float:
+        """The share of the pool the engine's scheduler keeps free before it admits a prompt beside decoding ones."""
+        return self.manager.batch_processor.scheduler.safety_margin
+
     def warm_up(self) -> dict:
         """The engine cache's warm-up: its seconds and the memory its graphs' pool holds (0 on the CPU)."""
         return {"warm_up_s": self.cache.warm_up_s, "graph_pool_mib": self.cache.graphs.pool_bytes() / 2**20}
@@ -206,15 +212,21 @@ def median(xs: list[float]) -> float:
     return sorted(xs)[len(xs) // 2]
 
 
-def peak_batch(slots: int, pool_pages: int, prompt: int, steps: int) -> int:
+def peak_batch(slots: int, pool_pages: int, prompt: int, steps: int, margin: float) -> int:
     """The most requests of ``prompt`` tokens the engine holds at once until ``steps`` decode-only steps have run: at
-    most ``slots``, and their blocks within the pool. The first admitted request decodes one token in each later
-    request's prompt step, so each is counted at ``prompt + batch + steps`` tokens (the engine's blocks,
-    ``engine_cache.blocks_for``). A batch the pool cannot hold would preempt and prefill again without end."""
+    most ``slots``, their blocks within the pool, and each prompt admitted by the engine's scheduler, which takes a new
+    prompt beside decoding requests only while at least ``margin`` of the pool is free (its ``safety_margin``: 0.15
+    for the FIFO scheduler of 5.17 and 5.24). The first admitted request decodes one token in each later request's
+    prompt step, so each is counted at ``prompt + batch + steps`` tokens (the engine's blocks,
+    ``engine_cache.blocks_for``). A batch the pool cannot hold would preempt and prefill again without end; one past
+    the margin would never start its last prompt while the others decode."""
     from loopkv.serving.engine_cache import blocks_for
 
     batch = slots
-    while batch > 1 and batch * blocks_for(prompt + batch + steps) > pool_pages:
+    while batch > 1:
+        per = blocks_for(prompt + batch + steps)
+        if batch * per <= pool_pages and pool_pages - (batch - 1) * per >= margin * pool_pages:
+            break
         batch -= 1
     return batch
 
@@ -367,7 +379,7 @@ def run_arm(model, name: str, plan, split: tuple[int, int], reqs, args, result: 
 
     try:
         engine.run_all({"warm": (64, 4)}, stop_at)
-        batch = peak_batch(slots, pages, args.peak_prompt, args.peak_steps)
+        batch = peak_batch(slots, pages, args.peak_prompt, args.peak_steps, engine.safety_margin)
         arm["peak"] = peak_decode(engine, batch, args.peak_prompt, args.max_len - args.peak_prompt,
                                   args.peak_steps, stop_at)
         log(f"{name}: peak decode {arm['peak']['tokens_per_s'] or 0:.1f} tok/s at batch {batch} "
