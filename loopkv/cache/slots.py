@@ -138,12 +138,6 @@ class DecodeStep:
     # pages, NaN if one is NaN (0 for a row that does not decode; other cells' stay 0): written by decode, every step
     largest: Tensor
 
-    @classmethod
-    def build(cls, pairs: list[tuple[int, int]], *, rows: int, tokens: int, cells: int, device) -> DecodeStep:
-        """``pairs``: (row, packed token) of each decoding row; ``tokens``: the packed batch's length; ``cells``: the
-        cache's."""
-        return DecodeSteps(rows=rows, max_tokens=tokens, device=device, cells=cells).fill(pairs, tokens=tokens)
-
 
 class DecodeSteps:
     """The device tensors of every :class:`DecodeStep` of an engine, allocated once: each step's are written in place,

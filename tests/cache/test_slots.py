@@ -73,8 +73,8 @@ def _step(cache, cells, active):
     assert held == {s: int(cache.storage(0).lengths[s]) for s in active}  # what the engine's count would be
     cache.reserve({s: held[s] + r.pieces[r.done] for s, r in active.items()})
     packed = decoding[::-1]
-    step = slots.DecodeStep.build([(s, i) for i, s in enumerate(packed)], rows=cache.max_batch_size,
-                                  tokens=len(packed), cells=cells, device=cache.device)
+    step = slots.DecodeSteps(rows=cache.max_batch_size, max_tokens=len(packed), cells=cells,
+                             device=cache.device).fill([(s, i) for i, s in enumerate(packed)], tokens=len(packed))
     for cell in range(cells):
         for s, r in active.items():
             q, k, v = r.piece(cell)
@@ -145,7 +145,7 @@ def test_a_decode_step_finds_each_rows_uncodable_token_per_cell(device, head_dim
     cells = plan.loops
     cache = loopkv.LoopKVCache(plan, config=tiny_config(loops=cells, layers=1, head_dim=head_dim),
                                max_batch_size=5, max_cache_len=800, device=device, pool_pages=20)
-    step = slots.DecodeStep.build([(3, 0), (1, 1)], rows=5, tokens=2, cells=cells, device=device)
+    step = slots.DecodeSteps(rows=5, max_tokens=2, cells=cells, device=device).fill([(3, 0), (1, 1)], tokens=2)
     g = torch.Generator().manual_seed(0)
     poison = {(0, 0, "k"): float("nan"), (1, 0, "v"): float("inf"), (1, 1, "k"): 70000.0, (3, 1, "v"): -65536.0,
               (3, 0, "v"): 65504.0, (2, 1, "k"): float("nan")}  # (cell, packed token, k|v): value
