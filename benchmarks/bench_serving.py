@@ -29,7 +29,7 @@ rows and its prompt tokens; a step lasts until the next begins), so decode is ti
 * **the SLO's step**: BF16 with one slot and a pool for one request, one request of max_len / 4 tokens: the median
   decode-only step. SLO, per request: time to first token <= 10 s and mean time per output token <= 3x that step
   (``--ttft-s``, ``--tpot-x``; the smoke run's are loose: its numbers mean nothing, and a busy CPU would miss them);
-* **peak decode** per arm: as many requests as the arm's slots and pool hold together (:func:`peak_batch`: the
+* **peak decode** per arm: as many requests as the arm's slots and pool hold together (``goodput.peak_batch``: the
   slots are sized for the trace's mean context, so at a long ``--peak-prompt`` the pool holds fewer, and the engine
   admits a prompt beside decoding requests only while its ``safety_margin`` of the pool is free), ``--peak-prompt``
   tokens each, sent at once; once ``--peak-steps`` decode-only steps with all of them decoding have run, they are
@@ -77,7 +77,7 @@ from run_info import RESULTS, run_info, write_json  # noqa: E402
 
 import loopkv  # noqa: E402
 from loopkv.models.ouro import OuroForCausalLM  # noqa: E402
-from loopkv.serving.goodput import ATTAINMENT, capacity, decode_steps, first_rate, meets_slo, search, trace  # noqa: E402
+from loopkv.serving.goodput import ATTAINMENT, capacity, decode_steps, first_rate, meets_slo, peak_batch, search, trace  # noqa: E402
 from loopkv.serving.transformers_cb import engine_cache, engine_config  # noqa: E402
 
 TTFT_SLO_S = 10.0  # the paper's SLO (its defaults here: --ttft-s, --tpot-x)
@@ -210,25 +210,6 @@ class Engine:
 
 def median(xs: list[float]) -> float:
     return sorted(xs)[len(xs) // 2]
-
-
-def peak_batch(slots: int, pool_pages: int, prompt: int, steps: int, margin: float) -> int:
-    """The most requests of ``prompt`` tokens the engine holds at once until ``steps`` decode-only steps have run: at
-    most ``slots``, their blocks within the pool, and each prompt admitted by the engine's scheduler, which takes a new
-    prompt beside decoding requests only while at least ``margin`` of the pool is free (its ``safety_margin``: 0.15
-    for the FIFO scheduler of 5.17 and 5.24). The first admitted request decodes one token in each later request's
-    prompt step, so each is counted at ``prompt + batch + steps`` tokens (the engine's blocks,
-    ``engine_cache.blocks_for``). A batch the pool cannot hold would preempt and prefill again without end; one past
-    the margin would never start its last prompt while the others decode."""
-    from loopkv.serving.engine_cache import blocks_for
-
-    batch = slots
-    while batch > 1:
-        per = blocks_for(prompt + batch + steps)
-        if batch * per <= pool_pages and pool_pages - (batch - 1) * per >= margin * pool_pages:
-            break
-        batch -= 1
-    return batch
 
 
 def peak_decode(engine: Engine, batch: int, prompt: int, new: int, steps: int, stop_at: float) -> dict:

@@ -41,6 +41,28 @@ def trace(n: int, max_len: int, seed: int, outputs: tuple[int, int],
     return out
 
 
+def peak_batch(slots: int, pool_pages: int, prompt: int, steps: int, margin: float) -> int:
+    """The most requests of ``prompt`` tokens, sent at once, that transformers' engine with a LoopKV engine cache
+    holds decoding together for ``steps`` steps: at most ``slots``; their blocks (``engine_cache.blocks_for``) within
+    the pool of ``pool_pages``; and each prompt admitted by the engine's scheduler, which takes a new prompt beside
+    decoding requests only while at least ``margin`` of the pool is free (its ``safety_margin``: 0.15 for the FIFO
+    scheduler unless the engine's config sets it). The first admitted request decodes one token in each later
+    request's prompt step, so each is counted at ``prompt + batch + steps`` tokens. More requests than this would
+    either preempt and prefill again (past the pool) or leave the last prompt waiting until another finishes (past
+    the margin). Exact when each step takes one prompt (prompts longer than half the step's budget, as at 16K): the
+    5.17 engine checks the margin before each prompt it admits, the 5.24 engine once per step, so shorter prompts
+    admitted together in one step can pass it there."""
+    from loopkv.serving.engine_cache import blocks_for
+
+    batch = slots
+    while batch > 1:
+        per = blocks_for(prompt + batch + steps)
+        if batch * per <= pool_pages and pool_pages - (batch - 1) * per >= margin * pool_pages:
+            break
+        batch -= 1
+    return batch
+
+
 def decode_steps(steps: Iterable[tuple[float, int, int]], since: float, batch: int) -> tuple[list[float], float | None]:
     """From a step log (``EngineCache.steps``: start, decoding rows, prompt tokens), the steps begun after ``since``:
     the durations of the decode-only steps with ``batch`` rows decoding (each until the next step began), and the

@@ -258,3 +258,30 @@ def test_a_prompt_waits_for_a_step_with_room_for_all_of_it(model, per_loop):
         alone = model.generate(torch.tensor([prompt]), past_key_values=cache, max_new_tokens=8, do_sample=False,
                                eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
         assert o.generated_tokens == alone, rid
+
+
+@needs_engine
+def test_the_peak_batch_is_the_most_requests_the_engine_decodes_together(model):
+    """Eight 300-token prompts sent at once (one per step: the step holds 521 tokens) to 9 slots and a pool of 80
+    blocks (10 per request): the pool holds all eight, but the engine's scheduler admits a prompt beside decoding ones
+    only while 15% of the pool is free, so the eighth waits until another finishes. ``goodput.peak_batch`` predicts
+    7, the most that decode in one step, and 8 with no margin; the eighth request still gets the tokens it generates
+    alone, and every block comes back."""
+    from loopkv.serving.goodput import peak_batch
+
+    prompts = [[3 + (5 * i + j) % 90 for j in range(300)] for i in range(8)]
+    plan = loopkv.Plan.uniform(loops=2, layers=2, option="int4", tau=14.0)
+    new = 12
+    cb = engine_config(pool_pages=80, max_len=512, max_slots=9, safety_margin=0.15)
+    with engine_cache(plan, max_slots=9, max_len=512) as built:
+        out = model.generate_batch(prompts, generation_config=_greedy(new), continuous_batching_config=cb)
+    (engine,) = built
+    assert peak_batch(9, 80, 300, new, 0.0) == 8
+    assert peak_batch(9, 80, 300, new, 0.15) == 7
+    assert max(rows for _, rows, prompt in engine.steps if prompt == 0) == 7
+    cache = loopkv.LoopKVCache(plan, config=model.config, max_batch_size=1, max_cache_len=512, dtype=torch.float32,
+                               device="cpu")
+    alone = model.generate(torch.tensor([prompts[7]]), past_key_values=cache, max_new_tokens=new, do_sample=False,
+                           eos_token_id=None, pad_token_id=0)[0, 300:].tolist()
+    assert out["req_7"].generated_tokens == alone
+    assert engine.free_block_count() == 80
