@@ -1,11 +1,5 @@
-"""The shipped small model (loopkv.models.small), the attention probe the model card and the quality
-benchmark use (loopkv.models.attention_stats), and one smoke run of its training script."""
-
-import json
-import math
-import pathlib
-import subprocess
-import sys
+"""The shipped small model (loopkv.models.small) and the attention probe the model card and the quality
+benchmark use (loopkv.models.attention_stats). The training script's smoke run is a step of .ci/run."""
 
 import pytest
 import torch
@@ -13,8 +7,6 @@ import torch
 from loopkv.models import attention_stats, data, small
 from loopkv.models.ouro import OuroConfig, OuroForCausalLM
 from tests.tolerances import ATTN_FP32_ATOL, ATTN_FP32_RTOL
-
-TRAIN_SMALL = pathlib.Path(__file__).resolve().parents[2] / "tools" / "train_small.py"
 
 
 @pytest.fixture(scope="module")
@@ -84,27 +76,6 @@ def test_attention_probe_reproduces_the_attention_output():
         first = [mass["per_loop"][f"first_{n}"][t] for n in attention_stats.SINK_TOKENS]
         assert 0 <= first[0] <= first[1] <= first[2] <= 1 + 1e-6
         assert mass["per_loop"]["last_256"][t] == pytest.approx(1.0)  # 48 positions < 256: all local
-
-
-# ----------------------------------------------------------------------------- the training script
-
-
-def test_train_small_smoke_run(tmp_path):
-    """``python tools/train_small.py --smoke`` trains, evaluates and saves a checkpoint that loads."""
-    out = tmp_path / "run"
-    run = subprocess.run([sys.executable, str(TRAIN_SMALL), "--smoke", "--steps", "8", "--out", str(out)],
-                         capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-2000:]
-    metrics = json.loads((out / "metrics.json").read_text())
-    assert (metrics["steps"], metrics["complete"], metrics["saved_dtype"]) == (8, True, "float16")
-    for key in ("retrieval_em_128", "retrieval_em_256", "copy_em_128", "heldout_loss_nats", "attention"):
-        assert key in metrics["final"]
-    assert math.isfinite(metrics["final"]["heldout_loss_nats"])
-    assert (out / "train_log.csv").read_text().startswith("step,tokens,seq_len,lr,loss")
-    model = OuroForCausalLM.from_pretrained(str(out / "small"), dtype=torch.float32)
-    with torch.no_grad():
-        logits = model(input_ids=small.encode("def f(x):")[None], use_cache=False).logits
-    assert torch.isfinite(logits).all()
 
 
 # ----------------------------------------------------------------------------- the shipped checkpoint
