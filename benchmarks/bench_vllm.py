@@ -42,8 +42,9 @@ fresh process of this script (``--arm``):
    prompt in one chunk (``max_num_batched_tokens`` = ``max_model_len``), greedy ``PLAN_NEW_TOKENS`` tokens with their
    top-``PLAN_LOGPROBS`` logprobs for the same seeded prompts (``PLAN_PROMPT_LENGTHS``, one batch), and the model
    class; with ``--plan-decode-context N`` also decode tok/s at N tokens for each batch size of
-   ``--plan-decode-batches`` (B distinct prompts; ``decode_tok_s`` of a run of ``--plan-decode-base`` and one of that
-   plus ``--plan-decode-tokens`` new tokens).
+   ``--plan-decode-batches`` (B distinct prompts, at most as many as the arm's KV blocks hold at once, so a batch
+   larger than an arm's pool measures that arm's peak; ``decode_tok_s`` of a run of ``--plan-decode-base`` and one of
+   that plus ``--plan-decode-tokens`` new tokens).
 
 * An all-bf16 plan is a check: arms ``vllm`` (no plugin), ``vllm_again`` (vLLM need not repeat itself across
   processes) and ``loopkv`` (``LOOPKV_PLAN=PLAN.json`` and ``loopkv.vllm.plugin.register()``, so vLLM builds
@@ -501,7 +502,14 @@ def run_plan_arm(args) -> dict:
         import numpy as np
 
         result["decode"] = []
-        for batch in batches:
+        blocks = result["num_gpu_blocks"]
+        per_request = -(-(ctx + n2) // PLAN_BLOCK_SIZE)  # blocks one request of the decode run holds at its end
+        for requested in batches:
+            # the most requests this arm's pool holds at once: a larger batch would queue or preempt, and its
+            # time would not be a decode rate. Each arm's peak is its largest batch up to the one asked for
+            batch = min(requested, blocks // per_request) if blocks else requested
+            if batch < 1:
+                raise RuntimeError(f"{blocks} KV blocks cannot hold one request of {ctx + n2} tokens")
             ps = [TokensPrompt(prompt_token_ids=np.random.default_rng(1 + i).integers(1, vocab, size=ctx).tolist())
                   for i in range(batch)]
             times = {}
@@ -512,7 +520,7 @@ def run_plan_arm(args) -> dict:
                 if made != [n] * batch:
                     raise RuntimeError(f"asked for {n} tokens per request at {ctx}, vLLM generated {made}")
                 times[n] = s.seconds
-            point = {"context": ctx, "batch": batch, "base_tokens": n1, "full_tokens": n2,
+            point = {"context": ctx, "batch": batch, "batch_requested": requested, "base_tokens": n1, "full_tokens": n2,
                      "t_base_s": round(times[n1], 3), "t_full_s": round(times[n2], 3),
                      "tok_s": round(decode_tok_s(batch, n1, n2 - n1, times[n1], times[n2]), 1),
                      "step_ms": round((times[n2] - times[n1]) / (n2 - n1) * 1e3, 3)}
@@ -595,8 +603,9 @@ def run_plan(args, out: str) -> dict:
                     cmp["logprobs"] = compare_logprobs(arms["vllm"]["tokens"], arms["vllm"]["logprobs"],
                                                        arms[label]["logprobs"], cmp["first_divergence"])
                 result[f"{label}_vs_vllm"] = cmp
-                ref = {p["batch"]: p["tok_s"] for p in arms["vllm"].get("decode") or []}
-                got = {p["batch"]: p["tok_s"] for p in arms[label].get("decode") or []}
+                # by the batch asked for: where an arm's pool holds fewer requests, its point is its peak
+                ref = {p["batch_requested"]: p["tok_s"] for p in arms["vllm"].get("decode") or []}
+                got = {p["batch_requested"]: p["tok_s"] for p in arms[label].get("decode") or []}
                 if kinds[label] == "loopkv" and set(ref) & set(got):
                     result["decode_over_vllm"][label] = {str(b): round(got[b] / ref[b], 3)
                                                          for b in sorted(set(ref) & set(got))}
@@ -725,7 +734,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plan-decode-context", type=int, default=0,
                    help="with --plan: also measure decode tok/s of one request at this context (0: not)")
     p.add_argument("--plan-decode-batches", default="1",
-                   help="with --plan-decode-context: comma-separated batch sizes whose decode rate is measured")
+                   help="with --plan-decode-context: comma-separated batch sizes whose decode rate is measured "
+                        "(each capped at the requests the arm's KV blocks hold at once: its peak)")
     p.add_argument("--eager-check", action="store_true",
                    help="with --plan and --decode-graphs (or vLLM's default graphs): the last plan once more with "
                         "--enforce-eager; its greedy tokens must equal the graph arm's")
