@@ -1,7 +1,8 @@
 """Checking a vLLM deployment of loopkv against transformers with ``LoopKVCache`` (docs/vllm.md, "Checks on the
 GPU"): where two runs' greedy tokens part (:func:`compare_tokens`), how far their top-K logprobs are apart where their
-contexts are still the same (:func:`topk_kl`, :func:`compare_logprobs`), and the served-KL check with its bound
-(:func:`served_kl_check`); :func:`greedy_topk` produces the reference side through transformers.
+contexts are still the same (:func:`topk_kl`, :func:`compare_logprobs`), the served-KL check with its bound
+(:func:`served_kl_check`) and a graph arm against its eager twin (:func:`graph_eager_check`); :func:`greedy_topk`
+produces the reference side through transformers.
 
 A run, in the format vLLM's top-K logprobs come in: ``{"tokens": [[id, ...] per prompt], "logprobs": [[{id: logprob}
 per generated position] per prompt]}`` (ids may be strings, as JSON keys are). Pure Python; :func:`greedy_topk`
@@ -119,6 +120,23 @@ def served_kl_check(arms: dict, reference: dict) -> dict:
             row["ok"] = None
         out["arms"][label] = row
     return out
+
+
+def graph_eager_check(graph: dict, eager: dict, engines_kl: float | None) -> dict:
+    """The graph arm against its eager twin (the same plan with ``--enforce-eager``): their tokens
+    (:func:`compare_tokens`), their logprobs where the contexts are the same (:func:`compare_logprobs`, the eager arm
+    as the reference) and ``ok``: the KL mean is at most ``engines_kl`` (:func:`served_kl_check`'s, two BF16 engines on
+    the same weights), or None where either is unknown.
+
+    Not token equality: the two arms are not the same computation bit for bit (vLLM's own layers run other kernels
+    outside its graphs), so on a random checkpoint, whose top logits lie within rounding of each other, a greedy token
+    can flip at a near-tie and the contexts part. A capture that replayed a stale or wrong input would differ by far
+    more than two engines' rounding."""
+    cmp = compare_tokens(eager["tokens"], graph["tokens"])
+    lp = compare_logprobs(eager["tokens"], eager["logprobs"], graph["logprobs"], cmp["first_divergence"])
+    kl = lp["topk_kl_mean"]
+    return {**cmp, "logprobs": lp, "engines_kl": engines_kl,
+            "ok": None if kl is None or engines_kl is None else kl <= engines_kl}
 
 
 def greedy_topk(model, prompts: list[list[int]], new_cache: Callable, *, new_tokens: int, k: int) -> dict:

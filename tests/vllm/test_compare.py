@@ -13,6 +13,7 @@ from loopkv.vllm.compare import (
     SERVED_KL_FACTOR,
     compare_logprobs,
     compare_tokens,
+    graph_eager_check,
     greedy_topk,
     served_kl_check,
     topk_kl,
@@ -83,6 +84,24 @@ def test_served_kl_check():
     assert near["ok"] is True
     wrong = {"vllm": {"tokens": [[1, 1, 1]], "logprobs": [[_lp(.99, .01)] * 3]}}
     assert not served_kl_check(wrong, reference)["weights_agree"]  # 1.2 nats: vLLM read other weights
+
+
+def test_graph_eager_check():
+    # the eager arm is the reference: a graph arm that flips a near-tie at index 1 counts positions 0 and 1 (its third
+    # distribution, after the contexts part, must not count) and passes when its KL is within the engines'
+    eager = {"tokens": [[1, 1, 1]], "logprobs": [[_lp(.5, .5)] * 3]}
+    near = {"tokens": [[1, 2, 2]], "logprobs": [[_lp(.51, .49), _lp(.49, .51), _lp(.01, .99)]]}
+    kl = (_kl((.5, .5), (.51, .49)) + _kl((.5, .5), (.49, .51))) / 2
+    got = graph_eager_check(near, eager, engines_kl=10 * kl)
+    assert got["equal"] is False
+    assert got["first_divergence"] == [1]
+    assert got["logprobs"]["positions"] == 2
+    assert got["logprobs"]["topk_kl_mean"] == pytest.approx(kl, abs=1e-12)
+    assert got["ok"] is True
+    assert graph_eager_check(near, eager, engines_kl=kl / 2)["ok"] is False  # farther than two engines
+    assert graph_eager_check(near, eager, engines_kl=None)["ok"] is None  # no engines KL: no verdict
+    far = {"tokens": [[1, 1, 1]], "logprobs": [[_lp(.9, .1)] * 3]}  # same tokens, far logprobs: a stale replay
+    assert graph_eager_check(far, eager, engines_kl=0.01)["ok"] is False
 
 
 def test_greedy_topk_is_teacher_forced_greedy():
