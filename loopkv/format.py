@@ -38,10 +38,11 @@ LN2 = math.log(2.0)
 
 
 def n_pages(length):
-    """History pages (read as history) of a row holding ``length`` tokens: ``max(0, (n - 288) // 32)``."""
-    if isinstance(length, int):
-        return max(0, (length - SINK - WINDOW) // PAGE)
-    return ((length - SINK - WINDOW) // PAGE).clamp_min(0)
+    """History pages (read as history) of a row holding ``length`` tokens: ``max(0, (n - 288) // 32)``. ``length``:
+    an int (or a symbolic one, as a traced op's int argument is), or an integer tensor."""
+    if hasattr(length, "clamp_min"):  # a tensor
+        return ((length - SINK - WINDOW) // PAGE).clamp_min(0)
+    return max(0, (length - SINK - WINDOW) // PAGE)
 
 
 def stored_pages(length):

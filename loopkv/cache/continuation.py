@@ -7,12 +7,12 @@ history pages ``[0, n_pages(n))`` dequantized (V precision included) and to ever
 the same sink, window ring, lengths and page codes (pages are encoded from the same exact tokens by the same codec).
 
 Writes first: the sink slots, the pages the continuation completes (encoded in bulk with ``write_pages_``), the
-ring and the lengths. Then the read is the decode read itself: each query is a *virtual row* of one
-``torch.ops.loopkv.cell_attention`` call, with length ``n``, the row's sink and page table, the pool a decode of the
-cell reads (a ``share`` cell: its source's), and a ring gathered from the exact tail so that each slot holds what
-decoding to length ``n`` would have left there. One semantics, one op (its reference on the CPU, its Triton kernel on
-CUDA); the cost is ``S`` decode reads of the row's pages, in blocks of queries whose ring and sink copies stay within
-``_VIRTUAL_ROW_BYTES``.
+ring and the lengths. Then one ``torch.ops.loopkv.chunk_attention`` call per row reads the whole chunk
+(``loopkv/ops/chunk_attention.py``): it takes the row's sink and page table, the pool a decode of the cell reads (a
+``share`` cell: its source's) and the *exact tail* (positions ``[ws, h + S)``: the ring before the continuation, then
+the new tokens past the sink), and gives each query what its decode read gives. Its reference (the CPU kernel) reads
+each query as a virtual row of the decode op ``cell_attention``, so on the CPU a continuation equals decoding it token
+by token bit for bit; its Triton kernel (CUDA) reads each page once per block of queries.
 
 A ``share`` cell reads its source's pages, and its source (the final loop) runs after it in the same forward. The
 pages such a cell needs that are not yet in the pool are encoded here from the source's window ring, which holds
@@ -24,12 +24,10 @@ not exist yet when the share cell reads, so a share cell takes at most :func:`sh
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from loopkv.format import PAGE, RING, SINK, n_pages, stored_pages
-
-_VIRTUAL_ROW_BYTES = 1 << 28  # sink and ring copies (K and V) one block of virtual rows holds: 256 MiB
+from loopkv.ops.chunk_attention import window_start  # (and registers torch.ops.loopkv.chunk_attention)
 
 
 def share_limit(held: int, source_held: int) -> int:
@@ -80,7 +78,7 @@ def continue_rows(cache, layer_idx: int, query: Tensor, k: Tensor, v: Tensor, *,
     outs = []
     for i, b in enumerate(rows):
         h, end = held[i], held[i] + S
-        ws = SINK + PAGE * n_pages(h)  # first window position before the continuation
+        ws = window_start(h)  # first window position before the continuation
         exact_k, exact_v = _exact_tail(st, b, h, ws, k[i], v[i])  # positions [ws, end), [H, end - ws, D]
         for pos in range(h, min(end, SINK)):
             st.sink_k[b, :, pos] = k[i, :, pos - h]
@@ -89,7 +87,7 @@ def continue_rows(cache, layer_idx: int, query: Tensor, k: Tensor, v: Tensor, *,
             _write_pages(st, b, range(stored_pages(h), stored_pages(end)), ws, exact_k, exact_v, st.own_bits)
         elif source is not None:
             sh = source_held[i]
-            src_ws = SINK + PAGE * n_pages(sh)
+            src_ws = window_start(sh)
             src_k, src_v = _exact_tail(source, b, sh, src_ws, k[i, :, :0], v[i, :, :0])
             _write_pages(source, b, range(stored_pages(sh), n_pages(end)), src_ws, src_k, src_v, bits)
         first = max(h, SINK, end - RING)  # earlier positions' slots are overwritten within the continuation
@@ -98,7 +96,9 @@ def continue_rows(cache, layer_idx: int, query: Tensor, k: Tensor, v: Tensor, *,
             st.win_k[b, :, slots] = k[i, :, first - h:]
             st.win_v[b, :, slots] = v[i, :, first - h:]
         st.lengths[b] = end
-        outs.append(_read_row(st, b, h, ws, query[i], exact_k, exact_v, bits, cache._tau(layer_idx, st), scale))
+        outs.append(torch.ops.loopkv.chunk_attention(
+            query[i].transpose(0, 1), st.sink_k[b], st.sink_v[b], exact_k, exact_v, h, st.win_k.shape[2],
+            st.page_table[b], *st.pool(), bits, cache._tau(layer_idx, st), scale))
     return torch.stack(outs)
 
 
@@ -125,43 +125,3 @@ def _write_pages(st, b: int, pages: range, ws: int, exact_k: Tensor, exact_v: Te
     page_v = exact_v[:, start:start + PAGE * n].unflatten(1, (n, PAGE)).transpose(0, 1)
     ids = st.page_table[b, pages.start:pages.stop].long()
     torch.ops.loopkv.write_pages_(page_k.contiguous(), page_v.contiguous(), ids, *st.pool(), bits)
-
-
-def _read_row(st, b: int, h: int, ws: int, q: Tensor, exact_k: Tensor, exact_v: Tensor, bits: int, tau: float,
-              scale: float) -> Tensor:
-    """Row ``b``'s continuation queries q [Hq, S, D] -> [S, Hq, D]: query ``i`` is a virtual row of one
-    ``cell_attention`` call, holding ``h + i + 1`` tokens, with the row's sink and page table and the ring a decode at
-    that length reads (:func:`_virtual_rings`). Blocks of queries keep the per-query copies within
-    ``_VIRTUAL_ROW_BYTES``."""
-    H, nsink, D = st.sink_k.shape[1:]
-    nring = st.win_k.shape[2]
-    per_query = 2 * H * (nsink + nring) * D * st.sink_k.element_size()  # its sink and ring, K and V
-    block = max(1, _VIRTUAL_ROW_BYTES // per_query)
-    # a zero slot, then positions [ws, h + S), heads flattened: [H * (1 + h + S - ws), D]
-    tail_k, tail_v = (F.pad(t, (0, 0, 1, 0)).flatten(0, 1) for t in (exact_k, exact_v))
-    S = q.shape[1]
-    out = []
-    for lo in range(0, S, block):
-        m = min(S, lo + block) - lo
-        n = torch.arange(h + lo + 1, h + lo + m + 1, dtype=torch.int32, device=q.device)  # [m] tokens each reads
-        index = _virtual_rings(n, ws, nring, H, exact_k.shape[1] + 1)  # [m, H, R] into the flattened tail
-        out.append(torch.ops.loopkv.cell_attention(
-            q[:, lo:lo + m].transpose(0, 1),  # [m, Hq, D]
-            st.sink_k[b].expand(m, -1, -1, -1).contiguous(), st.sink_v[b].expand(m, -1, -1, -1).contiguous(),
-            tail_k[index], tail_v[index],  # [m, H, R, D]
-            n, st.page_table[b].expand(m, -1).contiguous(), *st.pool(), bits, tau, scale,
-        ))
-    return torch.cat(out)
-
-
-def _virtual_rings(n: Tensor, ws: int, nring: int, heads: int, tail: int) -> Tensor:
-    """The ring of each virtual row holding ``n`` [m] tokens, as indices [m, heads, nring] into the exact tail
-    (positions ``[ws, ...)`` after one zero slot: ``tail`` slots per head, heads flattened). Slot ``s`` holds the last
-    position ``p < n`` with ``(p - SINK) % RING == s``, as decoding to length ``n`` leaves it; a decode at ``n`` reads
-    the positions ``[SINK + PAGE * n_pages(n), n)`` (fewer than ``RING``, each the last of its slot, all ``>= ws``),
-    and a slot whose position is before the tail (read by no query) gets the zero slot."""
-    last = n[:, None].long() - 1  # [m, 1]
-    slot = torch.arange(nring, device=n.device)  # [nring]
-    position = last - torch.remainder(last - SINK - slot, RING)  # [m, nring]
-    head = torch.arange(heads, device=n.device)[None, :, None] * tail  # [1, heads, 1]
-    return (position - ws + 1).clamp_min(0)[:, None, :] + head

@@ -35,13 +35,15 @@ def triton_available() -> bool:
 
 def launchers() -> list:
     """``(custom op, Triton launcher)`` pairs: what ``register_triton_kernels`` registers for CUDA. Imports Triton."""
-    from loopkv.ops import triton_attention, triton_quant
+    from loopkv.ops import triton_attention, triton_chunk, triton_quant
     from loopkv.ops.cache_ops import write_pages_
     from loopkv.ops.cell_attention import cell_attention
+    from loopkv.ops.chunk_attention import chunk_attention
     from loopkv.ops.step_ops import advance_, token_attention_
 
     return [(cell_attention, triton_attention.cell_attention), (token_attention_, triton_attention.token_attention),
-            (advance_, triton_quant.advance), (write_pages_, triton_quant.write_pages)]
+            (advance_, triton_quant.advance), (write_pages_, triton_quant.write_pages),
+            (chunk_attention, triton_chunk.chunk_attention)]
 
 
 def register_triton_kernels() -> bool:

@@ -1,11 +1,12 @@
 """A later turn (several tokens on a non-empty cache) in one pass equals decoding it token by token.
 
 The reference is the decode path itself (one token per step through ``token_attention_`` and ``advance_``): the
-served semantics. The one-pass continuation reads each token as a virtual row of the decode read
-(``cell_attention``), so on the CPU, where both run the op's reference, every token's attention equals the decode's
-bit for bit, and the cell ends bit for bit in the same state (sink, ring, lengths, page codes). Every read the
-continuation makes is checked against the op's argument contract (``check_cell_args``), and one small case runs the
-Triton kernels under the interpreter.
+served semantics. The one-pass continuation reads a row's chunk with ``chunk_attention``, whose reference (its CPU
+kernel) reads each token as a virtual row of the decode read (``cell_attention``), so on the CPU, where both run the
+ops' references, every token's attention equals the decode's bit for bit, and the cell ends bit for bit in the
+same state (sink, ring, lengths, page codes). Every virtual row the continuation reads is checked against the decode
+op's argument contract (``check_cell_args``), and one small case runs the Triton kernels under the interpreter
+(tests/ops/test_chunk_attention.py tests the chunk kernel itself).
 """
 
 import gc
@@ -16,10 +17,10 @@ import pytest
 import torch
 
 import loopkv
-from loopkv.cache import continuation
 from loopkv.cache.attention import loopkv_attention
 from loopkv.cache.continuation import share_limit
 from loopkv.format import WINDOW, exact_slots
+from loopkv.ops import chunk_attention
 from loopkv.ops.cell_attention import cell_attention_reference, check_cell_args
 from tests.cache.driver import decode, left_pad, prefill, tiny_config, tiny_ouro
 from tests.cache.test_short_cache import triton_on_cpu  # noqa: F401  (the Triton launchers as the CPU kernels)
@@ -117,9 +118,8 @@ def test_one_pass_equals_decoding_token_by_token(option, tau, lengths, new, max_
         # cache's rows, which the reference's per-row arithmetic does not see
         assert torch.equal(out, ref)
         assert reads == [list(range(h + 1, h + new + 1)) for h in lengths]  # one call per row: a block of new tokens
-    else:  # the Triton reader launched for ``new`` virtual rows and for the cache's rows may split the pages and
-        # pick its reader differently (both depend on the row count), which rounds the sums differently, and a token
-        # whose score sits on the cold threshold can then flip: a bound on how many
+    else:  # the chunk kernel reads the turn, the decode kernel each step: other products and sums, so other
+        # roundings, and a token whose score sits on the cold threshold can then flip: a bound on how many
         far = ~torch.isclose(out, ref, atol=ATTN_FP32_ATOL, rtol=ATTN_FP32_RTOL)
         assert far.float().mean() < 1e-4
         torch.testing.assert_close(out, ref, atol=1e-3, rtol=1e-2)
@@ -131,7 +131,7 @@ def test_blocks_of_virtual_rows_read_as_one(monkeypatch, reads):
     16, 16 and 6 per row, each query still equal to its decode read."""
     plan = loopkv.Plan.uniform(loops=1, layers=1, option="int4", tau=14.0)
     per_query = 2 * H * (32 + 288) * D * 4  # K and V of a virtual row's sink and ring, fp32
-    monkeypatch.setattr(continuation, "_VIRTUAL_ROW_BYTES", 16 * per_query + per_query // 2)
+    monkeypatch.setattr(chunk_attention, "_VIRTUAL_ROW_BYTES", 16 * per_query + per_query // 2)
     lengths = [300, 20]
     out, ref, _, _ = _one_pass_and_stepped(plan, lengths, 70)
     assert torch.equal(out, ref)
@@ -141,12 +141,12 @@ def test_blocks_of_virtual_rows_read_as_one(monkeypatch, reads):
 
 @pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1 (set on machines without CUDA)")
 @pytest.mark.usefixtures("triton_on_cpu")
-def test_triton_kernels_read_the_virtual_rows():
-    """The Triton kernels (the ops' CUDA kernels) as the CPU kernels, run by the interpreter: the continuation's
-    virtual rows are arguments the reader takes (a launcher that fell back to its reference would fail), across the
-    quantize boundary with V precision, and the turn reads what decoding it through the same kernels reads (another
-    launch: other splits of the pages, fp32 rounding) and leaves the same state. head_dim 64 (the kernels serve 64
-    to 256), one row, few tokens: the interpreter runs every program in Python."""
+def test_triton_kernels_read_the_chunk():
+    """The Triton kernels (the ops' CUDA kernels) as the CPU kernels, run by the interpreter: the continuation's read is
+    one ``chunk_attention`` launch per row whose arguments the chunk kernel takes (a launcher that fell back to its
+    reference would fail), across the quantize boundary with V precision, and the turn reads what decoding it through
+    the decode kernels reads (another kernel: other sums, fp32 rounding) and leaves the same state. head_dim 64 (the
+    kernels serve 64 to 256), one row, few tokens: the interpreter runs every program in Python."""
     plan = loopkv.Plan.uniform(loops=1, layers=1, option="int4", tau=14.0)
     out, ref, one_pass, stepped = _one_pass_and_stepped(plan, [316], 6, max_len=400, head_dim=64)
     torch.testing.assert_close(out, ref, atol=ATTN_FP32_ATOL, rtol=ATTN_FP32_RTOL)

@@ -163,14 +163,15 @@ def triton_on_cpu(monkeypatch):
     """The Triton launchers as the ops' CPU kernels (run by Triton's interpreter) while the test runs; a launcher that
     would fall back to its reference fails instead, so the kernels are what ran."""
     pytest.importorskip("triton")
-    from loopkv.ops import step_ops, triton_attention, triton_quant
+    from loopkv.ops import step_ops, triton_attention, triton_chunk, triton_quant
     from loopkv.ops.triton_register import launchers
 
     def refuse(*args, **kwargs):
         raise AssertionError("a Triton launcher fell back to its reference")
 
     for module, name in ((step_ops, "token_attention_reference"), (step_ops, "advance_stacks_reference"),
-                         (triton_attention, "cell_attention_reference"), (triton_quant, "write_pages_reference")):
+                         (triton_attention, "cell_attention_reference"), (triton_quant, "write_pages_reference"),
+                         (triton_chunk, "chunk_attention_reference")):
         monkeypatch.setattr(module, name, refuse)
     lib = torch.library.Library("loopkv", "FRAGMENT")  # the registrations live as long as it does
     for op, launcher in launchers():

@@ -7,7 +7,8 @@ launch is the GPU's (register cap, L2 prefetch, inline PTX, no bf16 upcast); it 
 ``cuda:90`` with the argument specializations Triton's launcher would make. Prints one JSON line: the launch's
 options and flags, registers, stack bytes and what the PTX contains. ``dtype`` (optional, default ``"bfloat16"``):
 the inputs'; ``token`` (optional, true): ``token_attention``'s launch; ``launch`` (optional): ``Launch`` fields that
-replace the table's (a benchmark arm's launch, checked before a device run).
+replace the table's (a benchmark arm's launch, checked before a device run); ``kernel`` (optional): ``"chunk"`` compiles
+``chunk_attention``'s kernel instead (``triton_chunk``; ``held`` and ``new``, default 2,000 and 512, size the chunk).
 
     python tests/ops/sm90_compile_check.py '{"bits": 4, "tau": 14.0, "batch": 8, "heads": 8, "group": 1,
                                              "head_dim": 96}'
@@ -32,7 +33,9 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from loopkv.ops import triton_attention as ta  # noqa: E402
+from loopkv.ops import triton_chunk as tc  # noqa: E402
 from loopkv.ops import triton_config  # noqa: E402
+from loopkv.ops.chunk_attention import tail_length  # noqa: E402
 from loopkv.ops.triton_register import _dummy_pool  # noqa: E402
 
 TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32",
@@ -78,6 +81,29 @@ def record(case: dict) -> tuple[tuple, dict]:
     return call
 
 
+def record_chunk(case: dict) -> tuple[tuple, dict]:
+    """The chunk launcher's kernel call for ``case`` on an sm_90 GPU: one row of ``heads`` KV heads holding ``held``
+    tokens, ``new`` more."""
+    bits, tau, H, G, D = (case[k] for k in ("bits", "tau", "heads", "group", "head_dim"))
+    held, new = case.get("held", 2000), case.get("new", 512)
+    dtype = getattr(torch, case.get("dtype", "bfloat16"))
+    T = tail_length(held, new)
+    exact = [torch.zeros(H, n, D, dtype=dtype) for n in (32, 32, T, T)]
+    pool = _dummy_pool(bits, H, D, dtype, torch.device("cpu"))
+    table = torch.zeros((held + new) // 32, dtype=torch.int32)
+    q = torch.zeros(new, H * G, D, dtype=dtype)
+    rec = Recorder()
+    saved = tc._chunk_attn_kernel, triton_config._capability
+    tc._chunk_attn_kernel, triton_config._capability = rec, lambda d: (9, 0)
+    try:
+        tc.chunk_attention(q, *exact, held, 288, table, *pool, bits, math.inf if tau is None else float(tau),
+                           D**-0.5)
+    finally:
+        tc._chunk_attn_kernel, triton_config._capability = saved
+    (call,) = rec.calls
+    return call
+
+
 def _specialize(value) -> tuple[str, bool]:
     """(Triton type, divisible by 16) of a runtime argument, as Triton's launcher specializes it."""
     if isinstance(value, torch.Tensor):
@@ -90,8 +116,9 @@ def _specialize(value) -> tuple[str, bool]:
 
 
 def main(case: dict) -> dict:
-    args, kwargs = record(case)
-    kernel = ta._cell_attn_kernel
+    chunk = case.get("kernel") == "chunk"
+    args, kwargs = record_chunk(case) if chunk else record(case)
+    kernel = tc._chunk_attn_kernel if chunk else ta._cell_attn_kernel
     options = {k: kwargs.pop(k) for k in OPTIONS if k in kwargs}
     bound = inspect.signature(kernel.fn).bind(*args, **kwargs).arguments
     sig, constexprs, attrs = {}, {}, {}
@@ -108,6 +135,9 @@ def main(case: dict) -> dict:
     ptx = compiled.asm["ptx"]
     registers, stack = _resources(compiled)
     ftz = [ln.strip() for ln in ptx.splitlines() if ".ftz" in ln]
+    if chunk:
+        return {"options": options, "registers": registers, "stack": stack, "BM": bound["BM"],
+                "fma": len(re.findall(r"\bfma\.rn\.f32", ptx))}
     return {"cc": bound["CC"], "l2": bound["L2"], "asm": bound["ASM"], "i32": bound["I32"], "options": options,
             "registers": registers, "stack": stack, "prefetch_l2": len(re.findall(r"prefetch\.global\.L2", ptx)),
             "fma": len(re.findall(r"\bfma\.rn\.f32", ptx)), "ftz_not_ex2": [ln for ln in ftz if "ex2" not in ln][:5]}

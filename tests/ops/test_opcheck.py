@@ -1,4 +1,4 @@
-"""``torch.library.opcheck`` on the four loopkv ops (schema and declared mutation, fake tensors, autograd
+"""``torch.library.opcheck`` on the five loopkv ops (schema and declared mutation, fake tensors, autograd
 registration, AOT dispatch), on small CPU samples for every bits value and a shared-cell call; the GPU variant runs
 the same checks through the registered Triton kernels. And the fake implementations refuse a malformed call the
 way a compiled step would meet it."""
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from loopkv import format as fmt
-from loopkv.ops import cache_ops, cell_attention, codec, step_ops  # noqa: F401  (registers torch.ops.loopkv.*)
+from loopkv.ops import cache_ops, cell_attention, chunk_attention, codec, step_ops  # noqa: F401  (registers the ops)
 
 HEADS, HEAD_DIM, BATCH, MAXP = 2, 64, 3, 2
 
@@ -92,11 +92,33 @@ def write_samples(device="cpu", dtype=torch.float32):
     return samples
 
 
+def chunk_samples(device="cpu", dtype=torch.float32):
+    """``chunk_attention`` of one row: chunks across the first history read (held 300 + 24: page 0 read from the
+    21st token on) and over two pages, for every read bits; a short row (no pages, 60 ring slots)."""
+    samples = []
+    for bits, tau, held, new in ((16, math.inf, 300, 24), (4, 14.0, 300, 24), (4, math.inf, 330, 40),
+                                 (2, math.inf, 330, 40)):
+        T = chunk_attention.tail_length(held, new)
+        exact = [torch.randn(HEADS, n, HEAD_DIM, dtype=dtype, device=device) for n in (32, 32, T, T)]
+        table = torch.tensor([4, 1], dtype=torch.int32, device=device)
+        q = torch.randn(new, 2 * HEADS, HEAD_DIM, dtype=dtype, device=device)
+        samples.append((q, *exact, held, fmt.RING, table, *pool(bits, BATCH * MAXP, device, dtype), bits, tau,
+                        HEAD_DIM**-0.5))
+    held, new = 20, 30
+    exact = [torch.randn(HEADS, n, HEAD_DIM, dtype=dtype, device=device)
+             for n in (32, 32, held + new - 32, held + new - 32)]
+    q = torch.randn(new, HEADS, HEAD_DIM, dtype=dtype, device=device)
+    samples.append((q, *exact, held, 60, torch.zeros(0, dtype=torch.int32, device=device), *pool(4, 0, device, dtype),
+                    4, 14.0, HEAD_DIM**-0.5))
+    return samples
+
+
 OPS = {
     "cell_attention": (lambda: torch.ops.loopkv.cell_attention.default, attention_samples),
     "token_attention_": (lambda: torch.ops.loopkv.token_attention_.default, token_samples),
     "advance_": (lambda: torch.ops.loopkv.advance_.default, advance_samples),
     "write_pages_": (lambda: torch.ops.loopkv.write_pages_.default, write_samples),
+    "chunk_attention": (lambda: torch.ops.loopkv.chunk_attention.default, chunk_samples),
 }
 
 
@@ -138,3 +160,16 @@ def test_fake_implementations_refuse_malformed_calls():
         k = torch.zeros(3, HEADS, 2, HEAD_DIM)  # two tokens where a decode step takes one
         with pytest.raises(RuntimeError, match="one token per row"):
             torch.ops.loopkv.token_attention_(q, k, k, *rest)
+    q, *rest = chunk_samples()[1]  # held 300 + 24 new: a tail of positions [32, 324)
+    short_tail = list(rest)
+    short_tail[2] = torch.zeros(HEADS, 291, HEAD_DIM)
+    batched_table = list(rest)
+    batched_table[6] = batched_table[6][None]
+    few_pages = list(rest)
+    few_pages[4] = 400  # held 400 + 24 reads n_pages(424) = 4 pages; the table holds 2
+    few_pages[2] = few_pages[3] = torch.zeros(HEADS, chunk_attention.tail_length(400, 24), HEAD_DIM)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        for args, match in ((short_tail, r"tail_k must be \[2, 292, 64\].*_exact_tail"),
+                            (batched_table, "page_table must be one row's"), (few_pages, "reserve the row's pages")):
+            with pytest.raises(RuntimeError, match=match):
+                torch.ops.loopkv.chunk_attention(q, *args)

@@ -1,4 +1,5 @@
-"""The fused cell attention compiles for sm_90 (H100/H200) as the launcher configures it there, without a GPU.
+"""The fused cell attention (and the chunk reader) compiles for sm_90 (H100/H200) as the launcher configures it there,
+without a GPU.
 
 The interpreter cannot run what only the GPU build has: the L2 prefetch and the fp16-pair arithmetic (inline PTX),
 the register cap (``maxnreg``), ``ptxas``. This compiles those launches with Triton's own ``ptxas``
@@ -122,3 +123,15 @@ def test_query_head_row_reader_compiles_for_sm90(bits, tau, cap, max_stack, regi
     assert got["options"].get("maxnreg") == cap
     assert got["stack"] is None or got["stack"] <= max_stack, got["stack"]
     assert got["ftz_not_ex2"] == []
+
+
+def test_chunk_reader_compiles_for_sm90():
+    """``chunk_attention``'s kernel at Ouro's cell (16 KV heads x 128, one query head each, bf16), INT4 with V
+    precision, 512 tokens after 2,000: 64-token blocks on eight warps, fused multiply-adds, no stack (four warps
+    spilled 16 B per thread)."""
+    got = compile_sm90(kernel="chunk", bits=4, tau=14.0, heads=16, group=1, head_dim=128)
+    assert got["BM"] == 64
+    assert got["options"]["num_warps"] == 8
+    assert got["options"]["enable_fp_fusion"] is True
+    assert got["fma"] > 0
+    assert got["stack"] in (None, 0)

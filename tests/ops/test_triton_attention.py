@@ -472,8 +472,9 @@ def test_shapes_the_kernels_do_not_serve_run_the_reference(bits, group, head_dim
 @pytest.mark.interpret
 def test_warmup_and_the_registered_pairs():
     """``warmup`` runs every launch a cache of the given shapes makes (here under the interpreter) and allocates the
-    counters; ``launchers`` pairs exactly the four ops of the decode path and the prompt with their launchers."""
-    from loopkv.ops import triton_quant
+    counters; ``launchers`` pairs exactly the four ops of the decode path and the prompt, and the continuation's chunk
+    read, with their launchers."""
+    from loopkv.ops import triton_chunk, triton_quant
     from loopkv.ops.triton_register import launchers, warmup
 
     warmup(batch_size=3, kv_heads=2, q_heads=4, head_dim=64, max_pages=3, dtype=torch.bfloat16, read_bits=(4,),
@@ -481,7 +482,8 @@ def test_warmup_and_the_registered_pairs():
     assert counters("cpu", 6, purpose="attention").numel() >= 6
     assert [(op._name, fn) for op, fn in launchers()] == [
         ("cell_attention", ta.cell_attention), ("token_attention_", ta.token_attention),
-        ("advance_", triton_quant.advance), ("write_pages_", triton_quant.write_pages)]
+        ("advance_", triton_quant.advance), ("write_pages_", triton_quant.write_pages),
+        ("chunk_attention", triton_chunk.chunk_attention)]
 
 
 @interpret
