@@ -49,6 +49,11 @@ TAIL_BLOCK = 32  # exact tail positions per tile
 # a code page's dequantized fp32 keys as the sum of this many tiles of the queries' dtype (_split_dot): 24 bits for
 # bf16, 22 for fp16; fp32 queries take one fp32 product
 KEY_PARTS = {torch.bfloat16: 3, torch.float16: 2, torch.float32: 1}
+# the history split (choose_splits): programs per SM wanted, pages per split at least, splits at most
+SPLIT_WAVES = 2
+MIN_SPLIT_PAGES = 4
+MAX_SPLITS = 16
+MERGE_ROWS = 16  # (token, query head) rows per merge program
 
 
 @triton.jit
@@ -160,16 +165,18 @@ def _code_values(p, hot, page, t, c, cm, v_hi, v_lo, v_scale, v_zero, BITS: tl.c
 @triton.jit
 def _chunk_attn_kernel(
     q, sq_s, sq_h, sink_k, sink_v, tail_k, tail_v, page_table,
-    k_pages, k_scale, k_zero, v_hi, v_lo, v_scale, v_zero, out, so_s, so_h,
+    k_pages, k_scale, k_zero, v_hi, v_lo, v_scale, v_zero, out, so_s, so_h, ws_acc, ws_m, ws_l,
     S, H, HELD, NSINK, T, qk_scale, tau,
     G: tl.constexpr, GP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
     BITS: tl.constexpr, VPREC: tl.constexpr, EXACT: tl.constexpr, KPARTS: tl.constexpr, PREC: tl.constexpr,
-    UPCAST: tl.constexpr,
+    UPCAST: tl.constexpr, NSPLIT: tl.constexpr,
 ):
-    """Program (block of BM tokens, KV head h): the module docstring's three parts, then out[tokens, h*G:(h+1)*G]."""
+    """Program (block of BM tokens, KV head h, split sp): the module docstring's three parts (split sp's share of
+    them), then out[tokens, h*G:(h+1)*G] (NSPLIT 1) or the split's partial (m, l, acc) in the workspace."""
     RM: tl.constexpr = BM * GP
     blk = tl.program_id(0)
     h = tl.program_id(1)
+    sp = tl.program_id(2)
     h64 = h.to(tl.int64)
     r = tl.arange(0, RM)
     i = blk * BM + r // GP  # the row's token
@@ -190,14 +197,31 @@ def _chunk_attn_kernel(
     t = tl.arange(0, 32)
     off = (h64 * NSINK + t)[:, None] * D + c[None, :]
     ok = rvalid[:, None] & (t[None, :] < NSINK) & (t[None, :] <= pos[:, None])
-    acc, m_i, l_i, s = _exact_tile(qx, acc, m_i, l_i, sink_k + off, sink_v + off, (t < NSINK)[:, None] & cm[None, :],
-                                   ok, qk_scale, PREC, UPCAST)
-    sink_max = tl.max(s, 1)
+    kmask = (t < NSINK)[:, None] & cm[None, :]
+    if NSPLIT == 1:
+        acc, m_i, l_i, s = _exact_tile(qx, acc, m_i, l_i, sink_k + off, sink_v + off, kmask, ok, qk_scale, PREC,
+                                       UPCAST)
+        sink_max = tl.max(s, 1)
+    else:  # every split scores the sink (the cold rule's sink max); split 0 alone adds it to its softmax
+        k = tl.load(sink_k + off, mask=kmask, other=0.0)
+        s = _dot(qx.to(k.dtype), tl.trans(k), PREC, UPCAST) * qk_scale
+        s = tl.where(ok, s, float("-inf"))
+        sink_max = tl.max(s, 1)
+        own = (t * 0 + sp) == 0  # [32] (a scalar mask fails the interpreter)
+        m_i, alpha, p, l_i = _online(tl.where(own[None, :], s, float("-inf")), m_i, l_i)
+        v = tl.load(sink_v + off, mask=kmask & own[:, None], other=0.0)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, PREC, UPCAST)
     # ---- history pages [0, n_pages(n_last)), page pg read by the rows with pg < npg
     last = tl.minimum(blk * BM + BM, S) - 1
     npg_last = tl.maximum(HELD + last + 1 - 288, 0) // 32
+    pg_lo = 0
+    pg_hi = npg_last
+    if NSPLIT > 1:  # split sp: pages [sp * per, (sp + 1) * per) of the block's, per = cdiv(npg_last, NSPLIT)
+        per = (npg_last + NSPLIT - 1) // NSPLIT
+        pg_lo = tl.minimum(sp * per, npg_last)
+        pg_hi = tl.minimum(pg_lo + per, npg_last)
     if BITS != 0:
-        for pg in range(0, npg_last):
+        for pg in range(pg_lo, pg_hi):
             page = tl.load(page_table + pg).to(tl.int64) * H + h
             reads = (rvalid & (pg < npg))[:, None]
             if BITS == 16:
@@ -219,6 +243,8 @@ def _chunk_attn_kernel(
     first = blk * BM
     j_lo = 32 + 32 * (tl.maximum(HELD + first + 1 - 288, 0) // 32) - ws  # the block's first token reads from here
     j_hi = HELD + last + 1 - ws
+    if NSPLIT > 1:  # the last split reads the tail
+        j_hi = tl.where(sp == NSPLIT - 1, j_hi, j_lo)
     for j0 in range(j_lo, j_hi, BN):
         j = j0 + tl.arange(0, BN)
         off = (h64 * T + j)[:, None] * D + c[None, :]
@@ -226,13 +252,55 @@ def _chunk_attn_kernel(
         ok = rvalid[:, None] & (at[None, :] >= wsi[:, None]) & (at[None, :] <= pos[:, None])
         acc, m_i, l_i, s = _exact_tile(qx, acc, m_i, l_i, tail_k + off, tail_v + off,
                                        ((j >= 0) & (j < T))[:, None] & cm[None, :], ok, qk_scale, PREC, UPCAST)
-    res = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    optr = out + i.to(tl.int64)[:, None] * so_s + (h * G + g)[:, None] * so_h + c[None, :]
-    tl.store(optr, res.to(out.dtype.element_ty), mask=rvalid[:, None] & cm[None, :])
+    if NSPLIT == 1:
+        res = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        optr = out + i.to(tl.int64)[:, None] * so_s + (h * G + g)[:, None] * so_h + c[None, :]
+        tl.store(optr, res.to(out.dtype.element_ty), mask=rvalid[:, None] & cm[None, :])
+    else:  # the partial of row (split sp, token i, query head h*G+g): slot (sp * S + i) * H * G + h * G + g
+        slot = (sp.to(tl.int64) * S + i) * (H * G) + h * G + g
+        tl.store(ws_acc + slot[:, None] * D + c[None, :], acc, mask=rvalid[:, None] & cm[None, :])
+        tl.store(ws_m + slot, m_i, mask=rvalid)
+        tl.store(ws_l + slot, l_i, mask=rvalid)
+
+
+@triton.jit
+def _chunk_merge_kernel(ws_acc, ws_m, ws_l, out, R, D: tl.constexpr, DP: tl.constexpr, BR: tl.constexpr,
+                        NSPLIT: tl.constexpr):
+    """Rows ``[BR * pid, BR * (pid + 1))`` of out [R = S * Hq, D] (contiguous): the NSPLIT partials (m, l, acc; log2
+    units) merged by log-sum-exp. A split that read nothing for a row (m = -inf, l = 0, acc = 0) gets no weight; a row
+    no split read (none: every token reads itself) would be 0, not NaN."""
+    r = tl.program_id(0) * BR + tl.arange(0, BR)
+    rm = r < R
+    r64 = r.to(tl.int64)
+    c = tl.arange(0, DP)
+    mask = rm[:, None] & (c < D)[None, :]
+    m = tl.full([BR], float("-inf"), tl.float32)
+    for sp in tl.static_range(NSPLIT):
+        m = tl.maximum(m, tl.load(ws_m + sp * R + r64, mask=rm, other=float("-inf")))
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    l_sum = tl.zeros([BR], tl.float32)
+    acc = tl.zeros([BR, DP], tl.float32)
+    for sp in tl.static_range(NSPLIT):
+        w = tl.exp2(tl.load(ws_m + sp * R + r64, mask=rm, other=float("-inf")) - m_safe)
+        l_sum += w * tl.load(ws_l + sp * R + r64, mask=rm, other=0.0)
+        part = tl.load(ws_acc + (sp * R + r64)[:, None] * D + c[None, :], mask=mask, other=0.0)
+        acc += w[:, None] * part
+    res = acc / tl.where(l_sum > 0, l_sum, 1.0)[:, None]
+    tl.store(out + r64[:, None] * D + c[None, :], res.to(out.dtype.element_ty), mask=mask)
 
 
 def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
+
+
+def choose_splits(blocks: int, heads: int, pages: int, device: torch.device) -> int:
+    """History splits per (block, KV head), NSPLIT: enough programs for ``SPLIT_WAVES`` per SM (``blocks * heads *
+    NSPLIT``), at least ``MIN_SPLIT_PAGES`` pages per split of the last block's ``pages``, at most ``MAX_SPLITS``. 1:
+    a single pass, no workspace. Under the interpreter ``triton_config._num_sms`` is a small stand-in."""
+    if pages < 2 * MIN_SPLIT_PAGES:
+        return 1
+    want = -(-SPLIT_WAVES * triton_config._num_sms(device) // max(blocks * heads, 1))
+    return int(max(1, min(want, pages // MIN_SPLIT_PAGES, MAX_SPLITS)))
 
 
 def _launchable(q: Tensor, sink_k: Tensor, page_table: Tensor, pool: tuple[Tensor, ...]) -> bool:
@@ -298,12 +366,25 @@ def chunk_attention(
     exact = q.dtype == torch.float32
     compiled = triton_config._capability(q.device) is not None
     vprec = bits == 4 and math.isfinite(tau)
-    _chunk_attn_kernel[(triton.cdiv(S, bm), H)](
+    blocks = triton.cdiv(S, bm)
+    nsplit = choose_splits(blocks, H, n_pages(held + S) if bits else 0, q.device)
+    if nsplit > 1:  # partials: acc [NSPLIT, S * Hq, D], m and l [NSPLIT, S * Hq] (fp32, log2 units)
+        ws_acc = torch.empty(nsplit * S * Hq * D, dtype=torch.float32, device=q.device)
+        ws_ml = torch.empty(2, nsplit * S * Hq, dtype=torch.float32, device=q.device)
+        ws_m, ws_l = ws_ml[0], ws_ml[1]
+    else:
+        ws_acc = ws_m = ws_l = torch.empty(0, dtype=torch.float32, device=q.device)
+    _chunk_attn_kernel[(blocks, H) if nsplit == 1 else (blocks, H, nsplit)](
         q, q.stride(0), q.stride(1), sink_k, sink_v, tail_k, tail_v, page_table,
-        *pool, out, out.stride(0), out.stride(1),
+        *pool, out, out.stride(0), out.stride(1), ws_acc, ws_m, ws_l,
         S, H, held, sink_k.shape[1], T, scale * LOG2E, float(tau) if vprec else 0.0,
         G=G, GP=_next_pow2(G), BM=bm, BN=TAIL_BLOCK, D=D, DP=_next_pow2(D), BITS=bits, VPREC=vprec, EXACT=exact,
         KPARTS=KEY_PARTS[q.dtype], PREC="ieee" if exact else "tf32", UPCAST=not compiled and q.dtype == torch.bfloat16,
-        num_warps=warps(D), num_stages=1, **KERNEL_OPTIONS,
+        NSPLIT=nsplit, num_warps=warps(D), num_stages=1, **KERNEL_OPTIONS,
     )
+    if nsplit > 1:
+        _chunk_merge_kernel[(triton.cdiv(S * Hq, MERGE_ROWS),)](
+            ws_acc, ws_m, ws_l, out, S * Hq, D=D, DP=_next_pow2(D), BR=MERGE_ROWS, NSPLIT=nsplit, num_warps=4,
+            num_stages=1, **KERNEL_OPTIONS,
+        )
     return out

@@ -8,7 +8,8 @@ launch is the GPU's (register cap, L2 prefetch, inline PTX, no bf16 upcast); it 
 options and flags, registers, stack bytes and what the PTX contains. ``dtype`` (optional, default ``"bfloat16"``):
 the inputs'; ``token`` (optional, true): ``token_attention``'s launch; ``launch`` (optional): ``Launch`` fields that
 replace the table's (a benchmark arm's launch, checked before a device run); ``kernel`` (optional): ``"chunk"`` compiles
-``chunk_attention``'s kernel instead (``triton_chunk``; ``held`` and ``new``, default 2,000 and 512, size the chunk).
+``chunk_attention``'s kernel instead (``triton_chunk``; ``held`` and ``new``, default 2,000 and 512, size the chunk;
+132 SMs choose its history splits), ``"chunk_merge"`` the merge of its splits (a launch with NSPLIT > 1).
 
     python tests/ops/sm90_compile_check.py '{"bits": 4, "tau": 14.0, "batch": 8, "heads": 8, "group": 1,
                                              "head_dim": 96}'
@@ -82,8 +83,8 @@ def record(case: dict) -> tuple[tuple, dict]:
 
 
 def record_chunk(case: dict) -> tuple[tuple, dict]:
-    """The chunk launcher's kernel call for ``case`` on an sm_90 GPU: one row of ``heads`` KV heads holding ``held``
-    tokens, ``new`` more."""
+    """The chunk launcher's kernel call (``case["kernel"]`` ``"chunk_merge"``: its merge kernel's) for ``case`` on an
+    sm_90 GPU of 132 SMs: one row of ``heads`` KV heads holding ``held`` tokens, ``new`` more."""
     bits, tau, H, G, D = (case[k] for k in ("bits", "tau", "heads", "group", "head_dim"))
     held, new = case.get("held", 2000), case.get("new", 512)
     dtype = getattr(torch, case.get("dtype", "bfloat16"))
@@ -92,15 +93,16 @@ def record_chunk(case: dict) -> tuple[tuple, dict]:
     pool = _dummy_pool(bits, H, D, dtype, torch.device("cpu"))
     table = torch.zeros((held + new) // 32, dtype=torch.int32)
     q = torch.zeros(new, H * G, D, dtype=dtype)
-    rec = Recorder()
-    saved = tc._chunk_attn_kernel, triton_config._capability
-    tc._chunk_attn_kernel, triton_config._capability = rec, lambda d: (9, 0)
+    rec, merge = Recorder(), Recorder()
+    saved = tc._chunk_attn_kernel, tc._chunk_merge_kernel, triton_config._capability, triton_config._num_sms
+    tc._chunk_attn_kernel, tc._chunk_merge_kernel = rec, merge
+    triton_config._capability, triton_config._num_sms = lambda d: (9, 0), lambda d: 132
     try:
         tc.chunk_attention(q, *exact, held, 288, table, *pool, bits, math.inf if tau is None else float(tau),
                            D**-0.5)
     finally:
-        tc._chunk_attn_kernel, triton_config._capability = saved
-    (call,) = rec.calls
+        tc._chunk_attn_kernel, tc._chunk_merge_kernel, triton_config._capability, triton_config._num_sms = saved
+    (call,) = merge.calls if case["kernel"] == "chunk_merge" else rec.calls
     return call
 
 
@@ -116,9 +118,10 @@ def _specialize(value) -> tuple[str, bool]:
 
 
 def main(case: dict) -> dict:
-    chunk = case.get("kernel") == "chunk"
+    chunk = case.get("kernel") in ("chunk", "chunk_merge")
     args, kwargs = record_chunk(case) if chunk else record(case)
-    kernel = tc._chunk_attn_kernel if chunk else ta._cell_attn_kernel
+    kernel = {"chunk": tc._chunk_attn_kernel, "chunk_merge": tc._chunk_merge_kernel}.get(case.get("kernel"),
+                                                                                        ta._cell_attn_kernel)
     options = {k: kwargs.pop(k) for k in OPTIONS if k in kwargs}
     bound = inspect.signature(kernel.fn).bind(*args, **kwargs).arguments
     sig, constexprs, attrs = {}, {}, {}
@@ -136,8 +139,9 @@ def main(case: dict) -> dict:
     registers, stack = _resources(compiled)
     ftz = [ln.strip() for ln in ptx.splitlines() if ".ftz" in ln]
     if chunk:
-        return {"options": options, "registers": registers, "stack": stack, "BM": bound["BM"],
-                "fma": len(re.findall(r"\bfma\.rn\.f32", ptx))}
+        return {"options": options, "registers": registers, "stack": stack, "BM": bound.get("BM"),
+                "nsplit": bound["NSPLIT"], "fma": len(re.findall(r"\bfma\.rn\.f32", ptx)),
+                "ftz_not_ex2": [ln for ln in ftz if "ex2" not in ln][:5]}
     return {"cc": bound["CC"], "l2": bound["L2"], "asm": bound["ASM"], "i32": bound["I32"], "options": options,
             "registers": registers, "stack": stack, "prefetch_l2": len(re.findall(r"prefetch\.global\.L2", ptx)),
             "fma": len(re.findall(r"\bfma\.rn\.f32", ptx)), "ftz_not_ex2": [ln for ln in ftz if "ex2" not in ln][:5]}

@@ -110,19 +110,42 @@ CASES = [  # bits, tau, query heads per KV head, held, new, dtype, ring
 ]
 
 
+# history splits forced (NSPLIT > 1; the cases above run the chooser's NSPLIT = 1): split sp reads pages
+# [sp * per, (sp + 1) * per) of its block's n_pages(n_last), per = cdiv(n_pages(n_last), NSPLIT); split 0 adds the
+# sink, the last split reads the tail
+SPLIT_CASES = [  # bits, tau, query heads per KV head, held, new, dtype, ring, NSPLIT
+    (4, 2.0, 2, 380, 40, torch.float32, RING, 3),  # blocks of 32 tokens: 3 pages (1 a split), 4 (2, 2 and none)
+    (4, 14.0, 1, 300, 40, torch.float32, RING, 2),  # page 0 in split 0 (read from the 20th token on), split 1 the tail
+    (2, INF, 1, 460, 20, torch.float32, RING, 4),  # 6 pages: 2, 2, 2 and none
+    (16, INF, 2, 330, 30, torch.float32, RING, 2),  # BF16 pages
+    (4, 14.0, 1, 5, 40, torch.float32, RING, 2),  # no pages: the first tokens' rows get nothing from split 1 (-inf)
+    (0, INF, 1, 330, 8, torch.float32, RING, 2),  # no history read
+    (4, 14.0, 2, 20, 30, torch.float32, 60, 2),  # a short cache
+    (4, 14.0, 2, 320, 24, torch.bfloat16, RING, 3),  # 16-bit inputs, the merge writes bf16
+]
+
+
 @interpret
 @pytest.mark.interpret
 @pytest.mark.usefixtures("no_fallback")
-@pytest.mark.parametrize(("bits", "tau", "group", "held", "new", "dtype", "ring"), CASES)
-def test_kernel_matches_the_reference(bits, tau, group, held, new, dtype, ring):
+@pytest.mark.parametrize(("bits", "tau", "group", "held", "new", "dtype", "ring", "splits"),
+                         [(*case, None) for case in CASES] + SPLIT_CASES)
+def test_kernel_matches_the_reference(monkeypatch, bits, tau, group, held, new, dtype, ring, splits):
     """The kernel equals the float64 reference of the same row within its dtype's tier, and the op's own reference
     (virtual rows of ``cell_attention``, fp32) as closely; a token on the cold threshold may flip (at most one (token,
-    query head) row in 64 here)."""
+    query head) row in 64 here). ``splits``: NSPLIT forced (None: the launcher's choice, 1 at these sizes), the
+    partials merged by the merge kernel."""
+    chosen = []
+    choose = triton_chunk.choose_splits
+    monkeypatch.setattr(triton_chunk, "choose_splits",
+                        lambda *a: chosen.append(splits or choose(*a)) or chosen[-1])
     head_dim, scale = 64, 64**-0.5
     q, args = make_row(2, group, head_dim, held, new, bits, dtype=dtype, ring=ring, seed=bits + held)
     out = triton_chunk.chunk_attention(q, *args, bits, tau, scale)
+    assert chosen == [splits or 1]
     assert out.shape == q.shape
     assert out.dtype == q.dtype
+    assert not out.isnan().any()
     want = reference64(q, args, bits, tau, scale)
     op_ref = chunk_attention_reference(q, *args, bits, tau, scale)
     atol, rtol = (ATTN_FP32_ATOL, ATTN_FP32_RTOL) if dtype == torch.float32 else (ATTN_BF16_ATOL, ATTN_BF16_RTOL)
@@ -185,6 +208,38 @@ def test_served_cells_launch_the_kernel(monkeypatch, head_dim, group):
         assert grid == (triton.cdiv(40, kw["BM"]), 2)
         assert (kw["BITS"], kw["VPREC"], kw["G"], kw["D"]) == (bits, bits == 4 and tau == 14.0, group, head_dim)
     assert len(rec.calls) == 4
+
+
+def test_split_rule(monkeypatch):
+    """NSPLIT: programs for two per SM, at least 4 pages a split, at most 16. Ouro's cell on an H200 (132 SMs, 16 KV
+    heads): a 256-token chunk after 12,800 tokens (4 blocks, 399 pages) splits 5 ways; 2,048 tokens (32 blocks) does
+    not; a row of few pages never splits."""
+    monkeypatch.setattr(triton_config, "_num_sms", lambda device: 132)
+    choose = triton_chunk.choose_splits
+    cpu = torch.device("cpu")
+    assert choose(4, 16, n_pages(12_800 + 256), cpu) == 5
+    assert choose(32, 16, n_pages(12_800 + 2048), cpu) == 1
+    assert choose(1, 1, 7, cpu) == 1
+    assert choose(1, 1, 8, cpu) == 2
+    assert choose(1, 2, 10_000, cpu) == 16
+    assert choose(4, 16, 0, cpu) == 1
+
+
+def test_split_launch_grid_and_merge(monkeypatch):
+    """With NSPLIT > 1 the launcher runs a (blocks, H, NSPLIT) grid writing the workspace, then the merge over the
+    S x Hq rows."""
+    rec, merge = Recorder(), Recorder()
+    monkeypatch.setattr(triton_chunk, "_chunk_attn_kernel", rec)
+    monkeypatch.setattr(triton_chunk, "_chunk_merge_kernel", merge)
+    monkeypatch.setattr(triton_config, "_num_sms", lambda device: 132)
+    q, args = make_row(2, 2, 64, 600, 40, 4, dtype=torch.bfloat16)  # 11 pages: 2 splits
+    triton_chunk.chunk_attention(q, *args, 4, 14.0, 0.125)
+    (grid, kw), = rec.calls
+    assert grid == (triton.cdiv(40, kw["BM"]), 2, 2)
+    assert kw["NSPLIT"] == 2
+    (mgrid, mkw), = merge.calls
+    assert mgrid == (triton.cdiv(40 * 4, triton_chunk.MERGE_ROWS),)
+    assert mkw["NSPLIT"] == 2
 
 
 def test_float64_and_unserved_shapes_run_the_reference(monkeypatch):

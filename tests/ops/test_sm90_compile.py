@@ -125,13 +125,28 @@ def test_query_head_row_reader_compiles_for_sm90(bits, tau, cap, max_stack, regi
     assert got["ftz_not_ex2"] == []
 
 
-def test_chunk_reader_compiles_for_sm90():
+@pytest.mark.parametrize(("held", "new", "nsplit"), [
+    (2000, 512, 3),  # 8 blocks x 16 heads: 3 history splits for two programs per SM (132), the partials merged
+    (2000, 2048, 1),  # 32 blocks x 16 heads: one pass, out stored by the reader
+])
+def test_chunk_reader_compiles_for_sm90(held, new, nsplit):
     """``chunk_attention``'s kernel at Ouro's cell (16 KV heads x 128, one query head each, bf16), INT4 with V
-    precision, 512 tokens after 2,000: 64-token blocks on eight warps, fused multiply-adds, no stack (four warps
-    spilled 16 B per thread)."""
-    got = compile_sm90(kernel="chunk", bits=4, tau=14.0, heads=16, group=1, head_dim=128)
+    precision, 512 and 2,048 tokens after 2,000: 64-token blocks on eight warps, fused multiply-adds, no stack (four
+    warps spilled 16 B per thread)."""
+    got = compile_sm90(kernel="chunk", bits=4, tau=14.0, heads=16, group=1, head_dim=128, held=held, new=new)
+    assert got["nsplit"] == nsplit
     assert got["BM"] == 64
     assert got["options"]["num_warps"] == 8
     assert got["options"]["enable_fp_fusion"] is True
     assert got["fma"] > 0
     assert got["stack"] in (None, 0)
+
+
+def test_chunk_merge_compiles_for_sm90():
+    """The merge of the chunk reader's splits (Ouro's cell, 256 tokens after 12,800: 5 splits): no stack, no
+    denormal flush outside ``ex2.approx``."""
+    got = compile_sm90(kernel="chunk_merge", bits=4, tau=14.0, heads=16, group=1, head_dim=128, held=12800, new=256)
+    assert got["nsplit"] == 5
+    assert got["options"]["enable_fp_fusion"] is True
+    assert got["stack"] in (None, 0)
+    assert got["ftz_not_ex2"] == []
