@@ -2,9 +2,9 @@
 row's pages once per block of queries, flash-attention style, each query with the served semantics
 (docs/kernels.md, "The chunk reader").
 
-Grid ``(cdiv(S, BM), H)``: a program holds ``BM`` consecutive tokens of the chunk x the ``G`` query heads of one KV
-head as tile rows (row ``r``: token ``r // GP``, query head ``r % GP``; ``GP`` is ``G`` padded to a power of two), and
-runs one online softmax (fp32, log2 units) over
+Grid ``(cdiv(S, BM), H, NSPLIT)`` (``(cdiv(S, BM), H)`` when NSPLIT is 1): a program holds ``BM`` consecutive tokens
+of the chunk x the ``G`` query heads of one KV head as tile rows (row ``r``: token ``r // GP``, query head ``r % GP``;
+``GP`` is ``G`` padded to a power of two), and runs one online softmax (fp32, log2 units) over its split's share of
 
 * the sink: one tile of 32 exact slots, a row reading positions ``<= its own`` (and below the row's sink slots);
 * history pages ``0 .. n_pages(n_last) - 1`` (``n_last``: what the block's last token holds), a row reading page
@@ -15,6 +15,17 @@ runs one online softmax (fp32, log2 units) over
   ``delta = (lo - 1.5) v_scale``, so the value product is two ``tl.dot`` (the second with the hot weights only). BF16
   pages are exact tiles;
 * the exact tail in tiles of ``BN`` positions, a row reading ``[SINK + PAGE * n_pages(n_i), held + i]``.
+
+History splits (flash-decoding style; a short chunk otherwise has too few programs, each walking every page): split
+``sp`` of a block reads pages ``[sp * per, min((sp + 1) * per, npg_last))``, ``per = cdiv(npg_last, NSPLIT)`` of the
+block's own ``npg_last = n_pages(n_last)`` (a split past them reads none); every split scores the sink (the cold rule's
+sink max is the row's), split 0 alone adds it to its softmax, and the last split reads the exact tail. Each split
+stores its partial (m, l, acc; fp32, log2 units, unnormalized) to a workspace and ``_chunk_merge_kernel`` merges them
+by log-sum-exp into ``out`` (a split that read nothing for a row, m = -inf, gets no weight). NSPLIT 1 stores ``out``
+directly, no workspace. ``choose_splits`` picks NSPLIT on the host: programs ``cdiv(S, BM) * H * NSPLIT`` for
+``SPLIT_WAVES`` (2) per SM, at least ``MIN_SPLIT_PAGES`` (4) pages a split of the last block's, at most
+``MAX_SPLITS`` (16); under the interpreter the SM count is ``triton_config._num_sms``'s stand-in (4), so the tests'
+small rows run NSPLIT 1 unless they force more.
 
 Precision: exact tiles as the decode reader's (16-bit operands, fp32 accumulation; fp32 inputs in fp32). Code pages
 with 16-bit inputs: K is dequantized in fp32 as the codec decodes it and multiplied as the sum of two (fp16) or three
