@@ -9,6 +9,12 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
+# Under pytest-xdist (README's test command runs ``-n auto``) each worker is a process with torch's own thread pool:
+# share the cores among the workers instead of giving every worker all of them
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // _WORKERS))
+
 
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
