@@ -42,10 +42,10 @@ prompt) waiting until a step has room for all of it (:class:`WholePrompts`: it f
 engine's ``_process_candidates``, whose signature 5.17 and 5.24 share), and the step budget must hold the longest
 request next to every slot decoding (``max_batch_tokens >= max_len + max_slots``, :func:`check_step_budget`), so a
 waiting prompt fits in a step once it is first in line. A new prompt is one exact pass (``slots.prefill_step``), as
-in ``generate``; a later chunk would be a continuation with the served semantics, which costs far more per token
-(each of its tokens reads the row's pages as a decode step does, where a prompt's pass reads each key once for
-all its queries; docs/design.md, "Whole prompts") and which a plan with ``share``
-cells takes at most ``WINDOW`` tokens at a time (``LoopKVCache.continuation_limit``).
+in ``generate``; a later chunk would be a continuation with the served semantics (the chunk kernel re-reads the
+row's history for every chunk, so a long prompt in chunks costs more than its one pass; docs/design.md, "Whole
+prompts"), which a plan with ``share`` cells takes at most ``WINDOW`` tokens at a time
+(``LoopKVCache.continuation_limit``). Chunked prompts are not built.
 """
 
 from __future__ import annotations
