@@ -152,10 +152,17 @@ def check_cell_args(q: Tensor, sink_k: Tensor, sink_v: Tensor, win_k: Tensor, wi
                  lambda: f"lengths must be int32 [{B}], got {lengths.dtype} {tuple(lengths.shape)}")
     torch._check(page_table.dtype == torch.int32 and page_table.dim() == 2 and page_table.shape[0] == B,
                  lambda: f"page_table must be int32 [{B}, pages], got {page_table.dtype} {tuple(page_table.shape)}")
+    check_pool_args(pool, bits, H, D)
+
+
+def check_pool_args(pool: tuple[Tensor, ...], bits: int, heads: int, head_dim: int) -> None:
+    """``bits`` and the seven pool fields a read of ``heads`` KV heads of ``head_dim`` takes
+    (``loopkv.format.pool_field_shapes``; bits 0: no pool read, the fields are not looked at). Shared by the fake
+    implementations of ``cell_attention`` and ``chunk_attention``."""
     torch._check(bits in (16, 4, 2, 0), lambda: f"bits must be 16, 4, 2 or 0 (no history), got {bits}")
     if bits == 0:
         return
-    want = pool_field_shapes(bits, pool[0].shape[0], H, D)
+    want = pool_field_shapes(bits, pool[0].shape[0], heads, head_dim)
     for (name, shape), t in zip(want.items(), pool, strict=True):
         torch._check(tuple(t.shape) == shape or shape == (0,),
                      lambda name=name, t=t, shape=shape: f"{name} must be {shape} for bits {bits}, "

@@ -26,8 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from loopkv.format import PAGE, RING, SINK, exact_slots, n_pages, pool_field_shapes
-from loopkv.ops import cell_attention as _cell_attention  # noqa: F401  (registers torch.ops.loopkv.cell_attention)
+from loopkv.format import PAGE, RING, SINK, exact_slots, n_pages
+from loopkv.ops.cell_attention import check_pool_args  # (and registers torch.ops.loopkv.cell_attention)
 
 _VIRTUAL_ROW_BYTES = 1 << 28  # sink and ring copies (K and V) one block of virtual rows holds: 256 MiB
 
@@ -122,17 +122,10 @@ def check_chunk_args(q: Tensor, sink_k: Tensor, sink_v: Tensor, tail_k: Tensor, 
     torch._check(page_table.dtype == torch.int32 and page_table.dim() == 1,
                  lambda: f"page_table must be one row's, int32 [pages], got {page_table.dtype} "
                          f"{tuple(page_table.shape)}")
-    torch._check(bits in (16, 4, 2, 0), lambda: f"bits must be 16, 4, 2 or 0 (no history), got {bits}")
-    if bits == 0:
-        return
-    torch._check(page_table.shape[0] >= n_pages(held + S),
+    check_pool_args(pool, bits, H, D)
+    torch._check(bits == 0 or page_table.shape[0] >= n_pages(held + S),
                  lambda: f"page_table holds {page_table.shape[0]} pages; the chunk's last token reads "
                          f"n_pages({held + S}) = {n_pages(held + S)}: reserve the row's pages first")
-    want = pool_field_shapes(bits, pool[0].shape[0], H, D)
-    for (name, shape), t in zip(want.items(), pool, strict=True):
-        torch._check(tuple(t.shape) == shape or shape == (0,),
-                     lambda name=name, t=t, shape=shape: f"{name} must be {shape} for bits {bits}, "
-                                                         f"got {tuple(t.shape)}")
 
 
 @chunk_attention.register_fake
