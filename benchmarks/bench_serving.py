@@ -4,7 +4,8 @@ LoopKV storage (loopkv/serving), one arm per plan under the same KV budget, in o
     python benchmarks/bench_serving.py [--arms bf16,kivi4,loopkv-r,loopkv-m] [--budget-gib 96] [--max-len 16384]
         [--requests 16] [--min-requests 6] [--trace-s 10] [--outputs 128,512] [--prompts LO,HI]
         [--start-rate auto|R] [--max-trials 4] [--bracket 1.5] [--peak-prompt 4096] [--peak-steps 8] [--ttft-s 10]
-        [--tpot-x 3] [--time-budget-s 540] [--seed 0] [--smoke] [--out benchmarks/results/serving.json]
+        [--tpot-x 3] [--chunked-prefill TOKENS] [--time-budget-s 540] [--seed 0] [--smoke]
+        [--out benchmarks/results/serving.json]
     python benchmarks/bench_serving.py --plot benchmarks/results/serving.json   # the figure from a JSON
 
 Model: Ouro-1.4B's shapes with random weights, bf16 (``--smoke``: a tiny one, on the CPU if there is no GPU). Trace:
@@ -16,12 +17,14 @@ reaches them by prompts, so prefill takes a larger share of the GPU than in the 
 longer ``--outputs`` move it toward the paper's, at more time per rate). Arms: ``bf16`` stores every cell exact (an
 all-bf16 plan: transformers' own paged cache has one layer per physical layer and cannot hold a looped model's
 cells), ``kivi4`` INT4 in every cell, ``loopkv-r`` and ``loopkv-m`` the paper's compositions (as in
-bench_decode.py). Each arm gets the slots and pages the budget buys: ``slots = budget // (a slot's exact sink and
-window + bytes per token x the trace's mean context)``, the rest pages. Every arm's engine takes ``max_len +
-slots`` tokens per step, so every prompt is one exact pass (a plan with share cells needs this: its prompts are
-scheduled whole, loopkv/serving/transformers_cb.py), and decode-only steps replay loopkv's CUDA graphs, every
-bucket's captured when the engine starts (``manager.warmup()``, before any request: no capture happens while a
-rate is measured); each arm records that warm-up's seconds (``warm_up_s``) and the graphs' pool (``graph_pool_mib``).
+bench_decode.py). Each arm gets the slots and pages the budget buys: ``slots = (budget - the prompt scratch, with
+chunked prefill) // (a slot's exact sink and window + bytes per token x the trace's mean context)``, the rest pages.
+Every arm's engine takes ``max_len + slots`` tokens per step, so every prompt is one exact pass, or with
+``--chunked-prefill TOKENS`` ``slots + TOKENS``, so a prompt longer than what the step leaves is prefilled in chunks
+through the engine's exact scratch (its tokens are the one pass's; loopkv/serving/prompt_chunks.py). Decode-only
+steps replay loopkv's CUDA graphs, every bucket's captured when the engine starts (``manager.warmup()``, before any
+request: no capture happens while a rate is measured); each arm records that warm-up's seconds (``warm_up_s``) and
+the graphs' pool (``graph_pool_mib``).
 
 Steps are timed from the engine cache's own step log (``EngineCache.steps``: when each forward began, its decoding
 rows and its prompt tokens; a step lasts until the next begins), so decode is timed apart from prompt steps:
@@ -96,28 +99,35 @@ def plans(cfg) -> dict[str, loopkv.Plan]:
     return {"bf16": loopkv.Plan.uniform(loops=loops, layers=layers, option="bf16"), **paper_plans(loops, layers)}
 
 
-def budget_split(plan, cfg, budget: int, mean_context: float, dtype_bytes: int) -> tuple[int, int]:
-    """(slots, pool pages) a KV budget buys for ``plan``."""
+def budget_split(plan, cfg, budget: int, mean_context: float, dtype_bytes: int, *,
+                 scratch_tokens: int = 0) -> tuple[int, int]:
+    """(slots, pool pages) a KV budget buys for ``plan`` after a prompt scratch of ``scratch_tokens`` tokens."""
     from loopkv.cache.paging import pool_pages_for
     from loopkv.planning.bytes import exact_bytes_per_request
+    from loopkv.serving.prompt_chunks import scratch_bytes
 
+    reserved = scratch_bytes(cfg, tokens=scratch_tokens, dtype_bytes=dtype_bytes)
     exact = exact_bytes_per_request(cfg, dtype_bytes=dtype_bytes)
     per_token = plan.bytes_per_token(cfg, dtype_bytes=dtype_bytes).stored_kib * 1024
-    slots = max(1, int(budget // (exact + per_token * mean_context)))
-    return slots, pool_pages_for(plan, cfg, budget_bytes=budget, max_batch_size=slots, dtype_bytes=dtype_bytes)
+    slots = max(1, int((budget - reserved) // (exact + per_token * mean_context)))
+    return slots, pool_pages_for(plan, cfg, budget_bytes=budget, max_batch_size=slots, dtype_bytes=dtype_bytes,
+                                 reserved_bytes=reserved)
 
 
 class Engine:
     """One arm's engine, started once: requests go in with :meth:`submit`, finished ones come back in
     :meth:`collect` with their latencies; :attr:`cache` is loopkv's engine cache (its step log)."""
 
-    def __init__(self, model, plan, *, slots: int, pages: int, max_len: int):
+    def __init__(self, model, plan, *, slots: int, pages: int, max_len: int, chunk: int = 0):
+        """``chunk``: with chunked prefill, the prompt tokens a step holds beside every slot decoding (0: whole
+        prompts)."""
         from transformers import GenerationConfig
 
         self.model, self.vocab = model, model.config.vocab_size
         gen = GenerationConfig(do_sample=False, eos_token_id=-1, pad_token_id=0, max_new_tokens=max_len)
-        cb = engine_config(pool_pages=pages, max_len=max_len, max_slots=slots)
-        self._context = engine_cache(plan, max_slots=slots, max_len=max_len)
+        cb = engine_config(pool_pages=pages, max_len=max_len, max_slots=slots, chunked_prefill=chunk > 0,
+                           max_batch_tokens=slots + chunk if chunk else None)
+        self._context = engine_cache(plan, max_slots=slots, max_len=max_len, chunked_prefill=chunk > 0)
         self._built = self._context.__enter__()
         try:
             self.manager = model.init_continuous_batching(generation_config=gen, continuous_batching_config=cb)
@@ -343,7 +353,7 @@ def run_arm(model, name: str, plan, split: tuple[int, int], reqs, args, result: 
     slots, pages = split
     arm = result["arms"][name] = {"slots": slots, "pool_pages": pages, "peak": None}
     log(f"{name}: {slots} slots, {pages} pool pages; {stop_at - time.perf_counter():.0f} s for this arm")
-    engine = Engine(model, plan, slots=slots, pages=pages, max_len=args.max_len)
+    engine = Engine(model, plan, slots=slots, pages=pages, max_len=args.max_len, chunk=args.chunked_prefill)
     arm |= engine.warm_up()
     log(f"{name}: warm-up {arm['warm_up_s']:.1f} s, graphs' pool {arm['graph_pool_mib']:.0f} MiB")
 
@@ -402,6 +412,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--ttft-s", type=float, default=TTFT_SLO_S, help="the SLO's time to first token")
     ap.add_argument("--tpot-x", type=float, default=TPOT_SLO_X,
                     help="the SLO's time per output token, in BF16 batch-1 steps")
+    ap.add_argument("--chunked-prefill", type=int, default=0, metavar="TOKENS",
+                    help="prefill in chunks: TOKENS prompt tokens per step beside every slot decoding (0: whole "
+                         "prompts, the default); the scratch's bytes come out of the budget")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--smoke", action="store_true", help="a tiny model and trace: checks the script, measures nothing")
     ap.add_argument("--out", default=str(RESULTS / "serving.json"))
@@ -420,6 +433,9 @@ def main(argv=None) -> dict:
                             ("--ttft-s", 600.0), ("--tpot-x", 100.0)):  # a CPU, maybe busy: every request meets it
             if flag not in given:
                 setattr(args, flag[2:].replace("-", "_"), value)
+    if args.chunked_prefill < 0:
+        raise SystemExit(f"--chunked-prefill {args.chunked_prefill}: pass the prompt tokens per step, or 0 for whole "
+                         "prompts")
     stop_all = T0 + args.time_budget_s
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
@@ -439,7 +455,8 @@ def main(argv=None) -> dict:
     result = run_info(__file__, argv, device) | {
         "model": "smoke" if args.smoke else "Ouro-1.4B shapes, random weights", "dtype": str(dtype),
         "budget_gib": args.budget_gib, "max_len": args.max_len, "requests": args.requests,
-        "min_requests": args.min_requests, "trace_s": args.trace_s, "seed": args.seed, "arms": {}, "rows": []}
+        "min_requests": args.min_requests, "trace_s": args.trace_s, "seed": args.seed,
+        "chunked_prefill": args.chunked_prefill, "arms": {}, "rows": []}
 
     # the SLO's step: BF16 with one slot and a pool for one request, through the same engine
     one_stop = time.perf_counter() + min(60.0, (stop_all - time.perf_counter()) / (len(arm_plans) + 1))
@@ -466,8 +483,9 @@ def main(argv=None) -> dict:
     for k, (name, plan) in enumerate(arm_plans.items()):
         stop_at = time.perf_counter() + (stop_all - time.perf_counter()) / (len(arm_plans) - k)
         try:
-            run_arm(model, name, plan, budget_split(plan, cfg, budget, mean_ctx, dtype_bytes), reqs, args, result,
-                    tpot_slo=tpot_slo, stop_at=stop_at)
+            split = budget_split(plan, cfg, budget, mean_ctx, dtype_bytes,
+                                 scratch_tokens=args.max_len if args.chunked_prefill else 0)
+            run_arm(model, name, plan, split, reqs, args, result, tpot_slo=tpot_slo, stop_at=stop_at)
         except (RuntimeError, ValueError) as error:  # this arm failed (out of memory, a stopped engine): the next runs
             log(f"{name} failed: {error!r}")
             result["arms"].setdefault(name, {})["error"] = repr(error)

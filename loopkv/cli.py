@@ -165,8 +165,12 @@ def build_parser() -> argparse.ArgumentParser:
     pool.add_argument("--pool-pages", type=int, help="history pages of 32 tokens shared by all requests")
     p.add_argument("--max-slots", type=int, default=8, help="requests decoded at once (default 8)")
     p.add_argument("--max-len", type=int, default=4096, help="tokens per request, prompt + output (default 4096)")
-    p.add_argument("--max-batch-tokens", type=int, default=None, help="tokens per engine step (default 512, "
-                   "256 for a plan with share cells)")
+    p.add_argument("--max-batch-tokens", type=int, default=None, help="tokens per engine step (default: "
+                   "--max-len + --max-slots, every prompt in one step; with --chunked-prefill, --max-slots + "
+                   "loopkv.serving.transformers_cb.DEFAULT_CHUNK)")
+    p.add_argument("--chunked-prefill", action="store_true", help="prefill a prompt the step does not hold whole in "
+                   "chunks, one request at a time, exactly (as one pass), through a scratch of --max-len tokens of "
+                   "every cell kept beside the pool (out of --kv-budget-gib)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000; 0: any free port)")
 
@@ -452,7 +456,8 @@ def cmd_serve(args) -> int:
     try:
         srv = serving.from_arguments(model, plan, args.model, max_slots=args.max_slots, max_len=args.max_len,
                                      pool_pages=args.pool_pages, kv_budget_gib=args.kv_budget_gib,
-                                     max_batch_tokens=args.max_batch_tokens, host=args.host, port=args.port)
+                                     max_batch_tokens=args.max_batch_tokens, chunked_prefill=args.chunked_prefill,
+                                     host=args.host, port=args.port)
     except (NotImplementedError, RuntimeError) as err:  # transformers' engine: unsupported version, cannot start
         raise UserError(str(err)) from err
     print(serving.banner(srv, args.plan), flush=True)

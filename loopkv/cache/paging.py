@@ -67,24 +67,26 @@ class PagePool:
         return pages
 
 
-def pool_pages_for(plan, config, *, budget_bytes: int, max_batch_size: int, dtype_bytes: int = 2) -> int:
-    """The ``pool_pages`` that fit a cache of ``plan`` for ``config``'s shape in ``budget_bytes``: the exact parts of
+def pool_pages_for(plan, config, *, budget_bytes: int, max_batch_size: int, dtype_bytes: int = 2,
+                   reserved_bytes: int = 0) -> int:
+    """The ``pool_pages`` that fit a cache of ``plan`` for ``config``'s shape in ``budget_bytes``: ``reserved_bytes``
+    (what the caller keeps beside the cache, e.g. a serving engine's prompt scratch) and the exact parts of
     ``max_batch_size`` rows (``loopkv.planning.bytes.exact_bytes``: every cache index's sink, window ring and lengths,
     padding included; every sliding layer's window) come first, the rest buys pages, each a page in every own pool
     (the planned cells' and the fixed exact slots' BF16 pools), one of them the trash page. The page tables (int32 per
-    row and page of each own pool) are not counted. Raises ValueError when the budget does not cover the exact parts
-    and one page."""
+    row and page of each own pool) are not counted. Raises ValueError when the budget does not cover the reserved
+    bytes, the exact parts and one page."""
     from loopkv.cache.checks import model_layout, model_shape
     from loopkv.planning.bytes import exact_bytes
 
     _, _, kv_heads, head_dim = model_shape(config)
-    exact = exact_bytes(config, rows=max_batch_size, dtype_bytes=dtype_bytes).total
+    exact = exact_bytes(config, rows=max_batch_size, dtype_bytes=dtype_bytes).total + reserved_bytes
     own = [o for o in plan.options if o != "share"] + ["bf16"] * len(model_layout(config).fixed("exact"))
     per_page = sum(page_bytes(BITS[o], kv_heads, head_dim, exact_bytes=dtype_bytes) for o in own)
     pages = math.floor((budget_bytes - exact - per_page) / per_page) if per_page else 0  # one page is the trash page
     if pages < 1:
         raise ValueError(
             f"a budget of {budget_bytes / 2**30:.3f} GiB does not cover {max_batch_size} rows' exact sink and window "
-            f"({exact / 2**30:.3f} GiB) and one page ({per_page / 2**20:.3f} MiB): raise the budget or lower "
-            "max_batch_size")
+            f"({(exact - reserved_bytes) / 2**30:.3f} GiB), {reserved_bytes / 2**30:.3f} GiB reserved beside them and "
+            f"one page ({per_page / 2**20:.3f} MiB): raise the budget or lower max_batch_size")
     return pages

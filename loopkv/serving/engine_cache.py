@@ -13,9 +13,11 @@ history:
 * **indices**: the write index of a request's token at position ``p`` is ``slot * max_len + p``, so the attention
   function recovers each packed token's slot and position from the engine's own index tensor; padding tokens get
   the engine's trash index (``max_slots * max_len``).
-* **the step's segments** (a new prompt, whole: ``transformers_cb.WholePrompts``; a decode token) are recorded on
-  the host as the engine prepares the batch (:meth:`schedule`, from its per-request index call), so splitting the
-  packed batch reads nothing back from the device;
+* **the step's segments** (a new prompt, whole; a chunk of the one prompt prefilled in chunks, when
+  ``chunked_prefill`` is on; a decode token: ``transformers_cb.Prompts`` schedules them) are recorded on the host as
+  the engine prepares the batch (:meth:`schedule`, from its per-request index call), so splitting the packed batch
+  reads nothing back from the device. Which scheduled segment is a chunk comes from the prompt's length, which the
+  scheduler gives the cache (:meth:`note_prompt`);
 * **the model** hands its forward to :meth:`run_step`, which prepares the step on the host (the segments checked,
   pages reserved, the new prompts' writes as a :class:`~loopkv.cache.slots.PrefillStep`, the decoding rows written
   into :class:`~loopkv.cache.slots.DecodeSteps`' fixed tensors: one copy to the device) and runs it: a step where
@@ -24,6 +26,9 @@ history:
   with any transformers cache, and the ``"loopkv"`` attention function hands the packed batch to :meth:`attend`,
   which, through ``loopkv/cache/slots.py``, writes the step's new prompts together, runs their exact attention per
   segment, and every decoding slot in one fixed-shape call. Nothing is read back per cell.
+* **a prompt in chunks** (``chunked_prefill``): its chunks go to a dense scratch (:mod:`loopkv.serving.prompt_chunks`)
+  and attend exactly over the chunks before them; its last chunk writes the whole prompt into its slot as a new
+  prompt is written. So its tokens are those of the prompt in one pass. One request holds the scratch at a time.
 * **warm-up**: before its first request the cache runs every decode bucket once with a step in which no row decodes
   (:meth:`warm_up`; on CUDA, each bucket's graph is captured then), so no request's step waits for a capture. The
   engine's own warm-up calls it (``transformers_cb.EngineProcessor``); otherwise the first forward does.
@@ -58,6 +63,7 @@ from loopkv.cache.layer import LoopKVHandle
 from loopkv.cache.loop_cache import LoopKVCache
 from loopkv.format import PAGE
 from loopkv.serving.decode_graphs import DecodeGraphs, bucket, buckets
+from loopkv.serving.prompt_chunks import PromptScratch
 
 logger = logging.getLogger(__name__)
 LIVES_KEPT = 1024  # requests whose steps EngineCache.lives keeps
@@ -77,14 +83,17 @@ class EngineCache:
     plan, config: the LoopKV plan and the model's config; max_slots: requests in flight at once; max_len: tokens per
     request (prompt + generated); pool_pages: the shared pool (the engine's ``num_blocks``); max_batch_tokens: the
     engine's tokens per step; dtype, device: the model's; cuda_graphs: on a CUDA device, decode-only steps replay a
-    CUDA graph per bucket (:mod:`loopkv.serving.decode_graphs`; False runs the same padded step eagerly).
+    CUDA graph per bucket (:mod:`loopkv.serving.decode_graphs`; False runs the same padded step eagerly);
+    chunked_prefill: a prompt the step's budget does not hold whole may be prefilled in chunks, exactly, through a
+    scratch of ``max_len`` tokens in every cell (:mod:`loopkv.serving.prompt_chunks`; its bytes come on top of the
+    pool's).
     """
 
     attention_implementation = "loopkv"
     builds_no_mask = True  # the engine's packed batch carries its segments; the model builds no dense mask
 
     def __init__(self, plan, *, config, max_slots: int, max_len: int, pool_pages: int, max_batch_tokens: int,
-                 dtype: torch.dtype, device, cuda_graphs: bool = True):
+                 dtype: torch.dtype, device, cuda_graphs: bool = True, chunked_prefill: bool = False):
         self.cache = LoopKVCache(plan, config=config, max_batch_size=max_slots, max_cache_len=max_len, dtype=dtype,
                                  device=device, pool_pages=pool_pages)
         self.config, self.dtype, self.device = config, dtype, self.cache.device
@@ -99,6 +108,10 @@ class EngineCache:
         self._blocks: dict[str, int] = {}
         self._held = [0] * max_slots  # tokens each slot holds (the cache's lengths, kept on the host)
         self._scheduled: list[tuple[str, int, int]] | None = None  # (request, past, new) of the batch being prepared
+        self._prompt_tokens: dict[str, int] = {}  # the tokens of each waiting or prefilling request's prompt
+        self.scratch = PromptScratch(cells=len(self.cache.layers), max_len=max_len, kv_heads=self.cache.kv_heads,
+                                     head_dim=self.cache.head_dim, dtype=dtype,
+                                     device=self.device) if chunked_prefill else None
         self._step: _Step | None = None  # the segments of the forward in progress
         # the step's (cell, device flags: which of its prompt tokens are uncodable), and after its last cell the
         # prompts found uncodable: (request, slot, cells)
@@ -158,14 +171,32 @@ class EngineCache:
         return True
 
     def free(self, request_id: str) -> None:
-        """The request is finished, cancelled or preempted: its slot's tokens and pages go back."""
+        """The request is finished, cancelled or preempted: its slot's tokens and pages go back, and the prompt
+        scratch if it held it."""
         self._blocks.pop(request_id, None)
+        self._prompt_tokens.pop(request_id, None)
+        if self.scratch is not None:
+            self.scratch.release(request_id)
         slot = self._slot.pop(request_id, None)
         if slot is not None:
             self.cache.release([slot])
             self._held[slot] = 0
             self._free_slots.append(slot)
             self._free_slots.sort()
+
+    @property
+    def chunked_prefill(self) -> bool:
+        return self.scratch is not None
+
+    @property
+    def chunk_owner(self) -> str | None:
+        """The request whose prompt is being prefilled in chunks (None if none is, or chunked prefill is off)."""
+        return None if self.scratch is None else self.scratch.owner
+
+    def note_prompt(self, request_id: str, tokens: int) -> None:
+        """The scheduler's word that ``request_id``'s prompt (a preempted request's: everything it holds again) has
+        ``tokens`` tokens, so a segment of it shorter than that is a chunk."""
+        self._prompt_tokens[request_id] = tokens
 
     @property
     def requests_held(self) -> int:
@@ -220,6 +251,8 @@ class EngineCache:
                 logits = logits_of(input_ids=input_ids, position_ids=position_ids, logits_to_keep=logits_to_keep)
         finally:
             self._step = None
+        if step.chunk is not None and step.chunk.prefill is not None:  # the prompt is in its slot now
+            self.scratch.release(step.chunk.request_id)
         if step.decoded and self._quantized:  # read by uncodable_decodes once the engine has the step's tokens
             self._largest_host.copy_(self._decode_steps.largest, non_blocking=True)
             if self._copied is not None:
@@ -313,6 +346,13 @@ class EngineCache:
             seg = slice(start, start + n)
             written.append((seg, _prompt_attention(query[:, :, seg], k[:, :, seg], v[:, :, seg], step.no_pad,
                                                    scale)[0]))
+        chunk = step.chunk
+        if chunk is not None:  # the prompt in chunks: exact attention over its chunks so far (prompt_chunks.py)
+            seg = slice(chunk.start, chunk.start + chunk.tokens)
+            written.append((seg, self.scratch.attend(cell, q[seg].transpose(0, 1), kk[seg], vv[seg],
+                                                     start=chunk.position, scale=scale)))
+            if chunk.prefill is not None:  # its last chunk: the whole prompt written as a new prompt is
+                slots.prefill_step(self.cache, cell, chunk.prefill, self.scratch.k[cell], self.scratch.v[cell])
         last = cell == len(self.cache.layers) - 1
         if last:
             self._find_uncodable_prompts(step)
@@ -334,10 +374,11 @@ class EngineCache:
         if not flags:
             return
         read = torch.stack([f for _, f in flags]).cpu()  # [quantized cells, checked tokens: the prompts', in order]
-        ends = list(itertools.accumulate(n for *_, n in step.prompts))
-        bad = torch.stack([read[:, end - n:end].any(1) for (*_, n), end in zip(step.prompts, ends, strict=True)])
+        segments = step.prompt_segments
+        ends = list(itertools.accumulate(n for *_, n in segments))
+        bad = torch.stack([read[:, end - n:end].any(1) for (*_, n), end in zip(segments, ends, strict=True)])
         request = {slot: rid for rid, slot in self._slot.items()}
-        for (slot, _, _), prompt_bad in zip(step.prompts, bad.tolist(), strict=True):
+        for (slot, _, _), prompt_bad in zip(segments, bad.tolist(), strict=True):
             cells = [cell for (cell, _), f in zip(flags, prompt_bad, strict=True) if f]
             if cells:
                 self._bad_prompts.append((request[slot], slot, cells))
@@ -354,20 +395,26 @@ class EngineCache:
                                "extend_read_and_write_indices")
         began = time.perf_counter()
         self._uncodable = []
-        prompts, decoding, start = [], [], 0
+        prompts, decoding, decoded, chunk, start = [], [], [], None, 0
         for request_id, pos, n in scheduled:
             slot = self._slot[request_id]
             if self._held[slot] != pos:
                 raise RuntimeError(f"the engine writes slot {slot} from position {pos}, but the slot holds "
                                    f"{self._held[slot]} tokens: the engine's and the cache's requests disagree")
-            if n == 1 and pos > 0:
+            total = self._prompt_tokens.get(request_id, pos + n)
+            starts_chunks = pos == 0 and n < total and self.chunked_prefill and self.chunk_owner is None
+            if self.chunk_owner == request_id or starts_chunks:
+                chunk = self._chunk(request_id, slot, start, pos, n, total)
+            elif n == 1 and pos > 0:
                 decoding.append((slot, start))
-            elif pos == 0:
+                decoded.append((request_id, slot, pos))
+            elif pos == 0:  # a whole prompt, or all but the last token of one the engine splits to fork it
                 prompts.append((slot, start, n))
             else:
                 raise RuntimeError(f"the engine scheduled a chunk of {n} tokens after position {pos} of request "
-                                   f"{request_id}; loopkv's engine schedules every prompt whole (engine_cache's "
-                                   "WholePrompts scheduler)")
+                                   f"{request_id}, which is not a prompt being prefilled in chunks")
+            if pos + n == total:  # the prompt's last segment: its later tokens decode
+                self._prompt_tokens.pop(request_id, None)
             self.lives[request_id][-1].append((pos, n))
             start += n
         if start > tokens:
@@ -375,20 +422,34 @@ class EngineCache:
         self.cache.reserve({self._slot[r]: pos + n for r, pos, n in scheduled})
         for request_id, pos, n in scheduled:
             self._held[self._slot[request_id]] = pos + n
-        graphed = not prompts and len(decoding) == tokens == logits
+        graphed = not prompts and chunk is None and len(decoding) == tokens == logits
         width = bucket(tokens) if graphed else tokens
         decode = self._decode_steps.fill(decoding, tokens=width) if decoding else None
         for slot, _, _ in prompts:
             self.cache._pads[slot] = 0  # the engine's prompts are not padded
         prefill = slots.PrefillStep.build(prompts, device=self.device) if prompts else None
+        segments = prompts + ([(chunk.slot, chunk.start, chunk.tokens)] if chunk is not None else [])
         checked = None
-        if prompts and self._quantized:  # the prompt tokens, checked codable once per step
-            index = [t for _, start, n in prompts for t in range(start, start + n)]
+        if segments and self._quantized:  # the prompt tokens, checked codable once per step
+            index = [t for _, start, n in segments for t in range(start, start + n)]
             checked = _to_device(index, self.device)
-        self.steps.append((began, len(decoding), sum(n for *_, n in prompts)))
-        decoded = [(r, self._slot[r], pos) for r, pos, n in scheduled if n == 1 and pos > 0]
-        return _Step(prompts=prompts, decode=decode, prefill=prefill, checked=checked, no_pad=self._no_pad,
-                     graphed=graphed, decoded=decoded)
+        self.steps.append((began, len(decoding), sum(n for *_, n in segments)))
+        return _Step(prompts=prompts, decode=decode, prefill=prefill, chunk=chunk, prompt_segments=segments,
+                     checked=checked, no_pad=self._no_pad, graphed=graphed, decoded=decoded)
+
+    def _chunk(self, request_id: str, slot: int, start: int, pos: int, n: int, total: int) -> _Chunk:
+        """A scheduled chunk of ``request_id``'s ``total``-token prompt: ``n`` tokens from position ``pos``, packed
+        from token ``start`` (the scratch claimed at its first chunk; its last writes the prompt into ``slot``)."""
+        if pos == 0:
+            self.scratch.claim(request_id)
+        elif self.scratch.owner != request_id:
+            raise RuntimeError(f"request {request_id} continues a prompt in chunks it does not hold the scratch for")
+        if pos + n > total:
+            raise RuntimeError(f"the engine scheduled request {request_id}'s prompt to position {pos + n}, past its "
+                               f"{total} tokens")
+        last = pos + n == total
+        prefill = slots.PrefillStep.build([(slot, 0, total)], device=self.device) if last else None
+        return _Chunk(request_id=request_id, slot=slot, start=start, position=pos, tokens=n, prefill=prefill)
 
 
 def _to_device(values: list[int], device) -> Tensor:
@@ -400,13 +461,29 @@ def _to_device(values: list[int], device) -> Tensor:
 
 
 @dataclass(frozen=True)
+class _Chunk:
+    """The step's chunk of the prompt being prefilled in chunks: ``tokens`` tokens from ``position``, packed from
+    token ``start``; ``prefill``: at its last chunk, the whole prompt's writes into ``slot`` (from the scratch)."""
+
+    request_id: str
+    slot: int
+    start: int
+    position: int
+    tokens: int
+    prefill: slots.PrefillStep | None
+
+
+@dataclass(frozen=True)
 class _Step:
     """A forward's segments: ``prompts`` (slot, first packed token, tokens) of each new prompt, their attention run per
-    segment; ``decode`` the decoding rows, run together (None if none decodes)."""
+    segment; ``chunk``: a chunk of the prompt prefilled in chunks; ``decode`` the decoding rows, run together (None if
+    none decodes)."""
 
     prompts: list[tuple[int, int, int]]
     decode: slots.DecodeStep | None
     prefill: slots.PrefillStep | None = None  # the new prompts' writes (None if none starts)
+    chunk: _Chunk | None = None  # the prompt in chunks' chunk, if the step has one
+    prompt_segments: list[tuple[int, int, int]] = field(default_factory=list)  # prompts, then the chunk
     checked: Tensor | None = None  # the packed tokens of the prompts, checked codable (quantized plans)
     no_pad: Tensor | None = None  # a prompt's padding for its exact attention: none
     graphed: bool = False  # every token decodes a row: the step runs padded to its bucket (DecodeGraphs)

@@ -103,15 +103,17 @@ class CompletionServer:
     """Serve ``model`` with LoopKV storage for ``plan`` over HTTP on ``host:port`` (``port=0``: any free port).
 
     ``max_slots`` requests decode at once, each at most ``max_len`` tokens (prompt + output), their history pages from a
-    pool of ``pool_pages`` (``loopkv.cache.paging.pool_pages_for`` turns a KV budget into pages); ``max_batch_tokens``
-    and other keywords go to :func:`~loopkv.serving.transformers_cb.engine_config`. ``tokenizer`` (optional) turns
+    pool of ``pool_pages`` (``loopkv.serving.transformers_cb.pool_pages_within`` turns a KV budget into pages);
+    ``max_batch_tokens``, ``chunked_prefill`` (a prompt the step does not hold whole is prefilled in chunks, exactly,
+    through a scratch of ``max_len`` tokens) and other keywords go to
+    :func:`~loopkv.serving.transformers_cb.engine_config`. ``tokenizer`` (optional) turns
     text prompts into ids and generated ids into text; ``name`` is the model id clients see. The socket is bound and
     the engine running when the constructor returns; :meth:`serve_forever` answers requests until :meth:`close`.
     """
 
     def __init__(self, model, plan, *, max_slots: int, max_len: int, pool_pages: int, tokenizer=None,
                  name: str = "loopkv", host: str = "127.0.0.1", port: int = 8000,
-                 max_batch_tokens: int | None = None, **engine):
+                 max_batch_tokens: int | None = None, chunked_prefill: bool = False, **engine):
         from transformers import GenerationConfig
 
         from loopkv.serving.transformers_cb import check_model, engine_cache, engine_config
@@ -130,7 +132,7 @@ class CompletionServer:
         self._closed = threading.Event()
         self._serving = threading.Event()
         cb = engine_config(pool_pages=pool_pages, max_batch_tokens=max_batch_tokens, max_len=max_len,
-                           max_slots=max_slots, **engine)
+                           max_slots=max_slots, chunked_prefill=chunked_prefill, **engine)
         eos = model.generation_config.eos_token_id
         self._eos = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
         generation = GenerationConfig(max_new_tokens=DEFAULT_MAX_TOKENS, do_sample=False,
@@ -147,7 +149,7 @@ class CompletionServer:
             model.set_attn_implementation("sdpa")
         self.manager = None
         try:
-            with engine_cache(plan, max_slots=max_slots, max_len=max_len) as built:
+            with engine_cache(plan, max_slots=max_slots, max_len=max_len, chunked_prefill=chunked_prefill) as built:
                 self.manager = model.init_continuous_batching(generation_config=generation,
                                                               continuous_batching_config=cb)
                 self.manager.warmup()  # builds the engine cache: every decode bucket captured before any request
@@ -344,14 +346,13 @@ def _handler(server: CompletionServer) -> type[BaseHTTPRequestHandler]:
 
 
 def from_arguments(model, plan, spec: str, *, max_slots: int, max_len: int, pool_pages: int | None,
-                   kv_budget_gib: float | None, host: str, port: int, max_batch_tokens: int | None = None):
+                   kv_budget_gib: float | None, host: str, port: int, max_batch_tokens: int | None = None,
+                   chunked_prefill: bool = False):
     """The :class:`CompletionServer` of ``loopkv serve``: ``spec`` (``small``, a checkpoint folder or a cached Hub id)
-    names the model and holds its tokenizer; the pool is ``pool_pages``, what ``kv_budget_gib`` buys, or by default
-    pages for every slot at ``max_len``."""
-    import torch
-
-    from loopkv.cache.paging import pool_pages_for
+    names the model and holds its tokenizer; the pool is ``pool_pages``, what ``kv_budget_gib`` buys (after the
+    prompt scratch, with ``chunked_prefill``), or by default pages for every slot at ``max_len``."""
     from loopkv.serving.engine_cache import blocks_for
+    from loopkv.serving.transformers_cb import pool_pages_within
 
     if spec == "small":
         from loopkv.models.small import SMALL_DIR as folder
@@ -360,13 +361,13 @@ def from_arguments(model, plan, spec: str, *, max_slots: int, max_len: int, pool
 
         folder = checkpoint_folder(spec)
     if kv_budget_gib is not None:
-        pool_pages = pool_pages_for(plan, model.config, budget_bytes=int(kv_budget_gib * 2**30),
-                                    max_batch_size=max_slots, dtype_bytes=torch.empty(0, dtype=model.dtype).itemsize)
+        pool_pages = pool_pages_within(plan, model.config, kv_budget_gib=kv_budget_gib, max_slots=max_slots,
+                                       max_len=max_len, dtype=model.dtype, chunked_prefill=chunked_prefill)
     elif pool_pages is None:
         pool_pages = max_slots * blocks_for(max_len)
     return CompletionServer(model, plan, tokenizer=load_tokenizer(folder), name=spec, max_slots=max_slots,
-                            max_len=max_len, pool_pages=pool_pages, max_batch_tokens=max_batch_tokens, host=host,
-                            port=port)
+                            max_len=max_len, pool_pages=pool_pages, max_batch_tokens=max_batch_tokens,
+                            chunked_prefill=chunked_prefill, host=host, port=port)
 
 
 def banner(server: CompletionServer, plan_path: str) -> str:

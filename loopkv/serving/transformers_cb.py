@@ -36,16 +36,19 @@ step's split into prompts and decodes for another; loopkv captures its decode-on
 runs; offloading copies engine blocks loopkv does not have) and without compilation (the engine's default; a compile
 config, which also pads the batch, is untested here).
 
-**Whole prompts.** loopkv's engine never splits a prompt: :func:`engine_cache` swaps the engine's scheduler classes
-(``scheduler.SCHEDULER_MAPPING``) for subclasses that leave a prompt (a new request, or a preempted one back as a new
-prompt) waiting until a step has room for all of it (:class:`WholePrompts`: it filters the candidates before the
-engine's ``_process_candidates``, whose signature 5.17 and 5.24 share), and the step budget must hold the longest
-request next to every slot decoding (``max_batch_tokens >= max_len + max_slots``, :func:`check_step_budget`), so a
-waiting prompt fits in a step once it is first in line. A new prompt is one exact pass (``slots.prefill_step``), as
-in ``generate``; a later chunk would be a continuation with the served semantics (the chunk kernel re-reads the
-row's history for every chunk, so a long prompt in chunks costs more than its one pass; docs/design.md, "Whole
-prompts"), which a plan with ``share`` cells takes at most ``WINDOW`` tokens at a time
-(``LoopKVCache.continuation_limit``). Chunked prompts are not built.
+**Prompts.** :func:`engine_cache` swaps the engine's scheduler classes (``scheduler.SCHEDULER_MAPPING``) for
+subclasses (:class:`Prompts`: it filters the candidates before the engine's ``_process_candidates``, whose signature
+5.17 and 5.24 share, and tells the cache each prompt's length). A prompt (a new request, or a preempted one back as a
+new prompt) that the step's token budget holds whole is one exact pass (``slots.prefill_step``), as in ``generate``.
+One that it does not hold:
+
+* waits for a step that does, by default: the budget must then hold the longest request next to every slot decoding
+  (``max_batch_tokens >= max_len + max_slots``, :func:`check_step_budget`), so a waiting prompt fits once it is
+  first in line, and a long prompt's step stalls every decoding request for its pass;
+* with ``chunked_prefill=True``, is prefilled in chunks of what the budget leaves after the decoding requests, one
+  such prompt at a time, through the cache's exact scratch (:mod:`loopkv.serving.prompt_chunks`): its tokens are
+  those of the prompt in one pass, and a step's time is bounded by the budget (``max_batch_tokens`` defaults to
+  ``max_slots + DEFAULT_CHUNK``). The scratch holds ``max_len`` tokens of every cell, exact, besides the pool.
 """
 
 from __future__ import annotations
@@ -66,6 +69,7 @@ from loopkv.serving.engine_cache import EngineCache, blocks_for
 logger = logging.getLogger(__name__)
 _LOCK = threading.Lock()
 SUPPORTED = (Version("5.17"), Version("5.25"))  # [from, to): the engines' cache interfaces these classes follow
+DEFAULT_CHUNK = 2048  # with chunked prefill: the prompt tokens a step holds beside every slot decoding, by default
 NEW_ENGINE = Version("5.24")  # from here on: EngineCache524
 
 
@@ -163,32 +167,49 @@ class EngineProcessor:
                 self.scheduler.finish_request(request_id)
 
 
-class WholePrompts:
-    """Mixed into the engine's scheduler class: a prompt (a waiting request, or one preempted and back as a new
-    prompt) is a candidate only when the step's token budget, after the candidates before it, holds all of it;
-    otherwise it waits for a later step (module docstring). A prompt of ``max_len`` tokens or more stays a candidate:
-    the cache refuses its blocks and the engine fails it alone."""
+class Prompts:
+    """Mixed into the engine's scheduler class: each prompt's length goes to the cache
+    (:meth:`~loopkv.serving.engine_cache.EngineCache.note_prompt`), and a prompt (a waiting request, a preempted one
+    back as a new prompt, or the rest of the prompt in chunks) is a candidate when the step's token budget, after the
+    candidates before it, holds the rest of it, or, with chunked prefill, when no other request's prompt is in chunks
+    (the engine then gives it what the budget leaves); otherwise it waits for a later step (module docstring). A
+    prompt of ``max_len`` tokens or more stays a candidate: the cache refuses its blocks and the engine fails it
+    alone."""
 
     def _process_candidates(self, candidates, token_budget, cache_budget, request_ids_to_remove_from_waiting):
         from transformers.generation.continuous_batching.requests import RequestStatus
 
-        whole, left = [], token_budget
+        kept, left, in_chunks = [], token_budget, self.cache.chunk_owner
         for state in candidates:
-            decoding = state.status == RequestStatus.DECODING
-            need = 1 if decoding else len(state.remaining_prefill_tokens)
-            if decoding or need <= left or need >= self.cache.max_len:
-                whole.append(state)
+            if state.status == RequestStatus.DECODING:
+                kept.append(state)
+                left -= 1
+                continue
+            need = len(state.remaining_prefill_tokens)
+            total = state.position_offset + need
+            self.cache.note_prompt(state.request_id, total)
+            if need <= left or total >= self.cache.max_len:
+                kept.append(state)
                 left -= need
-        return super()._process_candidates(whole, token_budget, cache_budget, request_ids_to_remove_from_waiting)
+            elif self.cache.chunked_prefill and left > 0 and in_chunks in (None, state.request_id):
+                kept.append(state)  # the engine gives it the rest of the budget: a chunk
+                in_chunks, left = state.request_id, 0
+        return super()._process_candidates(kept, token_budget, cache_budget, request_ids_to_remove_from_waiting)
 
 
-def check_step_budget(*, max_batch_tokens: int, max_len: int, max_slots: int) -> None:
-    """Refuse a step budget that cannot hold the longest prompt next to every slot decoding (prompts are whole)."""
-    if max_batch_tokens < max_len + max_slots:
+def check_step_budget(*, max_batch_tokens: int, max_len: int, max_slots: int, chunked_prefill: bool = False) -> None:
+    """Refuse a step budget that cannot hold every slot decoding and a prompt token (chunked prefill) or the longest
+    prompt (whole prompts) beside them."""
+    if chunked_prefill and max_batch_tokens <= max_slots:
+        raise ValueError(f"max_batch_tokens={max_batch_tokens} is too small: a step holds every slot decoding "
+                         f"(max_slots={max_slots}) and a prompt's chunk, so use max_batch_tokens > max_slots (by "
+                         f"default max_slots + {DEFAULT_CHUNK}), or leave it unset")
+    if not chunked_prefill and max_batch_tokens < max_len + max_slots:
         least = max_len + max_slots
-        raise ValueError(f"max_batch_tokens={max_batch_tokens} is too small: loopkv's engine schedules every prompt "
-                         f"whole, so use max_batch_tokens >= max_len + max_slots = {least} (the longest request next "
-                         "to every slot decoding), or leave it unset")
+        raise ValueError(f"max_batch_tokens={max_batch_tokens} is too small: without chunked prefill loopkv's engine "
+                         f"schedules every prompt whole, so use max_batch_tokens >= max_len + max_slots = {least} (the "
+                         "longest request next to every slot decoding), leave it unset, or pass "
+                         "chunked_prefill=True")
 
 
 class _Allocator524:
@@ -310,12 +331,14 @@ def check_version() -> None:
 
 
 @contextlib.contextmanager
-def engine_cache(plan, *, max_slots: int, max_len: int, cuda_graphs: bool = True):
+def engine_cache(plan, *, max_slots: int, max_len: int, cuda_graphs: bool = True, chunked_prefill: bool = False):
     """Within the block, transformers' engine builds an :class:`EngineCache` for ``plan`` (:func:`engine_class`; a
-    lock keeps two engines from building at once), schedules prompts whole (:class:`WholePrompts`) and runs its
-    steps through :class:`EngineProcessor`; yields the list of the caches it built, each added once the engine's
-    batch processor around it exists. ``cuda_graphs``: decode-only steps on CUDA replay loopkv's graphs
-    (``loopkv/serving/decode_graphs.py``), every bucket's captured by the cache's warm-up."""
+    lock keeps two engines from building at once), schedules prompts through :class:`Prompts` (whole, or with
+    ``chunked_prefill`` the one that does not fit in chunks) and runs its steps through :class:`EngineProcessor`;
+    yields the list of the caches it built, each added once the engine's batch processor around it exists.
+    ``cuda_graphs``: decode-only steps on CUDA replay loopkv's graphs (``loopkv/serving/decode_graphs.py``), every
+    bucket's captured by the cache's warm-up. The engine's config comes from :func:`engine_config` with the same
+    ``chunked_prefill``."""
     from transformers.generation.continuous_batching import continuous_api, scheduler
 
     check_version()
@@ -324,9 +347,11 @@ def engine_cache(plan, *, max_slots: int, max_len: int, cuda_graphs: bool = True
 
     def build(config, continuous_batching_config, device, *args, dtype=torch.float16, **kwargs):
         cb = continuous_batching_config
-        check_step_budget(max_batch_tokens=cb.max_batch_tokens, max_len=max_len, max_slots=max_slots)
+        check_step_budget(max_batch_tokens=cb.max_batch_tokens, max_len=max_len, max_slots=max_slots,
+                          chunked_prefill=chunked_prefill)
         return cls(plan, config=config, max_slots=max_slots, max_len=max_len, pool_pages=cb.num_blocks,
-                   max_batch_tokens=cb.max_batch_tokens, dtype=dtype, device=device, cuda_graphs=cuda_graphs)
+                   max_batch_tokens=cb.max_batch_tokens, dtype=dtype, device=device, cuda_graphs=cuda_graphs,
+                   chunked_prefill=chunked_prefill)
 
     schedulers = dict(scheduler.SCHEDULER_MAPPING)
     with _LOCK:
@@ -335,7 +360,7 @@ def engine_cache(plan, *, max_slots: int, max_len: int, cuda_graphs: bool = True
         continuous_api.ContinuousBatchProcessor = type(f"LoopKV{original[1].__name__}",
                                                        (EngineProcessor, original[1]), {"built": built})
         for name, base in schedulers.items():
-            scheduler.SCHEDULER_MAPPING[name] = type(f"WholePrompts{base.__name__}", (WholePrompts, base), {})
+            scheduler.SCHEDULER_MAPPING[name] = type(f"LoopKV{base.__name__}", (Prompts, base), {})
         try:
             yield built
         finally:
@@ -344,13 +369,14 @@ def engine_cache(plan, *, max_slots: int, max_len: int, cuda_graphs: bool = True
 
 
 def engine_config(*, pool_pages: int, max_len: int, max_slots: int, max_batch_tokens: int | None = None,
-                  **config):
+                  chunked_prefill: bool = False, **config):
     """transformers' ``ContinuousBatchingConfig`` for a LoopKV engine cache of ``max_slots`` requests of at most
     ``max_len`` tokens: 32-token blocks (the page; the field is ``page_size`` where the config has one, as in 5.24,
     else ``block_size``), the pool's pages as the engine's blocks, no CUDA graphs of the engine's (loopkv captures
     its own), no async batching, no block table, no CPU offloading and, where the engine has the switch (5.24), no
     automatic switch to flash attention (loopkv's attention would not use it). ``max_batch_tokens`` (tokens per
-    step) defaults to, and must be at least, ``max_len + max_slots``: prompts are scheduled whole
+    step) defaults to, and must be at least, ``max_len + max_slots`` (prompts are scheduled whole); with
+    ``chunked_prefill`` it defaults to ``max_slots + DEFAULT_CHUNK`` and must exceed ``max_slots``
     (:func:`check_step_budget`)."""
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
@@ -360,8 +386,10 @@ def engine_config(*, pool_pages: int, max_len: int, max_slots: int, max_batch_to
                  "max_blocks_per_request", "cpu_offload_space"):
         if name in config:
             raise ValueError(f"{name} is set by loopkv's continuous batching; leave it out")
-    max_batch_tokens = max_len + max_slots if max_batch_tokens is None else max_batch_tokens
-    check_step_budget(max_batch_tokens=max_batch_tokens, max_len=max_len, max_slots=max_slots)
+    if max_batch_tokens is None:
+        max_batch_tokens = max_slots + (DEFAULT_CHUNK if chunked_prefill else max_len)
+    check_step_budget(max_batch_tokens=max_batch_tokens, max_len=max_len, max_slots=max_slots,
+                      chunked_prefill=chunked_prefill)
     if "auto_switch_to_flash" in fields:
         config.setdefault("auto_switch_to_flash", False)
     return ContinuousBatchingConfig(**{page: PAGE}, num_blocks=pool_pages, max_batch_tokens=max_batch_tokens,
@@ -384,33 +412,47 @@ def check_requests(inputs, *, max_len: int, pool_pages: int, max_new_tokens: int
 
 def generate_batch(model, inputs: list[list[int]], plan, *, max_slots: int, max_len: int,
                    pool_pages: int | None = None, kv_budget_gib: float | None = None,
-                   max_batch_tokens: int | None = None, generation_config=None, cuda_graphs: bool = True,
-                   **config):
+                   max_batch_tokens: int | None = None, chunked_prefill: bool = False, generation_config=None,
+                   cuda_graphs: bool = True, **config):
     """``model.generate_batch(inputs, ...)`` with LoopKV storage: ``max_slots`` requests in flight, each at most
     ``max_len`` tokens, history pages from a pool of ``pool_pages`` (or what ``kv_budget_gib`` buys after the
-    slots' exact sink and window: ``loopkv.cache.paging.pool_pages_for``). Other keywords go to transformers'
-    ``ContinuousBatchingConfig`` (:func:`engine_config`); ``cuda_graphs``: :func:`engine_cache`'s. Returns what
-    ``generate_batch`` returns (request id -> output)."""
+    slots' exact sink and window and, with ``chunked_prefill``, the prompt scratch: :func:`pool_pages_within`).
+    ``max_batch_tokens``, ``chunked_prefill`` and other keywords go to transformers' ``ContinuousBatchingConfig``
+    (:func:`engine_config`); ``cuda_graphs``: :func:`engine_cache`'s. Returns what ``generate_batch`` returns
+    (request id -> output)."""
     if (pool_pages is None) == (kv_budget_gib is None):
         raise ValueError("pass exactly one of pool_pages and kv_budget_gib")
     check_model(model)
     if pool_pages is None:
-        dtype_bytes = torch.empty(0, dtype=model.dtype).element_size()
-        pool_pages = pool_pages_for(plan, model.config, budget_bytes=int(kv_budget_gib * 2**30),
-                                    max_batch_size=max_slots, dtype_bytes=dtype_bytes)
+        pool_pages = pool_pages_within(plan, model.config, kv_budget_gib=kv_budget_gib, max_slots=max_slots,
+                                       max_len=max_len, dtype=model.dtype, chunked_prefill=chunked_prefill)
     cb = engine_config(pool_pages=pool_pages, max_batch_tokens=max_batch_tokens, max_len=max_len,
-                       max_slots=max_slots, **config)
+                       max_slots=max_slots, chunked_prefill=chunked_prefill, **config)
     new = (generation_config or model.generation_config).max_new_tokens or 0
     check_requests(inputs, max_len=max_len, pool_pages=pool_pages, max_new_tokens=new)
     implementation = model.config._attn_implementation
     if implementation == "loopkv":  # the engines refuse it by name; loopkv's Ouro takes its attention from the cache
         model.set_attn_implementation("sdpa")
     try:
-        with engine_cache(plan, max_slots=max_slots, max_len=max_len, cuda_graphs=cuda_graphs):
+        with engine_cache(plan, max_slots=max_slots, max_len=max_len, cuda_graphs=cuda_graphs,
+                          chunked_prefill=chunked_prefill):
             return model.generate_batch(inputs, generation_config=generation_config, continuous_batching_config=cb)
     finally:
         if implementation == "loopkv":
             model.set_attn_implementation(implementation)
+
+
+def pool_pages_within(plan, config, *, kv_budget_gib: float, max_slots: int, max_len: int, dtype: torch.dtype,
+                      chunked_prefill: bool = False) -> int:
+    """The pages a KV budget of ``kv_budget_gib`` buys an engine of ``max_slots`` requests after their exact sink and
+    window and, with ``chunked_prefill``, the prompt scratch (``max_len`` tokens of every cell, exact:
+    :func:`loopkv.serving.prompt_chunks.scratch_bytes`)."""
+    from loopkv.serving.prompt_chunks import scratch_bytes
+
+    dtype_bytes = torch.empty(0, dtype=dtype).element_size()
+    reserved = scratch_bytes(config, tokens=max_len, dtype_bytes=dtype_bytes) if chunked_prefill else 0
+    return pool_pages_for(plan, config, budget_bytes=int(kv_budget_gib * 2**30), max_batch_size=max_slots,
+                          dtype_bytes=dtype_bytes, reserved_bytes=reserved)
 
 
 def check_model(model) -> None:

@@ -27,12 +27,14 @@ def test_capture_needs_a_cuda_device():
         DecodeGraphs(max_rows=4, device="cpu", capture=True)
 
 
-def _serve(model, plan, prompts, *, cuda_graphs, new=24):
+def _serve(model, plan, prompts, *, cuda_graphs, new=24, chunk=0):
     """Each prompt's tokens through an engine of 5 slots warmed up by transformers' ``manager.warmup()`` first, and
-    the engine cache with the buckets it had captured when the warm-up ended."""
+    the engine cache with the buckets it had captured when the warm-up ended. ``chunk``: chunked prefill, this many
+    prompt tokens per step (0: whole prompts)."""
     gen = GenerationConfig(max_new_tokens=new, do_sample=False, eos_token_id=-1, pad_token_id=0)
-    cb = engine_config(pool_pages=96, max_len=512, max_slots=5)
-    with engine_cache(plan, max_slots=5, max_len=512, cuda_graphs=cuda_graphs) as built:
+    cb = engine_config(pool_pages=96, max_len=512, max_slots=5, chunked_prefill=chunk > 0,
+                       max_batch_tokens=5 + chunk if chunk else None)
+    with engine_cache(plan, max_slots=5, max_len=512, cuda_graphs=cuda_graphs, chunked_prefill=chunk > 0) as built:
         manager = model.init_continuous_batching(generation_config=gen, continuous_batching_config=cb)
         try:
             manager.warmup()
@@ -69,6 +71,22 @@ def test_captured_decode_steps_equal_eager_ones(per_loop):
     assert warmed == engine.graphs.captured == []
     assert captured == eager  # the same padded steps, replayed (the CPU tests check these against generate alone)
     assert all(len(tokens) == 24 for tokens in captured.values())
+
+
+@needs_engine
+@pytest.mark.gpu
+@pytest.mark.parametrize("per_loop", [["int4", "int2"], ["share", "int4"]])
+def test_prompts_in_chunks_on_cuda_give_the_tokens_of_whole_prompts(per_loop):
+    """On CUDA, the five requests with chunked prefill (64 prompt tokens per step: the 400-, 290- and 120-token prompts
+    in chunks, one at a time, through the scratch) generate the tokens they generate with every prompt in one pass."""
+    model = tiny_ouro(head_dim=128, device="cuda")
+    plan = loopkv.Plan.from_loops(loops=2, layers=2, per_loop=per_loop, tau=14.0)
+    prompts = [[3 + (5 * i + j) % 90 for j in range(n)] for i, n in enumerate((400, 33, 290, 7, 120))]
+    whole, _, _ = _serve(model, plan, prompts, cuda_graphs=True)
+    chunked, engine, _ = _serve(model, plan, prompts, cuda_graphs=True, chunk=64)
+    assert [engine.lives[f"r{i}"][0][0][1] < len(p) for i, p in enumerate(prompts)] == [True, False, True, False,
+                                                                                         True]  # in chunks
+    assert chunked == whole
 
 
 def test_buckets_lists_every_bucket_up_to_max_rows():

@@ -211,6 +211,7 @@ def test_cli_serve_refuses_bad_input_with_one_line(checkpoint, capsys):
             (["--plan", str(wrong)], "loops=3 but the model has total_ut_steps=2"),
             (["--plan", plan, "--port", str(busy.getsockname()[1])], "cannot listen on 127.0.0.1"),
             (["--plan", plan, "--kv-budget-gib", "0.00001"], "does not cover"),
+            (["--plan", plan, "--chunked-prefill", "--max-batch-tokens", "8"], "max_batch_tokens=8 is too small"),
         ]
         for flags, says in cases:
             assert main(["serve", ckpt, *flags]) == 2, flags
@@ -222,19 +223,22 @@ def test_cli_serve_refuses_bad_input_with_one_line(checkpoint, capsys):
 
 
 def test_cli_serve_answers_over_http_and_ctrl_c_stops_it(checkpoint, model, plan):
-    """The documented command, as a process: it prints where it listens, answers a completion equal to generate alone,
-    and SIGINT ends it with status 0 and no traceback."""
+    """The documented command, as a process, with chunked prefill (2 slots and 64 prompt tokens per step): it prints
+    where it listens, answers a 150-token prompt, prefilled in three chunks, with the completion generate gives it
+    alone, and SIGINT ends it with status 0 and no traceback."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in [os.getcwd(), os.environ.get("PYTHONPATH")] if p))
     proc = subprocess.Popen([sys.executable, "-m", "loopkv.cli", "serve", str(checkpoint / "ckpt"), "--plan",
                              str(checkpoint / "plan.json"), "--port", "0", "--max-slots", "2", "--max-len",
-                             str(MAX_LEN)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+                             str(MAX_LEN), "--chunked-prefill", "--max-batch-tokens", "66"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
         line = proc.stdout.readline()
         assert "listening on http://127.0.0.1:" in line, (line, proc.stderr.read() if proc.poll() else "")
         url = line.split("listening on ")[1].split()[0]
-        status, body = request(url, "POST", "/v1/completions", {"prompt": [9, 10, 11], "max_tokens": 6})
+        prompt = [9 + i % 50 for i in range(150)]
+        status, body = request(url, "POST", "/v1/completions", {"prompt": prompt, "max_tokens": 6})
         assert status == 200, body
-        assert body["choices"][0]["token_ids"] == alone(model, plan, [9, 10, 11], 6)
+        assert body["choices"][0]["token_ids"] == alone(model, plan, prompt, 6)
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=60) == 0
         err = proc.stderr.read()

@@ -3,6 +3,8 @@ request generated alone through a LoopKVCache with the same plan, with requests 
 enough that some are preempted, and every page back at the end.
 """
 
+import itertools
+
 import pytest
 import torch
 import transformers
@@ -44,34 +46,71 @@ def _replay(model, plan, tokens, steps):
 
 
 @needs_engine
+@pytest.mark.parametrize("chunk", [None, 96])
 @pytest.mark.parametrize("per_loop", [["int4", "int2"], ["share", "int4"]])
-def test_each_request_equals_its_steps_replayed_alone(model, per_loop):
+def test_each_request_equals_its_steps_replayed_alone(model, per_loop, chunk):
     """Six requests through three slots and 16 blocks: requests joining as others leave, some preempted and
-    prefilled again, every prompt in one step. Every token each admission generated equals what a batch-1
-    LoopKVCache predicts when fed the same tokens in the same steps (the served semantics per request); with a pool
-    large enough for no preemption, that is the request generated alone."""
+    prefilled again, every prompt in one step or (``chunk``: chunked prefill, a step of the three slots and 96
+    prompt tokens) in chunks. Every token each admission generated equals what a batch-1 LoopKVCache predicts when
+    fed the same tokens in the same steps, a prompt in chunks as one prompt (the served semantics per request); with
+    a pool large enough for no preemption, that is the request generated alone."""
     plan = loopkv.Plan.from_loops(loops=2, layers=2, per_loop=per_loop, tau=14.0)
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, 97, (n,), generator=g).tolist() for n in (330, 40, 5, 300, 120, 350)]
-    cb = engine_config(pool_pages=16, max_len=512, max_slots=3)
-    with engine_cache(plan, max_slots=3, max_len=512) as built:
+    chunked = chunk is not None
+    cb = engine_config(pool_pages=16, max_len=512, max_slots=3, chunked_prefill=chunked,
+                       max_batch_tokens=3 + chunk if chunked else None)
+    with engine_cache(plan, max_slots=3, max_len=512, chunked_prefill=chunked) as built:
         out = model.generate_batch(prompts, generation_config=_greedy(), continuous_batching_config=cb)
     (engine,) = built
     assert type(engine) is transformers_cb.engine_class()
     assert engine.admissions > len(prompts)  # some requests were preempted and prefilled again
-    for lives in engine.lives.values():  # each admission: its whole prompt, then one token a step
+    assert max(rows + tokens for _, rows, tokens in engine.steps) <= cb.max_batch_tokens
+    in_chunks = 0
+    for lives in engine.lives.values():  # each admission: its prompt, whole or in chunks, then one token a step
         for life in lives:
-            assert life[0][0] == 0, life
-            assert all(n == 1 for _, n in life[1:]), life
+            prompt_steps = [s for s in life if s[1] > 1 or s[0] == 0]
+            assert [pos for pos, _ in prompt_steps] == [0, *itertools.accumulate(n for _, n in prompt_steps[:-1])]
+            assert all(n == 1 for _, n in life[len(prompt_steps):]), life
+            in_chunks += len(prompt_steps) > 1
+    assert (in_chunks > 0) == chunked
+    _assert_replays(model, plan, prompts, out, engine, new=NEW)
+
+
+@needs_engine
+def test_a_request_preempted_while_its_prompt_is_in_chunks_gives_the_scratch_back(model):
+    """Three requests through three slots and 16 blocks, 32 prompt tokens per step: the first request, preempted
+    once it has decoded, comes back with its output as a longer prompt in chunks and is preempted again before its
+    last chunk. The scratch goes back with its slot (the third request's prompt and the first's next admission are
+    then prefilled in chunks through it), and every token is the one its steps give replayed alone."""
+    plan = loopkv.Plan.from_loops(loops=2, layers=2, per_loop=["share", "int4"], tau=14.0)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 97, (n,), generator=g).tolist() for n in (100, 100, 350)]
+    cb = engine_config(pool_pages=16, max_len=512, max_slots=3, chunked_prefill=True, max_batch_tokens=3 + 32)
+    with engine_cache(plan, max_slots=3, max_len=512, chunked_prefill=True) as built:
+        out = model.generate_batch(prompts, generation_config=_greedy(80), continuous_batching_config=cb)
+    (engine,) = built
+    cut = [life for life in engine.lives["req_0"][1:-1] if len(life) > 1 and life[-1][1] > 1]
+    assert cut, engine.lives["req_0"]  # an admission that ended in its prompt's chunks
+    _assert_replays(model, plan, prompts, out, engine, new=80)
+
+
+def _assert_replays(model, plan, prompts, out, engine, *, new):
+    """Every block and the scratch back; every token each admission generated equals what a batch-1 LoopKVCache
+    predicts fed the same tokens in the same steps (a prompt in chunks as one pass)."""
     assert engine.cache.pages_in_use == 0
     assert engine.free_block_count() == engine.num_blocks
+    assert engine.chunk_owner is None
     checked = 0
     for rid, o in out.items():
         prompt = prompts[int(rid.split("_")[1])]
         tokens = prompt + o.generated_tokens
-        assert len(o.generated_tokens) == NEW
+        assert len(o.generated_tokens) == new
         known = len(prompt)  # tokens the request had when (re)admitted: a preempted one comes back with its output
         for life in engine.lives[rid]:
+            if sum(n for pos, n in life if pos < known) < known:
+                continue  # preempted before its prompt's last chunk: it generated nothing
+            life = [(0, known)] + [(pos, n) for pos, n in life if pos >= known]  # a prompt in chunks as one pass
             predicted = _replay(model, plan, tokens, life)
             for (pos, n), token in zip(life, predicted, strict=True):
                 end = pos + n
@@ -80,7 +119,7 @@ def test_each_request_equals_its_steps_replayed_alone(model, per_loop):
                     checked += 1
             last = life[-1][0] + life[-1][1]  # a later admission's prompt ends with this step's output, if any
             known = last + 1 if last >= known else known
-    assert checked == len(prompts) * NEW  # every generated token, in the admission that generated it
+    assert checked == len(prompts) * new  # every generated token, in the admission that generated it
 
 
 @needs_engine
@@ -92,8 +131,11 @@ def test_requests_the_engine_could_never_finish_are_refused_up_front(model):
     with pytest.raises(ValueError, match="request 0 needs 560 tokens"):
         generate_batch(model, [[5] * 520], plan, max_slots=2, max_len=512, pool_pages=16,
                        generation_config=_greedy())
-    with pytest.raises(ValueError, match=r"max_batch_tokens >= max_len \+ max_slots = 514"):
+    with pytest.raises(ValueError, match=r"max_batch_tokens >= max_len \+ max_slots = 514.*chunked_prefill=True"):
         engine_config(pool_pages=16, max_batch_tokens=513, max_len=512, max_slots=2)
+    with pytest.raises(ValueError, match=r"max_batch_tokens=2 is too small.*max_batch_tokens > max_slots"):
+        engine_config(pool_pages=16, max_batch_tokens=2, max_len=512, max_slots=2, chunked_prefill=True)
+    assert engine_config(pool_pages=16, max_len=512, max_slots=2, chunked_prefill=True).max_batch_tokens == 2 + 2048
 
 
 @needs_engine
@@ -145,14 +187,18 @@ def test_with_room_for_everything_each_request_is_generate_alone(model):
 
 
 @needs_engine
-def test_parallel_samples_are_prefilled_as_requests_of_their_own(model):
+@pytest.mark.parametrize("chunked", [False, True])
+def test_parallel_samples_are_prefilled_as_requests_of_their_own(model, chunked):
     """``num_return_sequences > 1``: no child shares its parent's slot (loopkv forks nothing; the engine prefills each
-    child from scratch). With top-k 1 every output is its prompt's greedy continuation alone."""
+    child from scratch). With top-k 1 every output is its prompt's greedy continuation alone. The 5.24 engine splits
+    a parent's prompt before its last token to fork it: with chunked prefill the first parent's two parts are chunks
+    (the scratch), the second's, while the scratch is held, a prompt and a decode token."""
     plan = loopkv.Plan.uniform(loops=2, layers=2, option="int4", tau=14.0)
     prompts = [[5, 6, 7, 8, 9], [8, 9, 10]]
     config = GenerationConfig(max_new_tokens=6, do_sample=True, top_k=1, eos_token_id=-1, pad_token_id=0,
                               num_return_sequences=2)
-    out = generate_batch(model, prompts, plan, max_slots=4, max_len=64, pool_pages=8, generation_config=config)
+    out = generate_batch(model, prompts, plan, max_slots=4, max_len=64, pool_pages=8, generation_config=config,
+                         chunked_prefill=chunked)
     # 5.24 returns the children too (req_0__child#0); 5.17's generate_batch returns the parents only
     newer = Version(Version(transformers.__version__).base_version) >= Version("5.24")
     assert len(out) == (4 if newer else 2)
