@@ -108,7 +108,7 @@ class EngineCache:
         self._blocks: dict[str, int] = {}
         self._held = [0] * max_slots  # tokens each slot holds (the cache's lengths, kept on the host)
         self._scheduled: list[tuple[str, int, int]] | None = None  # (request, past, new) of the batch being prepared
-        self._prompt_tokens: dict[str, int] = {}  # the tokens of each waiting or prefilling request's prompt
+        self._prompt_tokens: dict[str, int] = {}  # the tokens of each prompt the scheduler takes in chunks
         self.scratch = PromptScratch(cells=len(self.cache.layers), max_len=max_len, kv_heads=self.cache.kv_heads,
                                      head_dim=self.cache.head_dim, dtype=dtype,
                                      device=self.device) if chunked_prefill else None
@@ -194,8 +194,9 @@ class EngineCache:
         return None if self.scratch is None else self.scratch.owner
 
     def note_prompt(self, request_id: str, tokens: int) -> None:
-        """The scheduler's word that ``request_id``'s prompt (a preempted request's: everything it holds again) has
-        ``tokens`` tokens, so a segment of it shorter than that is a chunk."""
+        """The scheduler's word that it takes ``request_id``'s prompt (a preempted request's: everything it holds
+        again) of ``tokens`` tokens in chunks: a segment of it shorter than that is a chunk (a prompt it does not
+        note is whole, or split by the engine before its last token to fork it: a prompt, then a decode token)."""
         self._prompt_tokens[request_id] = tokens
 
     @property
@@ -425,10 +426,10 @@ class EngineCache:
         graphed = not prompts and chunk is None and len(decoding) == tokens == logits
         width = bucket(tokens) if graphed else tokens
         decode = self._decode_steps.fill(decoding, tokens=width) if decoding else None
-        for slot, _, _ in prompts:
-            self.cache._pads[slot] = 0  # the engine's prompts are not padded
         prefill = slots.PrefillStep.build(prompts, device=self.device) if prompts else None
         segments = prompts + ([(chunk.slot, chunk.start, chunk.tokens)] if chunk is not None else [])
+        for slot, _, _ in segments:
+            self.cache._pads[slot] = 0  # the engine's prompts are not padded
         checked = None
         if segments and self._quantized:  # the prompt tokens, checked codable once per step
             index = [t for _, start, n in segments for t in range(start, start + n)]

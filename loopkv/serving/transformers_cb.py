@@ -168,13 +168,13 @@ class EngineProcessor:
 
 
 class Prompts:
-    """Mixed into the engine's scheduler class: each prompt's length goes to the cache
-    (:meth:`~loopkv.serving.engine_cache.EngineCache.note_prompt`), and a prompt (a waiting request, a preempted one
-    back as a new prompt, or the rest of the prompt in chunks) is a candidate when the step's token budget, after the
-    candidates before it, holds the rest of it, or, with chunked prefill, when no other request's prompt is in chunks
-    (the engine then gives it what the budget leaves); otherwise it waits for a later step (module docstring). A
-    prompt of ``max_len`` tokens or more stays a candidate: the cache refuses its blocks and the engine fails it
-    alone."""
+    """Mixed into the engine's scheduler class: a prompt (a waiting request, a preempted one back as a new prompt, or
+    the rest of the prompt in chunks) is a candidate when the step's token budget, after the candidates before it,
+    holds the rest of it, or, with chunked prefill, when no other request's prompt is in chunks: the engine then gives
+    it what the budget leaves, and its length goes to the cache
+    (:meth:`~loopkv.serving.engine_cache.EngineCache.note_prompt`), which takes a shorter segment of it for a chunk.
+    Otherwise it waits for a later step (module docstring). A prompt of ``max_len`` tokens or more stays a candidate:
+    the cache refuses its blocks and the engine fails it alone."""
 
     def _process_candidates(self, candidates, token_budget, cache_budget, request_ids_to_remove_from_waiting):
         from transformers.generation.continuous_batching.requests import RequestStatus
@@ -186,12 +186,11 @@ class Prompts:
                 left -= 1
                 continue
             need = len(state.remaining_prefill_tokens)
-            total = state.position_offset + need
-            self.cache.note_prompt(state.request_id, total)
-            if need <= left or total >= self.cache.max_len:
+            if need <= left or state.position_offset + need >= self.cache.max_len:
                 kept.append(state)
                 left -= need
             elif self.cache.chunked_prefill and left > 0 and in_chunks in (None, state.request_id):
+                self.cache.note_prompt(state.request_id, state.position_offset + need)
                 kept.append(state)  # the engine gives it the rest of the budget: a chunk
                 in_chunks, left = state.request_id, 0
         return super()._process_candidates(kept, token_budget, cache_budget, request_ids_to_remove_from_waiting)

@@ -172,6 +172,7 @@ def test_with_room_for_everything_each_request_is_generate_alone(model):
     plan = loopkv.Plan.uniform(loops=2, layers=2, option="int4", tau=14.0)
     g = torch.Generator().manual_seed(4)
     prompts = [torch.randint(3, 97, (n,), generator=g).tolist() for n in (330, 7, 290)]
+    loopkv.register()  # what building a LoopKVCache does, whichever test of this worker runs first
     model.set_attn_implementation("loopkv")  # as README's generate example leaves it; the engines refuse the name
     out = generate_batch(model, prompts, plan, max_slots=3, max_len=512, pool_pages=48, max_batch_tokens=1024,
                          generation_config=_greedy())
@@ -191,8 +192,8 @@ def test_with_room_for_everything_each_request_is_generate_alone(model):
 def test_parallel_samples_are_prefilled_as_requests_of_their_own(model, chunked):
     """``num_return_sequences > 1``: no child shares its parent's slot (loopkv forks nothing; the engine prefills each
     child from scratch). With top-k 1 every output is its prompt's greedy continuation alone. The 5.24 engine splits
-    a parent's prompt before its last token to fork it: with chunked prefill the first parent's two parts are chunks
-    (the scratch), the second's, while the scratch is held, a prompt and a decode token."""
+    a parent's prompt before its last token to fork it, a prompt then a decode token, also with chunked prefill on
+    (the scheduler took the prompt whole)."""
     plan = loopkv.Plan.uniform(loops=2, layers=2, option="int4", tau=14.0)
     prompts = [[5, 6, 7, 8, 9], [8, 9, 10]]
     config = GenerationConfig(max_new_tokens=6, do_sample=True, top_k=1, eos_token_id=-1, pad_token_id=0,
