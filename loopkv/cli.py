@@ -167,7 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-len", type=int, default=4096, help="tokens per request, prompt + output (default 4096)")
     p.add_argument("--max-batch-tokens", type=int, default=None, help="tokens per engine step (default: "
                    "--max-len + --max-slots, every prompt in one step; with --chunked-prefill, --max-slots + "
-                   "loopkv.serving.transformers_cb.DEFAULT_CHUNK)")
+                   "min(loopkv.serving.transformers_cb.DEFAULT_CHUNK, --max-len))")
     p.add_argument("--chunked-prefill", action="store_true", help="prefill a prompt the step does not hold whole in "
                    "chunks, one request at a time, exactly (as one pass), through a scratch of --max-len tokens of "
                    "every cell kept beside the pool (out of --kv-budget-gib)")

@@ -48,7 +48,8 @@ One that it does not hold:
 * with ``chunked_prefill=True``, is prefilled in chunks of what the budget leaves after the decoding requests, one
   such prompt at a time, through the cache's exact scratch (:mod:`loopkv.serving.prompt_chunks`): its tokens are
   those of the prompt in one pass, and a step's time is bounded by the budget (``max_batch_tokens`` defaults to
-  ``max_slots + DEFAULT_CHUNK``). The scratch holds ``max_len`` tokens of every cell, exact, besides the pool.
+  ``max_slots + min(DEFAULT_CHUNK, max_len)``). The scratch holds ``max_len`` tokens of every cell, exact, besides
+  the pool.
 """
 
 from __future__ import annotations
@@ -69,7 +70,10 @@ from loopkv.serving.engine_cache import EngineCache, blocks_for
 logger = logging.getLogger(__name__)
 _LOCK = threading.Lock()
 SUPPORTED = (Version("5.17"), Version("5.25"))  # [from, to): the engines' cache interfaces these classes follow
-DEFAULT_CHUNK = 2048  # with chunked prefill: the prompt tokens a step holds beside every slot decoding, by default
+# With chunked prefill: the prompt tokens a step holds beside every slot decoding, by default. On the H200 at
+# Ouro-1.4B's shapes, 8,192-token chunks served bench_serving's trace as well as whole prompts and 2,048-token ones
+# worse (docs/design.md, "Prompts").
+DEFAULT_CHUNK = 8192
 NEW_ENGINE = Version("5.24")  # from here on: EngineCache524
 
 
@@ -202,7 +206,7 @@ def check_step_budget(*, max_batch_tokens: int, max_len: int, max_slots: int, ch
     if chunked_prefill and max_batch_tokens <= max_slots:
         raise ValueError(f"max_batch_tokens={max_batch_tokens} is too small: a step holds every slot decoding "
                          f"(max_slots={max_slots}) and a prompt's chunk, so use max_batch_tokens > max_slots (by "
-                         f"default max_slots + {DEFAULT_CHUNK}), or leave it unset")
+                         f"default max_slots + min({DEFAULT_CHUNK}, max_len)), or leave it unset")
     if not chunked_prefill and max_batch_tokens < max_len + max_slots:
         least = max_len + max_slots
         raise ValueError(f"max_batch_tokens={max_batch_tokens} is too small: without chunked prefill loopkv's engine "
@@ -375,7 +379,7 @@ def engine_config(*, pool_pages: int, max_len: int, max_slots: int, max_batch_to
     its own), no async batching, no block table, no CPU offloading and, where the engine has the switch (5.24), no
     automatic switch to flash attention (loopkv's attention would not use it). ``max_batch_tokens`` (tokens per
     step) defaults to, and must be at least, ``max_len + max_slots`` (prompts are scheduled whole); with
-    ``chunked_prefill`` it defaults to ``max_slots + DEFAULT_CHUNK`` and must exceed ``max_slots``
+    ``chunked_prefill`` it defaults to ``max_slots + min(DEFAULT_CHUNK, max_len)`` and must exceed ``max_slots``
     (:func:`check_step_budget`)."""
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
@@ -386,7 +390,7 @@ def engine_config(*, pool_pages: int, max_len: int, max_slots: int, max_batch_to
         if name in config:
             raise ValueError(f"{name} is set by loopkv's continuous batching; leave it out")
     if max_batch_tokens is None:
-        max_batch_tokens = max_slots + (DEFAULT_CHUNK if chunked_prefill else max_len)
+        max_batch_tokens = max_slots + (min(DEFAULT_CHUNK, max_len) if chunked_prefill else max_len)
     check_step_budget(max_batch_tokens=max_batch_tokens, max_len=max_len, max_slots=max_slots,
                       chunked_prefill=chunked_prefill)
     if "auto_switch_to_flash" in fields:

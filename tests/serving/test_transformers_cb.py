@@ -135,7 +135,9 @@ def test_requests_the_engine_could_never_finish_are_refused_up_front(model):
         engine_config(pool_pages=16, max_batch_tokens=513, max_len=512, max_slots=2)
     with pytest.raises(ValueError, match=r"max_batch_tokens=2 is too small.*max_batch_tokens > max_slots"):
         engine_config(pool_pages=16, max_batch_tokens=2, max_len=512, max_slots=2, chunked_prefill=True)
-    assert engine_config(pool_pages=16, max_len=512, max_slots=2, chunked_prefill=True).max_batch_tokens == 2 + 2048
+    assert engine_config(pool_pages=16, max_len=512, max_slots=2, chunked_prefill=True).max_batch_tokens == 2 + 512
+    long = engine_config(pool_pages=16, max_len=16384, max_slots=2, chunked_prefill=True).max_batch_tokens
+    assert long == 2 + transformers_cb.DEFAULT_CHUNK < 2 + 16384
 
 
 @needs_engine
