@@ -58,12 +58,11 @@ import torch
 from torch import Tensor
 
 from loopkv.cache import checks, slots
-from loopkv.cache.attention import _prompt_attention
 from loopkv.cache.layer import LoopKVHandle
 from loopkv.cache.loop_cache import LoopKVCache
 from loopkv.format import PAGE
 from loopkv.serving.decode_graphs import DecodeGraphs, bucket, buckets
-from loopkv.serving.prompt_chunks import PromptScratch
+from loopkv.serving.prompt_chunks import PromptScratch, chunk_attention
 
 logger = logging.getLogger(__name__)
 LIVES_KEPT = 1024  # requests whose steps EngineCache.lives keeps
@@ -118,7 +117,6 @@ class EngineCache:
         self._uncodable: list[tuple[int, Tensor]] = []
         self._bad_prompts: list[tuple[str, int, list[int]]] = []
         self._quantized = any(layer.storage.own_bits in (4, 2) for layer in self.cache.layers)
-        self._no_pad = torch.zeros(1, dtype=torch.long, device=self.device)
         self._decode_steps = slots.DecodeSteps(rows=max_slots, max_tokens=max(max_batch_tokens, bucket(max_slots)),
                                                cells=len(self.cache.layers), device=self.device)
         # the last decode step's largest K/V magnitudes, copied to the host without waiting, and what they are of:
@@ -343,10 +341,9 @@ class EngineCache:
             kp, vp = kk.index_select(0, step.checked), vv.index_select(0, step.checked)
             self._uncodable.append((cell, (checks.uncodable(kp) | checks.uncodable(vp)).flatten(1).any(1)))
         written = []
-        for _, start, n in step.prompts:  # each new prompt (written above): exact attention over itself
+        for _, start, n in step.prompts:  # each new prompt (written above): exact causal attention over itself
             seg = slice(start, start + n)
-            written.append((seg, _prompt_attention(query[:, :, seg], k[:, :, seg], v[:, :, seg], step.no_pad,
-                                                   scale)[0]))
+            written.append((seg, chunk_attention(q[seg].transpose(0, 1), kk[seg], vv[seg], scale=scale)))
         chunk = step.chunk
         if chunk is not None:  # the prompt in chunks: exact attention over its chunks so far (prompt_chunks.py)
             seg = slice(chunk.start, chunk.start + chunk.tokens)
@@ -436,7 +433,7 @@ class EngineCache:
             checked = _to_device(index, self.device)
         self.steps.append((began, len(decoding), sum(n for *_, n in segments)))
         return _Step(prompts=prompts, decode=decode, prefill=prefill, chunk=chunk, prompt_segments=segments,
-                     checked=checked, no_pad=self._no_pad, graphed=graphed, decoded=decoded)
+                     checked=checked, graphed=graphed, decoded=decoded)
 
     def _chunk(self, request_id: str, slot: int, start: int, pos: int, n: int, total: int) -> _Chunk:
         """A scheduled chunk of ``request_id``'s ``total``-token prompt: ``n`` tokens from position ``pos``, packed
@@ -486,7 +483,6 @@ class _Step:
     chunk: _Chunk | None = None  # the prompt in chunks' chunk, if the step has one
     prompt_segments: list[tuple[int, int, int]] = field(default_factory=list)  # prompts, then the chunk
     checked: Tensor | None = None  # the packed tokens of the prompts, checked codable (quantized plans)
-    no_pad: Tensor | None = None  # a prompt's padding for its exact attention: none
     graphed: bool = False  # every token decodes a row: the step runs padded to its bucket (DecodeGraphs)
     decoded: list[tuple[str, int, int]] = field(default_factory=list)  # (request, slot, position) each
 

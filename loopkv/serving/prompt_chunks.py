@@ -70,15 +70,17 @@ class PromptScratch:
 
 def chunk_attention(query: Tensor, k: Tensor, v: Tensor, *, scale: float) -> Tensor:
     """The last ``n`` queries of a causal attention over ``T`` exact keys (query [Hq, n, D]; k, v [T, H, D]; query
-    ``i`` sits at position ``T - n + i`` and sees keys ``0 .. T - n + i``): returns [n, Hq, D]."""
+    ``i`` sits at position ``T - n + i`` and sees keys ``0 .. T - n + i``): returns [n, Hq, D]. ``n == T``: a whole
+    prompt. The causal rule is SDPA's lower-right causal bias rather than a mask tensor, so on CUDA flash attention
+    runs it and skips the masked blocks."""
+    from torch.nn.attention.bias import causal_lower_right
+
     Hq, n, _ = query.shape
     T, H, _ = k.shape
     g = Hq // H
     kk, vv = k.transpose(0, 1), v.transpose(0, 1)  # [H, T, D]
     if g > 1:
         kk, vv = kk.repeat_interleave(g, dim=0), vv.repeat_interleave(g, dim=0)
-    i = torch.arange(n, device=query.device)[:, None] + (T - n)
-    allowed = i >= torch.arange(T, device=query.device)[None, :]
-    out = torch.nn.functional.scaled_dot_product_attention(query[None], kk[None], vv[None], attn_mask=allowed,
-                                                           scale=scale)
+    out = torch.nn.functional.scaled_dot_product_attention(query[None], kk[None], vv[None],
+                                                           attn_mask=causal_lower_right(n, T), scale=scale)
     return out[0].transpose(0, 1)
