@@ -399,9 +399,8 @@ class EngineCache:
             if self._held[slot] != pos:
                 raise RuntimeError(f"the engine writes slot {slot} from position {pos}, but the slot holds "
                                    f"{self._held[slot]} tokens: the engine's and the cache's requests disagree")
-            total = self._prompt_tokens.get(request_id, pos + n)
-            starts_chunks = pos == 0 and n < total and self.chunked_prefill and self.chunk_owner is None
-            if self.chunk_owner == request_id or starts_chunks:
+            total = self._prompt_tokens.get(request_id, pos + n)  # noted only for a prompt taken in chunks
+            if self.chunk_owner == request_id or (pos == 0 and n < total):
                 chunk = self._chunk(request_id, slot, start, pos, n, total)
             elif n == 1 and pos > 0:
                 decoding.append((slot, start))

@@ -1,12 +1,15 @@
 """The prompt scratch of chunked prefill (loopkv/serving/prompt_chunks.py): a prompt's chunks attend as the prompt in
 one pass would, one request holds it at a time, and its bytes come out of a KV budget before the pool's pages."""
 
+import itertools
+
 import pytest
 import torch
 
 import loopkv
 from loopkv.cache.paging import pool_pages_for
 from loopkv.format import page_bytes
+from loopkv.planning.bytes import exact_bytes
 from loopkv.serving.prompt_chunks import PromptScratch, scratch_bytes
 from loopkv.serving.transformers_cb import pool_pages_within
 from tests.cache.driver import tiny_config
@@ -34,9 +37,10 @@ def test_chunks_attend_as_the_prompt_in_one_pass(bounds):
     S, Hq, H, D, cells = bounds[-1], 4, 2, 32, 2
     scratch = PromptScratch(cells=cells, max_len=96, kv_heads=H, head_dim=D, dtype=torch.float32, device="cpu")
     for cell in range(cells):
-        q, k, v = torch.randn(Hq, S, D, generator=g), torch.randn(S, H, D, generator=g), torch.randn(S, H, D, generator=g)
+        q = torch.randn(Hq, S, D, generator=g)
+        k, v = torch.randn(S, H, D, generator=g), torch.randn(S, H, D, generator=g)
         expected = _causal_reference(q, k, v, scale=D**-0.5)
-        for a, b in zip(bounds, bounds[1:]):
+        for a, b in itertools.pairwise(bounds):
             out = scratch.attend(cell, q[:, a:b], k[a:b], v[a:b], start=a, scale=D**-0.5)
             torch.testing.assert_close(out.double(), expected[a:b], rtol=1e-5, atol=1e-5)
 
@@ -80,6 +84,9 @@ def test_chunked_prefill_takes_the_scratch_out_of_the_budget_first():
     per_page = len(plan.options) * page_bytes(4, cfg.num_key_value_heads, cfg.head_dim, exact_bytes=2)
     fewer = scratch_bytes(cfg, tokens=512, dtype_bytes=2) / per_page
     assert fewer - 1 <= whole - chunked <= fewer + 1
-    with pytest.raises(ValueError, match=r"GiB reserved beside them"):
-        pool_pages_within(plan, cfg, kv_budget_gib=0.001, max_slots=2, max_len=512, dtype=torch.bfloat16,
+    # a budget that buys pages beside the exact parts, but not beside them and the scratch
+    tight = (exact_bytes(cfg, rows=2, dtype_bytes=2).total + scratch_bytes(cfg, tokens=512, dtype_bytes=2) // 2) / 2**30
+    assert pool_pages_within(plan, cfg, kv_budget_gib=tight, max_slots=2, max_len=512, dtype=torch.bfloat16) > 1
+    with pytest.raises(ValueError, match="reserved beside them"):
+        pool_pages_within(plan, cfg, kv_budget_gib=tight, max_slots=2, max_len=512, dtype=torch.bfloat16,
                           chunked_prefill=True)
