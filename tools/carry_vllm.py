@@ -14,9 +14,12 @@ The procedure (run from a checkout; standard library only, plus ``python -m pip 
 2. prune vLLM's wheel of compiled files the checks ran without (``DROPPED``: FlashAttention 2, the MoE kernels, the
    vllm-rs binary, DeepGEMM for Pythons other than 3.12; about 304 MB to 116 MB) into ``DIR/pruned``, its RECORD
    rewritten without them so that it stays a valid wheel;
-3. write one tar of the pruned wheel and the others, split into ``DIR/part1``, ``DIR/part2``, ... of at most
+3. build loopkv's own wheel from the checkout into ``DIR/loopkv`` (installed beside vLLM, it gives vLLM's processes
+   loopkv's ``vllm.general_plugins`` entry point; the tree's ``loopkv`` stays first on ``PYTHONPATH``, so the code that
+   runs is the checkout's);
+4. write one tar of the pruned wheel and the others, split into ``DIR/part1``, ``DIR/part2``, ... of at most
    ``--part-mib`` MiB each (the rest of a call's 64 MiB is the repository's tree);
-4. print the device calls: one per part, each naming its part in ``carry``; the last one joins the parts, checks the
+5. print the device calls: one per part, each naming its part in ``carry``; the last one joins the parts, checks the
    tar's SHA-256, extracts it, installs every wheel to /tmp/site and exports the environment, and the benchmark's
    command follows in the same call.
 
@@ -72,6 +75,13 @@ PINNED = {
     "typing-extensions": "4.16.0",
     "typing-inspection": "0.4.5",
     "xgrammar": "0.2.7",
+    # `vllm serve`'s OpenAI server and what it imports at start (vllm/entrypoints/launcher.py, serve/utils/ssl.py,
+    # serve/sagemaker and serve/lora's routers, serve/instrumentator), for `vllm bench serve` against it
+    "uvicorn": "0.55.0",
+    "watchfiles": "1.3.0",
+    "model-hosting-container-standards": "0.1.16",
+    "jmespath": "1.1.0",
+    "prometheus-fastapi-instrumentator": "8.1.0",
 }
 PRUNED_PACKAGE = "vllm"
 PYTHON_VERSION = "3.12"
@@ -94,7 +104,8 @@ DROPPED = {
     "DeepGEMM for Python 3.10, 3.11, 3.13, 3.14": re.compile(r"(.*/)?deep_gemm/_C\.cpython-31[0134]-[^/]*\.so"),
 }
 TAR_NAME = "/tmp/vw.tar"  # on the device
-EXPORTS = "PYTHONPATH=/tmp/site:. PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1"
+# The tree first: its loopkv is what runs, and loopkv's wheel in /tmp/site adds the entry point vLLM's processes find
+EXPORTS = "PYTHONPATH=.:/tmp/site PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1"
 COMMAND_LIMIT = 2000  # characters of one remote command
 
 
@@ -152,6 +163,22 @@ def download_all(folder: pathlib.Path, platforms: Sequence[str]) -> dict[str, pa
                 raise CarryError(f"pip downloaded {name}=={version} but no wheel of that name is in {folder}")
         wheels[name] = wheel
     return wheels
+
+
+def loopkv_wheel(folder: pathlib.Path) -> pathlib.Path:
+    """loopkv's own wheel, built from this checkout into ``folder`` (replacing an older one): installed beside vLLM
+    it gives vLLM's processes the ``vllm.general_plugins`` entry point, as ``pip install loopkv`` does."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for old in folder.glob("loopkv-*.whl"):
+        old.unlink()
+    command = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w", str(folder), str(REPO)]
+    result = subprocess.run(command, capture_output=True, text=True)
+    wheels = sorted(folder.glob("loopkv-*.whl"))
+    if result.returncode != 0 or len(wheels) != 1:
+        said = "\n".join((result.stdout + result.stderr).strip().splitlines()[-6:])
+        raise CarryError(f"pip could not build loopkv's wheel from {REPO} (it needs setuptools>=77 here).\n"
+                         f"pip said:\n{said}")
+    return wheels[0]
 
 
 # ----------------------------------------------------------------------------- pruning vLLM's wheel
@@ -344,6 +371,7 @@ def carry(args: argparse.Namespace) -> None:
     folder = carry_folder(args.dir)
     wheels = download_all(folder / "download", [*PLATFORMS, *args.platform])
     wheels[PRUNED_PACKAGE] = pruned = pruned_wheel(wheels[PRUNED_PACKAGE], folder / "pruned")
+    wheels["loopkv"] = loopkv_wheel(folder / "loopkv")
     parts, sha256 = write_parts(list(wheels.values()), folder, int(args.part_mib * MIB))
     print(f"\n{len(wheels)} wheels, {sum(w.stat().st_size for w in wheels.values()) / 1e6:.1f} MB "
           f"({pruned.name}: {pruned.stat().st_size / 1e6:.1f} MB), in {len(parts)} parts:")

@@ -1,11 +1,22 @@
 """loopkv.serving.goodput: the rate search, the goodput rule and the step timing, on rows made up for an arm whose
-attainment falls below 95% above a known rate, and on a made-up step log; the SLO of one request; the trace."""
+attainment falls below 95% above a known rate, and on a made-up step log; the SLO of one request; the trace; the
+attainment of vLLM's per-request records against the token times they were made from."""
 
+import itertools
 import math
+import random
 
 import pytest
 
-from loopkv.serving.goodput import capacity, decode_steps, first_rate, meets_slo, search, trace
+from loopkv.serving.goodput import (
+    capacity,
+    decode_steps,
+    first_rate,
+    meets_slo,
+    search,
+    trace,
+    vllm_bench_attainment,
+)
 
 
 def _arm(limit):
@@ -89,3 +100,49 @@ def test_a_request_meets_the_slo_when_both_latencies_are_within_their_bounds():
     assert not meets_slo(10.01, 0.1, **slo)
     assert not meets_slo(1.0, 0.31, **slo)
     assert not meets_slo(math.inf, math.inf, **slo)  # never finished
+
+
+def _vllm_records(seed: int, n: int) -> tuple[dict, list[dict]]:
+    """``vllm bench serve``'s per-request lists for ``n`` made-up requests, and the requests as token times."""
+    rng = random.Random(seed)
+    requests = []
+    for _ in range(n):
+        start = rng.uniform(0, 100)
+        tokens = rng.choice([0, 1, 2, rng.randint(3, 400)])
+        times = [start + rng.uniform(0.1, 14)]
+        for _ in range(tokens - 1):
+            times.append(times[-1] + rng.expovariate(1 / 0.02) + (rng.random() < 0.02) * rng.uniform(0, 3))
+        requests.append({"start": start, "times": times if tokens else [], "error": "" if tokens and
+                         rng.random() > 0.1 else "boom"})
+    result = {"ttfts": [], "itls": [], "output_lens": [], "errors": []}
+    for r in requests:
+        t = r["times"]
+        result["ttfts"].append(t[0] - r["start"] if t else 0.0)
+        result["itls"].append([b - a for a, b in itertools.pairwise(t)])
+        result["output_lens"].append(len(t))
+        result["errors"].append(r["error"])
+    return result, requests
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_vllm_records_are_scored_as_the_token_times_they_come_from(seed):
+    result, requests = _vllm_records(seed, 300)
+    for ttft_slo, tpot_slo in [(10.0, 0.03), (5.0, 0.025), (14.0, 1.0)]:
+        # by hand: from each request's first and last token times (vLLM's TPOT: (latency - ttft) / (tokens - 1))
+        met = 0
+        for r in requests:
+            t = r["times"]
+            if r["error"] or not t:
+                continue
+            tpot = (t[-1] - t[0]) / (len(t) - 1) if len(t) > 1 else 0.0
+            met += t[0] - r["start"] <= ttft_slo and tpot <= tpot_slo
+        got = vllm_bench_attainment(result, ttft_slo_s=ttft_slo, tpot_slo_s=tpot_slo)
+        assert got["requests"] == len(requests)
+        assert got["met"] == met
+        assert got["attainment"] == met / len(requests)
+    assert 0 < vllm_bench_attainment(result, ttft_slo_s=10.0, tpot_slo_s=0.03)["met"] < len(requests)
+
+
+def test_vllm_records_without_details_are_refused():
+    with pytest.raises(ValueError, match="--save-detailed"):
+        vllm_bench_attainment({"ttfts": [1.0], "output_lens": [3]}, ttft_slo_s=10, tpot_slo_s=1)
