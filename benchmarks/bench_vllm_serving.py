@@ -12,16 +12,16 @@ package index, ``tools/carry_vllm.py``). Every arm is one ``vllm serve`` process
 the same engine settings and the same ``--gpu-memory-utilization`` (so the same memory for KV; loopkv's exact sink
 and window are model buffers and come out of it), then one ``vllm bench serve`` per tested rate against it:
 
-* **the model**: a folder with Ouro-1.4B's config.json (``bench_vllm.ouro_config_dict``) and a word-level tokenizer
-  of the config's vocabulary (token ``i`` is the word ``t{i}``, so a prompt of random ids decodes and re-encodes to
-  the same ids: the trace's lengths are exact), weights ``--load-format dummy`` (the rate a cache sustains does not
-  depend on the weights' values; ``--ignore-eos`` fixes every output's length). ``model_type="ouro"`` is unknown to
-  transformers, so the server starts through vLLM's CLI after ``loopkv.models.register_ouro()`` (its engine process
-  is forked and inherits it).
+* **the model**: a folder with Ouro-1.4B's config.json (``bench_vllm.ouro_config_dict``) and a tokenizer of the
+  config's vocabulary whose words have equal width (``write_tokenizer``: a prompt of random ids decodes and
+  re-encodes to the same ids, so the trace's lengths are exact), weights ``--load-format dummy`` (the rate a cache
+  sustains does not depend on the weights' values; ``--ignore-eos`` fixes every output's length).
+  ``model_type="ouro"`` is unknown to transformers, so the server starts through vLLM's CLI after
+  ``loopkv.models.register_ouro()`` (its engine process is forked and inherits it).
 * **the engine**, every arm: BF16 weights and activations, ``--max-model-len --max-len``, ``--block-size 32``,
   prefix caching off, chunked prefill off with ``--max-num-batched-tokens`` = ``--max-len`` (every prompt scheduled
   whole: plans with ``share`` cells need it, docs/vllm.md), no torch.compile and every decode step one full CUDA
-  graph (``FULL_DECODE_ONLY``, as ``bench_vllm.py --decode-graphs``). ``--max-num-seqs``: for ``bf16`` 64, more
+  graph (``FULL_DECODE_ONLY``, as ``bench_vllm.py --decode-graphs``). ``--max-num-seqs``: for ``bf16`` 32, more
   than its KV blocks hold at the trace's contexts (the blocks bound its batch); for a plan, as many requests of the
   trace's mean context as the BF16 arm's KV memory holds at the plan's bytes per block plus its exact sink and window
   per request (``loopkv.vllm.layout``; the sink and window are allocated for ``--max-num-seqs`` requests up front),
@@ -80,7 +80,7 @@ TAU0_TOKENS = 65  # each generates this many, so 64 decode steps
 WARMUP_REQUESTS = 2
 SERVER_START_S = 420  # at most, for a server to answer /health (graph capture of every batch size included)
 PORT = 8731
-BF16_MAX_SEQS = 64  # more than vLLM BF16's blocks hold at the trace's contexts (about 13 on an H200)
+BF16_MAX_SEQS = 32  # more than vLLM BF16's blocks hold at the trace's contexts (about 13 on an H200)
 
 
 def log(msg: str) -> None:
@@ -91,13 +91,28 @@ def log(msg: str) -> None:
 
 
 def write_tokenizer(folder: pathlib.Path, vocab: int) -> None:
-    """A word-level tokenizer of ``vocab`` words ``t0 .. t{vocab-1}``, split on whitespace, no special tokens."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
+    """A tokenizer of ``vocab`` words of equal width, written without separators: token ``i`` is ``i`` in base 36,
+    zero-padded to the width of ``vocab - 1`` (4 characters for Ouro's 49,152), and text is split every that many
+    characters. vLLM's server refuses a prompt longer than its token budget times the longest word
+    (vllm/renderers/params.py, ``_text_len_check``): with words of equal width and no spaces every prompt that fits
+    in tokens fits in characters."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    words = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t0"))
-    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    width = len(base36(vocab - 1))
+    words = Tokenizer(models.WordLevel({base36(i).rjust(width, "0"): i for i in range(vocab)}, unk_token="0" * width))
+    words.pre_tokenizer = pre_tokenizers.Split(Regex(f".{{{width}}}"), behavior="isolated")
+    words.decoder = decoders.Fuse()
     PreTrainedTokenizerFast(tokenizer_object=words, model_max_length=1 << 30).save_pretrained(folder)
+
+
+def base36(n: int) -> str:
+    digits = "0123456789abcdefghijklmnopqrstuvwxyz"
+    out = digits[n % 36]
+    while n >= 36:
+        n //= 36
+        out = digits[n % 36] + out
+    return out
 
 
 def write_model_dir(folder: str | os.PathLike) -> pathlib.Path:
