@@ -356,13 +356,10 @@ def run_arm(args, arm: str, model: pathlib.Path, work: pathlib.Path, result: dic
     with Server(cmd, env, work / f"{arm}.serve.log", args.port, SERVER_START_S) as server:
         row["start_s"] = round(server.start_s, 1)
         row["kv_blocks"] = server.kv_blocks()
-        # vLLM logs the plugin's registration of loopkv's class (over its own Ouro's) when the plugin loads
-        row["loopkv_class_logged"] = "LoopKVOuroForCausalLM" in server.log_text()
         if plan_path is not None and row["kv_blocks"] <= result["arms"]["bf16"]["kv_blocks"]:
             raise RuntimeError(f"arm {arm}: {row['kv_blocks']} KV blocks, no more than BF16's: vLLM did not size "
                                f"its pool by the plan (did loopkv's plugin load? see {server.log_path})")
-        log(f"[{arm}] ready in {server.start_s:.0f} s: {row['kv_blocks']} KV blocks, loopkv's class logged: "
-            f"{row['loopkv_class_logged']}")
+        log(f"[{arm}] ready in {server.start_s:.0f} s: {row['kv_blocks']} KV blocks")
         if arm == "bf16":
             row["kv_bytes"] = row["kv_blocks"] * bf16_block_bytes()
             result["tau0"] = tau0(server, model, work / "tau0.json", args.max_len // 4, args.seed)
