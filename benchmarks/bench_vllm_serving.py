@@ -4,7 +4,8 @@ through vllm bench serve").
 
     python benchmarks/bench_vllm_serving.py --arms bf16[,kivi4,loopkv-r,loopkv-m] [--rates 0.2,0.3,...]
         [--start-rate 0.45] [--num-prompts 20] [--seed 0] [--max-len 16384] [--outputs 128,512] [--ttft-s 10]
-        [--tpot-x 3] [--gpu-memory-utilization 0.9] [--time-budget-s 540] [--out benchmarks/results/vllm_serving.json]
+        [--tpot-x 3] [--gpu-memory-utilization 0.9] [--time-budget-s 540] [--continue]
+        [--out benchmarks/results/vllm_serving.json]
     python benchmarks/bench_vllm_serving.py --write-model-dir DIR   # the model folder alone (CPU, no vLLM)
 
 Needs vLLM 0.26 and loopkv's plugin entry point installed (``pip install 'loopkv[vllm]'``; on a machine without a
@@ -45,9 +46,9 @@ and window are model buffers and come out of it), then one ``vllm bench serve`` 
   compilation and vLLM's first steps), and each rate records the server's preemptions (``/metrics``).
 
 ``--time-budget-s`` bounds the call: each arm gets an equal share of what is left when it starts, and a rate that
-would not finish in it is not started. The JSON (``--out``) keeps arms measured by earlier calls with the same
-``--out`` and is rewritten after every rate; a server's log and each rate's ``vllm bench serve`` JSON are written
-beside it (``--keep``). Prints a table last.
+would not finish in it is not started; ``--continue`` lets a later call go on with an arm's search. The JSON
+(``--out``) keeps arms measured by earlier calls with the same ``--out`` and is rewritten after every rate; a
+server's log and each rate's ``vllm bench serve`` JSON are written beside it (``--keep``). Prints a table last.
 """
 
 from __future__ import annotations
@@ -347,7 +348,13 @@ def run_arm(args, arm: str, model: pathlib.Path, work: pathlib.Path, result: dic
     max_seqs = BF16_MAX_SEQS if plan_path is None else max_seqs_for(
         plan_path, kv_bytes=result["arms"]["bf16"]["kv_bytes"], mean_context=mean_context)
     row = {"arm": arm, "plan": None if plan_path is None else json.loads(pathlib.Path(plan_path).read_text()),
-           "max_num_seqs": max_seqs, "rates": []}
+           "max_num_seqs": max_seqs, "rates": [], "calls": 1}
+    earlier = result["arms"].get(arm)
+    if args.continue_search and earlier:  # the same arm, measured by an earlier call: its search goes on
+        if earlier["max_num_seqs"] != max_seqs or earlier["plan"] != row["plan"]:
+            raise RuntimeError(f"--continue: arm {arm} was measured with other settings in {args.out}")
+        row["rates"] = [r for r in earlier["rates"] if r["complete"]]
+        row["calls"] = earlier.get("calls", 1) + 1
     env = arm_env(arm, plan_path)
     cmd = vllm_cli(*serve_args(model, max_len=args.max_len, max_seqs=max_seqs,
                                utilization=args.gpu_memory_utilization, port=args.port))
@@ -406,16 +413,17 @@ def run_arm(args, arm: str, model: pathlib.Path, work: pathlib.Path, result: dic
             return rate_row
 
         result["arms"][arm] = row
-        rows = grid_search(args.rates, args.start_rate, run_rate)
+        rows = grid_search(args.rates, args.start_rate, run_rate, done=list(row["rates"]))
     row["goodput"], row["goodput_status"] = capacity(rows)
     return row
 
 
-def grid_search(grid: list[float], start: float, run) -> list[dict]:
+def grid_search(grid: list[float], start: float, run, done: list[dict] = ()) -> list[dict]:
     """``loopkv.serving.goodput.search`` on the grid: its rates snapped to the nearest grid rate, and it stops
-    once a met grid rate and the grid rate above it, missed, are measured (or the grid ends either way)."""
+    once a met grid rate and the grid rate above it, missed, are measured (or the grid ends either way). ``done``:
+    complete rows measured before, which are not run again."""
     grid = sorted(grid)
-    seen: dict[float, dict] = {}
+    seen: dict[float, dict] = {r["rate"]: r for r in done if r["complete"]}
 
     def snap(rate: float) -> float:
         return min(grid, key=lambda g: abs(math.log(g / rate)))
@@ -463,6 +471,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=PORT)
     p.add_argument("--time-budget-s", type=float, default=540.0)
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "vllm_serving.json"))
+    p.add_argument("--continue", dest="continue_search", action="store_true",
+                   help="an arm already in --out keeps its complete rates and its search goes on from them "
+                   "(a later call of the same session; else the arm is measured anew)")
     p.add_argument("--keep", default=None, help="folder for the servers' logs and vllm bench serve's JSON "
                    "(default: beside --out, in <out stem>_runs/)")
     p.add_argument("--write-model-dir", metavar="DIR", help="write the model folder to DIR and exit")
