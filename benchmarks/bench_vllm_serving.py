@@ -62,19 +62,26 @@ import pathlib
 import re
 import shlex
 import signal
+import statistics
 import subprocess
 import sys
 import time
 import urllib.request
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from bench_vllm import ouro_config_dict, write_paper_plans  # noqa: E402
+from bench_vllm import PLAN_BLOCK_SIZE, bf16_bytes_per_token, ouro_config_dict, write_paper_plans  # noqa: E402
 from run_info import ROOT, run_info, write_json  # noqa: E402
 
-from loopkv.serving.goodput import ATTAINMENT, capacity, search, vllm_bench_attainment  # noqa: E402
+from loopkv.serving.goodput import (  # noqa: E402
+    ATTAINMENT,
+    capacity,
+    search,
+    vllm_bench_attainment,
+    vllm_bench_requests,
+)
 
 ARMS = ("bf16", "kivi4", "loopkv-r", "loopkv-m")
-BLOCK = 32  # vLLM's block size in every arm: one loopkv page per block
+BLOCK = PLAN_BLOCK_SIZE  # vLLM's block size in every arm: one loopkv page per block
 RATES = (0.1, 0.15, 0.2, 0.3, 0.45, 0.675, 1.0, 1.5, 2.25, 3.375)  # requests/s, a 1.5x grid
 TAU0_REQUESTS = 3  # requests alone (one at a time) for each tau0; the median of their times per output token
 TAU0_TOKENS = 65  # each generates this many, so 64 decode steps
@@ -267,23 +274,16 @@ def bench(model: pathlib.Path, port: int, out: pathlib.Path, *, input_len: int, 
     return json.loads(out.read_text())
 
 
-def median(values: list[float]) -> float:
-    values = sorted(values)
-    mid = len(values) // 2
-    return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
-
-
 def tau0(server: Server, model: pathlib.Path, out: pathlib.Path, context: int, seed: int) -> dict:
     """Time per output token of one request alone at ``context`` tokens of prompt: the median over
     ``TAU0_REQUESTS`` requests sent one at a time, each ``TAU0_TOKENS`` tokens."""
     result = bench(model, server.port, out, input_len=context, output_len=TAU0_TOKENS, range_ratio=0.0,
                    num_prompts=TAU0_REQUESTS, rate=math.inf, seed=seed, max_concurrency=1, timeout_s=300)
-    tpots = [sum(i) / (n - 1) for i, n, e in zip(result["itls"], result["output_lens"], result["errors"], strict=True)
-             if not e and n > 1]
+    tpots = [tpot for ok, _, tpot in vllm_bench_requests(result) if ok]
     if len(tpots) != TAU0_REQUESTS:
         raise RuntimeError(f"tau0 at {context}: {len(tpots)} of {TAU0_REQUESTS} requests succeeded: "
                            f"{result['errors']}")
-    return {"context": context, "tpot_s": median(tpots), "tpots_s": tpots}
+    return {"context": context, "tpot_s": statistics.median(tpots), "tpots_s": tpots}
 
 
 # ----------------------------------------------------------------------------- arms
@@ -310,12 +310,6 @@ def max_seqs_for(plan_path: str, *, kv_bytes: int, mean_context: int) -> int:
     blocks = -(-mean_context // BLOCK) + 1  # a plan's requests also hold block 0, the sink's (docs/vllm.md)
     per_request = block_bytes(kv_layout(plan, config)) * blocks + exact_bytes_per_request(plan, config)
     return max(1, kv_bytes // per_request)
-
-
-def bf16_block_bytes() -> int:
-    """Bytes of one 32-token block of vLLM's BF16 cache over every cell (K and V)."""
-    c = ouro_config_dict()
-    return BLOCK * 2 * 2 * c["num_key_value_heads"] * c["head_dim"] * c["num_hidden_layers"] * c["total_ut_steps"]
 
 
 def gpu_name() -> str:
@@ -368,7 +362,7 @@ def run_arm(args, arm: str, model: pathlib.Path, work: pathlib.Path, result: dic
                                f"its pool by the plan (did loopkv's plugin load? see {server.log_path})")
         log(f"[{arm}] ready in {server.start_s:.0f} s: {row['kv_blocks']} KV blocks")
         if arm == "bf16":
-            row["kv_bytes"] = row["kv_blocks"] * bf16_block_bytes()
+            row["kv_bytes"] = row["kv_blocks"] * BLOCK * bf16_bytes_per_token()
             result["tau0"] = tau0(server, model, work / "tau0.json", args.max_len // 4, args.seed)
             result["tau0_mean_context"] = tau0(server, model, work / "tau0_mean.json", mean_context, args.seed)
             result["slo"] = {"ttft_s": args.ttft_s, "tpot_s": args.tpot_x * result["tau0"]["tpot_s"],

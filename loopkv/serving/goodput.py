@@ -23,24 +23,30 @@ def meets_slo(ttft_s: float, tpot_s: float, *, ttft_slo_s: float, tpot_slo_s: fl
     return ttft_s <= ttft_slo_s and tpot_s <= tpot_slo_s
 
 
-def vllm_bench_attainment(result: dict, *, ttft_slo_s: float, tpot_slo_s: float) -> dict:
-    """The SLO attainment of one run of vLLM's ``vllm bench serve --save-detailed`` (its result JSON as a dict, whose
-    per-request lists ``ttfts``, ``itls``, ``output_lens`` and ``errors`` are read): a request meets the SLO when it
-    succeeded (no error, at least one token) and :func:`meets_slo` holds for its time to first token and its mean
-    time per output token, the sum of its inter-token latencies over its tokens after the first (vLLM's TPOT; 0 for
-    a request of one token). Returns ``{"requests", "met", "attainment"}``."""
+def vllm_bench_requests(result: dict) -> list[tuple[bool, float, float]]:
+    """Per request of one run of vLLM's ``vllm bench serve --save-detailed`` (its result JSON as a dict, whose lists
+    ``ttfts``, ``itls``, ``output_lens`` and ``errors`` are read): whether it succeeded (no error, at least one
+    token), its time to first token and its mean time per output token, the sum of its inter-token latencies over
+    its tokens after the first (vLLM's TPOT; 0 for a request of one token, ``inf`` for one that failed)."""
     fields = ("ttfts", "itls", "output_lens", "errors")
     missing = [f for f in fields if f not in result]
     if missing:
         raise ValueError(f"the vllm bench serve result lacks {missing}: run it with --save-detailed")
-    met = 0
+    out = []
     for ttft, itls, tokens, error in zip(*(result[f] for f in fields), strict=True):
-        if error or tokens < 1:
-            continue
-        tpot = sum(itls) / (tokens - 1) if tokens > 1 else 0.0
-        met += meets_slo(ttft, tpot, ttft_slo_s=ttft_slo_s, tpot_slo_s=tpot_slo_s)
-    requests = len(result["ttfts"])
-    return {"requests": requests, "met": met, "attainment": met / requests if requests else 0.0}
+        ok = not error and tokens >= 1
+        tpot = (sum(itls) / (tokens - 1) if tokens > 1 else 0.0) if ok else math.inf
+        out.append((ok, ttft if ok else math.inf, tpot))
+    return out
+
+
+def vllm_bench_attainment(result: dict, *, ttft_slo_s: float, tpot_slo_s: float) -> dict:
+    """The SLO attainment of one run of ``vllm bench serve --save-detailed``: the share of its requests
+    (:func:`vllm_bench_requests`) that succeeded and meet the SLO (:func:`meets_slo`). Returns ``{"requests",
+    "met", "attainment"}``."""
+    rows = vllm_bench_requests(result)
+    met = sum(ok and meets_slo(ttft, tpot, ttft_slo_s=ttft_slo_s, tpot_slo_s=tpot_slo_s) for ok, ttft, tpot in rows)
+    return {"requests": len(rows), "met": met, "attainment": met / len(rows) if rows else 0.0}
 
 
 def trace(n: int, max_len: int, seed: int, outputs: tuple[int, int],
